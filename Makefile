@@ -1,0 +1,29 @@
+PYTHON ?= python3
+PYTEST = $(PYTHON) -m pytest
+
+.PHONY: install test test-slow test-all lint bench
+
+# torch is pinned to the local CPU build: an unpinned torch pulls several GB of CUDA packages.
+install:
+	$(PYTHON) -m pip install torch==2.13.0
+	$(PYTHON) -m pip install -e '.[dev]'
+
+# The fast suite: what CI runs. Slow tests (AOTInductor, big checkpoints) are in test-slow.
+test:
+	$(PYTEST) -m "not slow and not neuron and not hub" -n 2 --dist loadfile
+
+test-slow:
+	$(PYTEST) -m "slow and not neuron and not hub"
+
+test-all:
+	$(PYTEST) -m "not neuron and not hub"
+
+lint:
+	$(PYTHON) -m ruff check neuronctl tests bench
+	$(PYTHON) -m mypy neuronctl
+
+bench:
+	$(PYTHON) bench/shard.py
+	$(PYTHON) bench/decode.py
+	$(PYTHON) bench/validate.py
+	$(PYTHON) bench/serve.py

@@ -1,0 +1,1 @@
+"""The command line: parse, call the core, render. No logic lives here."""

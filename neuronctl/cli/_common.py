@@ -1,0 +1,151 @@
+"""What every command shares: option types declared once, output for people and for machines.
+
+Commands are thin: parse, call the core, render. A command module exposes `register(app)`;
+`neuronctl.cli.main` discovers the modules of this package and calls it.
+"""
+
+from __future__ import annotations
+
+import functools
+import inspect
+import json
+import sys
+from collections.abc import Callable
+from pathlib import Path
+from typing import Annotated, Any
+
+import typer
+from rich.console import Console
+from rich.table import Table
+
+console = Console(highlight=False)
+err_console = Console(stderr=True, highlight=False)
+
+JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document for machines.")]
+StoreOpt = Annotated[
+    Path | None,
+    typer.Option(
+        "--store",
+        help="Artifact store root (default: $NEURONCTL_STORE, else the model directory for a "
+        "local model, else ~/.cache/neuronctl).",
+        show_default=False,
+    ),
+]
+ConfigOpt = Annotated[
+    Path | None,
+    typer.Option("--config", "-c", help="A neuronctl.toml with spec fields.", show_default=False),
+]
+ArtifactsOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--artifacts",
+        envvar="NEURON_COMPILED_ARTIFACTS",
+        help="Artifact directory (default: $NEURON_COMPILED_ARTIFACTS).",
+        show_default=False,
+    ),
+]
+ModelArg = Annotated[str, typer.Argument(help="Hugging Face Hub id or local checkpoint directory.")]
+RevisionOpt = Annotated[
+    str | None,
+    typer.Option("--revision", help="Hub branch, tag or commit sha.", show_default=False),
+]
+
+_SPEC = "Build spec"
+
+
+def _opt(flag: str, help: str, **kw: Any) -> Any:
+    return typer.Option(flag, help=help, rich_help_panel=_SPEC, show_default=False, **kw)
+
+
+# The spec flags, declared once. Each maps to the BuildSpec field of the same name; a flag
+# left unset (None) lets the file, the environment or the default decide.
+SPEC_OPTIONS: dict[str, tuple[Any, Any]] = {
+    "backend": (str | None, _opt("--backend", "torch | nxdi | tnx (default torch).")),
+    "tp_degree": (int | None, _opt("--tp-degree", "Tensor-parallel degree (default 1).")),
+    "batch_size": (int | None, _opt("--batch-size", "Max concurrent sequences (default 1).")),
+    "seq_len": (int | None, _opt("--seq-len", "Max model length, prompt + output (default 128).")),
+    "max_context_length": (
+        int | None,
+        _opt("--max-context-length", "Longest prompt (default: seq len)."),
+    ),
+    "dtype": (str | None, _opt("--dtype", "bfloat16 | float16 | float32 | auto (default auto).")),
+    "context_buckets": (
+        str | None,
+        _opt("--context-buckets", "Context-encoding buckets, e.g. 64,128, or auto."),
+    ),
+    "token_gen_buckets": (
+        str | None,
+        _opt("--token-gen-buckets", "Token-generation buckets, e.g. 128,256, or auto."),
+    ),
+    "compiler": (str | None, _opt("--compiler", "torch backend: inductor | export.")),
+    "override_neuron_config": (
+        str | None,
+        _opt("--override-neuron-config", "JSON object merged into the Neuron config."),
+    ),
+    "on_device_sampling": (
+        str | None,
+        _opt("--on-device-sampling", 'JSON, e.g. {"do_sample": true, "top_k": 50}.'),
+    ),
+    "quantized": (bool | None, _opt("--quantized/--no-quantized", "Quantize weights.")),
+    "quantization_dtype": (str | None, _opt("--quantization-dtype", "int8 | f8e4m3fn.")),
+    "draft_model": (str | None, _opt("--draft-model", "Draft model for speculation.")),
+    "num_speculative_tokens": (
+        int | None,
+        _opt("--num-speculative-tokens", "Tokens proposed per speculation step."),
+    ),
+}
+
+
+def with_spec_options(func: Callable[..., Any]) -> Callable[..., Any]:
+    """Add every spec flag to a command; it receives them as one dict `spec_flags`."""
+    sig = inspect.signature(func)
+    params = [p for name, p in sig.parameters.items() if name != "spec_flags"]
+    for name, (annotation, option) in SPEC_OPTIONS.items():
+        params.append(
+            inspect.Parameter(
+                name,
+                inspect.Parameter.KEYWORD_ONLY,
+                annotation=Annotated[annotation, option],
+                default=None,
+            )
+        )
+
+    @functools.wraps(func)
+    def wrapper(**kwargs: Any) -> Any:
+        flags = {name: kwargs.pop(name) for name in SPEC_OPTIONS}
+        if isinstance(flags.get("on_device_sampling"), str):
+            flags["on_device_sampling"] = _json_flag(
+                "--on-device-sampling", flags["on_device_sampling"]
+            )
+        return func(spec_flags=flags, **kwargs)
+
+    wrapper.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
+    return wrapper
+
+
+def _json_flag(flag: str, text: str) -> Any:
+    from neuronctl.spec import parse_json_object
+
+    return parse_json_object(text, flag)
+
+
+def print_json(data: Any) -> None:
+    sys.stdout.write(json.dumps(data, indent=2, sort_keys=True, default=str) + "\n")
+    sys.stdout.flush()
+
+
+def table(title: str | None, columns: list[str], rows: list[list[Any]]) -> Table:
+    t = Table(title=title, show_lines=False)
+    for col in columns:
+        t.add_column(col)
+    for row in rows:
+        t.add_row(*[str(v) for v in row])
+    return t
+
+
+def human_size(n: float) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n:.1f} TiB"

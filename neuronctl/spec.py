@@ -1,0 +1,347 @@
+"""The build spec: every knob a compile takes, where each value came from, and its validation.
+
+Precedence: flag > config file (`-c neuronctl.toml`) > environment > default. A spec is
+resolved twice: `resolve_spec` merges the sources and checks what can be checked without the
+model; `finalize` fills the "auto" values (dtype, buckets) from the model's config and checks
+what needs it (tp degree vs heads, seq len vs max positions).
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import tomllib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any, Literal
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from neuronctl.errors import SpecError
+
+Backend = Literal["torch", "nxdi", "tnx"]
+Dtype = Literal["auto", "bfloat16", "float16", "float32"]
+Buckets = list[int] | Literal["auto"]
+
+DTYPES = ("bfloat16", "float16", "float32")
+DEFAULT_GLOBAL_TOPK = 256
+
+
+class OnDeviceSampling(BaseModel):
+    """NxD Inference's OnDeviceSamplingConfig, with its defaults."""
+
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    do_sample: bool = False
+    top_k: int = 1
+    top_p: float = 1.0
+    temperature: float = 1.0
+    dynamic: bool = False
+    deterministic: bool = False
+    global_topk: int = DEFAULT_GLOBAL_TOPK
+
+
+class BuildSpec(BaseModel):
+    model_config = ConfigDict(extra="forbid", frozen=True)
+
+    model: str | None = None
+    revision: str | None = None
+    backend: Backend = "torch"
+    tp_degree: int = Field(1, ge=1)
+    batch_size: int = Field(1, ge=1)
+    seq_len: int = Field(128, ge=1)
+    max_context_length: int | None = Field(None, ge=1)
+    dtype: Dtype = "auto"
+    context_buckets: Buckets = "auto"
+    token_gen_buckets: Buckets = "auto"
+    on_device_sampling: OnDeviceSampling | None = None
+    quantized: bool = False
+    quantization_dtype: Literal["int8", "f8e4m3fn"] = "int8"
+    quantization_type: Literal["per_tensor_symmetric", "per_channel_symmetric"] = (
+        "per_tensor_symmetric"
+    )
+    draft_model: str | None = None
+    num_speculative_tokens: int = Field(0, ge=0)
+    compiler: Literal["inductor", "export"] | None = "inductor"
+    override_neuron_config: dict[str, Any] = Field(default_factory=dict)
+    cc_flags: str = ""
+
+    @field_validator("context_buckets", "token_gen_buckets", mode="before")
+    @classmethod
+    def _parse_buckets(cls, value: Any) -> Any:
+        if isinstance(value, str) and value != "auto":
+            return parse_int_list(value, "buckets")
+        return value
+
+    @field_validator("override_neuron_config", mode="before")
+    @classmethod
+    def _parse_override(cls, value: Any) -> Any:
+        if isinstance(value, str):
+            return parse_json_object(value, "override_neuron_config")
+        return value
+
+    def effective_max_context_length(self) -> int:
+        return self.max_context_length or self.seq_len
+
+
+# Which fields change what. The graph key covers GRAPH_FIELDS, the weights key WEIGHTS_FIELDS;
+# RUNTIME_FIELDS never change a compiled result (they name where the weights came from, and
+# the weights key covers the weights' content).
+GRAPH_FIELDS = (
+    "backend",
+    "tp_degree",
+    "batch_size",
+    "seq_len",
+    "max_context_length",
+    "dtype",
+    "context_buckets",
+    "token_gen_buckets",
+    "on_device_sampling",
+    "quantized",
+    "quantization_dtype",
+    "quantization_type",
+    "draft_model",
+    "num_speculative_tokens",
+    "compiler",
+    "override_neuron_config",
+    "cc_flags",
+)
+WEIGHTS_FIELDS = ("tp_degree", "dtype", "quantized", "quantization_dtype", "quantization_type")
+RUNTIME_FIELDS = ("model", "revision")
+FIELDS = tuple(BuildSpec.model_fields)
+
+ENV_VARS = {
+    "NEURON_CONTEXT_LENGTH_BUCKETS": "context_buckets",
+    "NEURON_TOKEN_GEN_BUCKETS": "token_gen_buckets",
+    "NEURON_QUANT_DTYPE": "quantization_dtype",
+    "VLLM_NEURON_FRAMEWORK": "backend",
+    "NEURON_CC_FLAGS": "cc_flags",
+}
+FRAMEWORKS = {"neuronx-distributed-inference": "nxdi", "transformers-neuronx": "tnx"}
+QUANT_DTYPES = {"s8": "int8", "int8": "int8", "f8e4m3fn": "f8e4m3fn"}
+
+
+def parse_int_list(text: str, where: str) -> list[int]:
+    parts = [p.strip() for p in text.split(",") if p.strip()]
+    try:
+        return [int(p) for p in parts]
+    except ValueError:
+        raise SpecError(
+            where, f"{text!r} is not a comma-separated list of integers", "e.g. 128,256,512"
+        ) from None
+
+
+def parse_json_object(text: str, where: str) -> dict[str, Any]:
+    try:
+        value = json.loads(text)
+    except json.JSONDecodeError as exc:
+        raise SpecError(where, f"malformed JSON: {exc.msg} at position {exc.pos}") from None
+    if not isinstance(value, dict):
+        raise SpecError(where, "must be a JSON object", 'e.g. {"fused_qkv": true}')
+    return value
+
+
+def values_from_env(env: Mapping[str, str]) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for var, field in ENV_VARS.items():
+        raw = env.get(var)
+        if raw is None or raw == "":
+            continue
+        if field.endswith("buckets"):
+            values[field] = parse_int_list(raw, var)
+        elif var == "NEURON_QUANT_DTYPE":
+            if raw not in QUANT_DTYPES:
+                raise SpecError(var, f"{raw!r} is not a quantization dtype", "use s8 or f8e4m3fn")
+            values[field] = QUANT_DTYPES[raw]
+        elif var == "VLLM_NEURON_FRAMEWORK":
+            if raw not in FRAMEWORKS:
+                known = " or ".join(FRAMEWORKS)
+                raise SpecError(var, f"{raw!r} is not a Neuron framework", f"use {known}")
+            values[field] = FRAMEWORKS[raw]
+        else:
+            values[field] = raw
+    return values
+
+
+def values_from_file(path: Path) -> dict[str, Any]:
+    try:
+        data = tomllib.loads(path.read_text())
+    except FileNotFoundError:
+        raise SpecError(str(path), "config file not found") from None
+    except tomllib.TOMLDecodeError as exc:
+        raise SpecError(str(path), f"not valid TOML: {exc}") from None
+    data = {k.replace("-", "_"): v for k, v in data.items()}
+    unknown = sorted(set(data) - set(FIELDS))
+    if unknown:
+        raise SpecError(
+            str(path), f"unknown key {unknown[0]!r}", "known keys: " + ", ".join(FIELDS)
+        )
+    return data
+
+
+def resolve_spec(
+    flags: Mapping[str, Any] | None = None,
+    config_file: Path | None = None,
+    env: Mapping[str, str] | None = None,
+) -> tuple[BuildSpec, dict[str, str]]:
+    """Merge the sources; return the spec and, per field, where its value came from."""
+    layers: list[tuple[str, dict[str, Any]]] = [
+        ("env", values_from_env(os.environ if env is None else env)),
+    ]
+    if config_file is not None:
+        layers.append((f"file:{config_file}", values_from_file(config_file)))
+    layers.append(("flag", {k: v for k, v in (flags or {}).items() if v is not None}))
+    merged: dict[str, Any] = {}
+    sources = {name: "default" for name in FIELDS}
+    for source, values in layers:
+        for name, value in values.items():
+            merged[name] = value
+            sources[name] = source
+    return build_spec(merged), sources
+
+
+def build_spec(values: Mapping[str, Any]) -> BuildSpec:
+    try:
+        spec = BuildSpec(**values)
+    except ValidationError as exc:
+        err = exc.errors()[0]
+        field = ".".join(str(p) for p in err["loc"]) or "spec"
+        raise SpecError(field, err["msg"]) from None
+    spec = normalize(spec)
+    check_spec(spec)
+    return spec
+
+
+def normalize(spec: BuildSpec) -> BuildSpec:
+    """Give fields that cannot matter one canonical value, so they never split a key."""
+    updates: dict[str, Any] = {}
+    if spec.backend != "torch":
+        updates["compiler"] = None
+    elif spec.compiler is None:
+        updates["compiler"] = "inductor"
+    if not spec.quantized:
+        updates["quantization_dtype"] = "int8"
+        updates["quantization_type"] = "per_tensor_symmetric"
+    if spec.max_context_length is None:
+        updates["max_context_length"] = spec.seq_len
+    for name in ("context_buckets", "token_gen_buckets"):
+        value = getattr(spec, name)
+        if isinstance(value, list):
+            updates[name] = list(value)
+    return spec.model_copy(update=updates) if updates else spec
+
+
+def check_spec(spec: BuildSpec) -> None:
+    """Checks that need no model config."""
+    max_ctx = spec.effective_max_context_length()
+    if spec.seq_len < max_ctx:
+        raise SpecError(
+            "seq_len",
+            f"seq_len {spec.seq_len} is smaller than max_context_length {max_ctx}",
+            f"raise --seq-len to at least {max_ctx} or lower --max-context-length",
+        )
+    _check_buckets("context_buckets", spec.context_buckets, max_ctx, "max_context_length")
+    _check_buckets("token_gen_buckets", spec.token_gen_buckets, spec.seq_len, "seq_len")
+    if spec.num_speculative_tokens and not spec.draft_model:
+        raise SpecError(
+            "num_speculative_tokens",
+            "speculation needs a draft model",
+            "pass --draft-model or set --num-speculative-tokens 0",
+        )
+    if spec.draft_model and not spec.num_speculative_tokens:
+        raise SpecError(
+            "draft_model", "a draft model needs --num-speculative-tokens > 0"
+        )
+    if spec.backend == "torch" and (spec.quantized or spec.draft_model):
+        raise SpecError(
+            "backend",
+            "the torch backend does not implement quantization or speculation",
+            "use --backend nxdi or tnx on a Neuron host",
+        )
+    if spec.on_device_sampling and spec.on_device_sampling.top_k > spec.on_device_sampling.global_topk:
+        raise SpecError("on_device_sampling.top_k", "top_k is larger than global_topk")
+
+
+def _check_buckets(field: str, buckets: Buckets, limit: int, limit_name: str) -> None:
+    if buckets == "auto":
+        return
+    if not buckets:
+        raise SpecError(field, "is empty", "give at least one bucket or 'auto'")
+    if any(b <= 0 for b in buckets):
+        raise SpecError(field, f"{buckets} has a bucket <= 0")
+    if list(buckets) != sorted(set(buckets)):
+        raise SpecError(
+            field, f"{buckets} is not sorted ascending without repeats", f"use {sorted(set(buckets))}"
+        )
+    if buckets[-1] > limit:
+        raise SpecError(
+            field,
+            f"bucket {buckets[-1]} is larger than {limit_name} {limit}",
+            f"drop it or raise --{limit_name.replace('_', '-')}",
+        )
+
+
+def auto_buckets(limit: int) -> list[int]:
+    """NxD Inference's rule: powers of two from 128 below the limit, then the limit."""
+    buckets = []
+    size = 128
+    while size < limit:
+        buckets.append(size)
+        size *= 2
+    return [*buckets, limit]
+
+
+class ModelShape(BaseModel):
+    """The few facts about a model's architecture the spec is checked against."""
+
+    num_attention_heads: int
+    num_key_value_heads: int
+    max_position_embeddings: int | None = None
+    dtype: str | None = None
+
+
+def finalize(spec: BuildSpec, shape: ModelShape) -> BuildSpec:
+    """Fill "auto" values from the model and check the spec against it."""
+    updates: dict[str, Any] = {}
+    if spec.dtype == "auto":
+        updates["dtype"] = shape.dtype if shape.dtype in DTYPES else "bfloat16"
+    if spec.context_buckets == "auto":
+        updates["context_buckets"] = auto_buckets(spec.effective_max_context_length())
+    if spec.token_gen_buckets == "auto":
+        updates["token_gen_buckets"] = auto_buckets(spec.seq_len)
+    spec = spec.model_copy(update=updates)
+    check_against_model(spec, shape)
+    return spec
+
+
+def check_against_model(spec: BuildSpec, shape: ModelShape) -> None:
+    heads, kv_heads, tp = shape.num_attention_heads, shape.num_key_value_heads, spec.tp_degree
+    if heads % tp:
+        divisors = [d for d in range(1, heads + 1) if heads % d == 0 and _kv_ok(kv_heads, d)]
+        raise SpecError(
+            "tp_degree",
+            f"tp degree {tp} does not divide the model's {heads} attention heads",
+            f"use one of {divisors}",
+        )
+    if not _kv_ok(kv_heads, tp):
+        raise SpecError(
+            "tp_degree",
+            f"tp degree {tp} neither divides the {kv_heads} KV heads nor is a multiple of them",
+        )
+    limit = shape.max_position_embeddings
+    if limit and spec.seq_len > limit:
+        raise SpecError(
+            "seq_len",
+            f"seq_len {spec.seq_len} is over the model's max_position_embeddings {limit}",
+            f"use --seq-len {limit} or less",
+        )
+
+
+def _kv_ok(kv_heads: int, tp: int) -> bool:
+    # KV heads are split when tp divides them and replicated when tp is a multiple of them.
+    return kv_heads % tp == 0 or tp % kv_heads == 0
+
+
+def spec_to_dict(spec: BuildSpec, fields: tuple[str, ...] = FIELDS) -> dict[str, Any]:
+    data = spec.model_dump(mode="json")
+    return {name: data[name] for name in fields}

@@ -1,0 +1,189 @@
+"""A local artifact store: `<root>/neuron-compiled-artifacts/<key>/`, published atomically.
+
+Layout under `<root>/neuron-compiled-artifacts/`:
+  <key>/                 complete artifacts only (they appear by rename)
+  .staging/<key>.<id>/   work in progress; never looks like an artifact
+  .locks/<key>.lock      one lock per key: one process builds, the others wait and reuse
+  .trash/                replaced artifacts on their way out
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import uuid
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+
+from filelock import FileLock, Timeout
+
+from neuronctl.errors import NotFoundError, UsageError
+from neuronctl.store.manifest import MANIFEST, Manifest, read_manifest, record_files, write_manifest
+
+ARTIFACTS_DIR = "neuron-compiled-artifacts"
+STORE_ENV = "NEURONCTL_STORE"
+
+StepHook = Callable[[str], None]
+
+
+def user_cache_store() -> Path:
+    base = os.environ.get("XDG_CACHE_HOME") or os.path.expanduser("~/.cache")
+    return Path(base) / "neuronctl"
+
+
+def default_store_root(model_dir: Path | None = None) -> Path:
+    """NEURONCTL_STORE, else the model directory (as vLLM does), else the user cache."""
+    if env := os.environ.get(STORE_ENV):
+        return Path(env)
+    if model_dir is not None and os.access(model_dir, os.W_OK):
+        return model_dir
+    return user_cache_store()
+
+
+def fsync_dir(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.fsync(fd)
+    finally:
+        os.close(fd)
+
+
+def fsync_tree(root: Path) -> None:
+    for dirpath, _dirs, names in os.walk(root):
+        for name in names:
+            with open(os.path.join(dirpath, name), "rb") as f:
+                os.fsync(f.fileno())
+        fsync_dir(Path(dirpath))
+
+
+def is_artifact(path: Path) -> bool:
+    return (path / MANIFEST).is_file()
+
+
+@dataclass(frozen=True)
+class Published:
+    path: Path
+    cache_hit: bool  # True when another build (maybe a concurrent one) had made it
+
+
+class Store:
+    def __init__(self, root: Path) -> None:
+        self.root = Path(root).expanduser().absolute()
+        self.artifacts = self.root / ARTIFACTS_DIR
+
+    def path(self, dirname: str) -> Path:
+        return self.artifacts / dirname
+
+    def _private(self, name: str) -> Path:
+        path = self.artifacts / name
+        path.mkdir(parents=True, exist_ok=True)
+        return path
+
+    def lock(self, dirname: str) -> FileLock:
+        return FileLock(str(self._private(".locks") / f"{dirname}.lock"))
+
+    def new_staging(self, dirname: str) -> Path:
+        path = self._private(".staging") / f"{dirname}.{os.getpid()}.{uuid.uuid4().hex[:8]}"
+        path.mkdir()
+        return path
+
+    def publish(
+        self,
+        dirname: str,
+        build: Callable[[Path], Manifest],
+        reuse: Callable[[Path], bool] = is_artifact,
+        on_step: StepHook | None = None,
+    ) -> Published:
+        """Build into staging and rename into place, once per key across processes.
+
+        `build` fills the staging directory and returns the manifest (without `files`);
+        `reuse` decides whether an existing directory is good enough to skip the build.
+        """
+        step = on_step or (lambda _name: None)
+        final = self.path(dirname)
+        if reuse(final):
+            return Published(final, cache_hit=True)
+        with self.lock(dirname):
+            if reuse(final):  # a concurrent process built it while we waited
+                return Published(final, cache_hit=True)
+            staging = self.new_staging(dirname)
+            try:
+                step("building")
+                manifest = build(staging)
+                step("built")
+                manifest = record_files(staging, manifest)
+                fsync_tree(staging)
+                step("files-synced")
+                write_manifest(staging, manifest)
+                step("manifest-written")
+                self._move_into_place(staging, final)
+                step("published")
+            except BaseException:
+                shutil.rmtree(staging, ignore_errors=True)
+                raise
+        return Published(final, cache_hit=False)
+
+    def _move_into_place(self, staging: Path, final: Path) -> None:
+        if final.exists():  # a broken or partial directory: set it aside, never merge
+            final.rename(self._private(".trash") / f"{final.name}.{uuid.uuid4().hex[:8]}")
+        staging.rename(final)
+        fsync_dir(self.artifacts)
+        shutil.rmtree(self.artifacts / ".trash", ignore_errors=True)
+
+    def iter_artifacts(self) -> Iterator[tuple[Path, Manifest | None]]:
+        """Every visible entry; the manifest is None for a directory that is not an artifact."""
+        if not self.artifacts.is_dir():
+            return
+        for path in sorted(self.artifacts.iterdir()):
+            if path.name.startswith(".") or not path.is_dir():
+                continue
+            try:
+                yield path, read_manifest(path)
+            except NotFoundError:
+                yield path, None
+
+    def find(self, key_or_prefix: str) -> Path:
+        """An artifact by full key, directory name or unique prefix of either."""
+        if not key_or_prefix or "/" in key_or_prefix:
+            raise UsageError(f"{key_or_prefix!r} is not an artifact key")
+        matches = [
+            path
+            for path, manifest in self.iter_artifacts()
+            if manifest is not None
+            and (
+                path.name.startswith(key_or_prefix)
+                or manifest.artifact_key.startswith(key_or_prefix)
+            )
+        ]
+        if not matches:
+            raise NotFoundError(
+                f"no artifact {key_or_prefix!r} in {self.artifacts}",
+                "see `neuronctl artifacts list`",
+            )
+        if len(matches) > 1:
+            names = ", ".join(p.name for p in matches)
+            raise UsageError(f"{key_or_prefix!r} matches several artifacts: {names}")
+        return matches[0]
+
+    def remove(self, path: Path) -> None:
+        """Remove an artifact so that no reader ever sees it half-deleted."""
+        with self.lock(path.name):
+            doomed = self._private(".trash") / f"{path.name}.{uuid.uuid4().hex[:8]}"
+            path.rename(doomed)
+            shutil.rmtree(doomed, ignore_errors=True)
+
+    def stale_staging(self) -> list[Path]:
+        """Staging dirs whose key is not locked: left by a killed or failed process."""
+        staging_root = self.artifacts / ".staging"
+        if not staging_root.is_dir():
+            return []
+        stale = []
+        for path in sorted(staging_root.iterdir()):
+            dirname = path.name.split(".", 1)[0]
+            try:
+                with self.lock(dirname).acquire(timeout=0):
+                    stale.append(path)
+            except Timeout:
+                continue  # someone is building it now
+        return stale

@@ -1,0 +1,109 @@
+"""Tiny random checkpoints and tokenizers, made locally: nothing is downloaded in tests.
+
+`make_checkpoint` writes a real Hugging Face checkpoint directory (config.json,
+generation_config.json, safetensors — single file or index-sharded — and a tokenizer) using
+transformers itself, so the files are exactly what a user's download looks like.
+"""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+VOCAB_SIZE = 320  # 256 byte tokens + 3 specials + padding tokens; divisible by 8 for tp tests
+BOS, EOS, PAD = "<s>", "</s>", "<pad>"
+CHAT_TEMPLATE = (
+    "{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}\n{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+
+ARCHS = {
+    "llama": "LlamaConfig",
+    "mistral": "MistralConfig",
+    "qwen2": "Qwen2Config",
+}
+
+
+def make_tokenizer(out: Path, vocab_size: int = VOCAB_SIZE) -> None:
+    """A byte-level BPE tokenizer with no merges: every text round-trips, ids < vocab_size."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    byte_tokens = list(pre_tokenizers.ByteLevel.alphabet())
+    vocab = {tok: i for i, tok in enumerate(sorted(byte_tokens))}
+    tok = Tokenizer(models.BPE(vocab=vocab, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = [BOS, EOS, PAD]
+    specials += [f"<extra_{i}>" for i in range(vocab_size - len(vocab) - len(specials))]
+    tok.add_special_tokens(specials)
+    fast = PreTrainedTokenizerFast(
+        tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD
+    )
+    fast.chat_template = CHAT_TEMPLATE
+    fast.save_pretrained(out)
+
+
+def make_checkpoint(
+    out: Path,
+    arch: str = "llama",
+    *,
+    hidden_size: int = 64,
+    num_layers: int = 2,
+    num_heads: int = 4,
+    num_kv_heads: int = 2,
+    intermediate_size: int = 128,
+    vocab_size: int = VOCAB_SIZE,
+    max_position_embeddings: int = 512,
+    tie_word_embeddings: bool = False,
+    dtype: str = "float32",
+    sharded: bool = False,
+    seed: int = 0,
+    tokenizer: bool = True,
+    **config_overrides: Any,
+) -> Path:
+    """Write a tiny random checkpoint of `arch` into `out` and return `out`."""
+    import torch
+    import transformers
+
+    config_cls = getattr(transformers, ARCHS[arch])
+    config = config_cls(
+        hidden_size=hidden_size,
+        num_hidden_layers=num_layers,
+        num_attention_heads=num_heads,
+        num_key_value_heads=num_kv_heads,
+        intermediate_size=intermediate_size,
+        vocab_size=vocab_size,
+        max_position_embeddings=max_position_embeddings,
+        tie_word_embeddings=tie_word_embeddings,
+        bos_token_id=256,  # the ids make_tokenizer gives <s>, </s>, <pad>
+        eos_token_id=257,
+        pad_token_id=258,
+        **config_overrides,
+    )
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.to(getattr(torch, dtype))
+    _perturb_norms(model, seed)
+    out.mkdir(parents=True, exist_ok=True)
+    # Small shards force model.safetensors.index.json, the layout of every large model.
+    model.save_pretrained(out, max_shard_size="20KB" if sharded else "10GB")
+    if tokenizer:
+        make_tokenizer(out, vocab_size)
+    return out
+
+
+def _perturb_norms(model: Any, seed: int) -> None:
+    """Random init leaves RMSNorm weights at 1 and biases at 0; make them count in parity tests."""
+    import torch
+
+    gen = torch.Generator().manual_seed(seed + 1)
+    with torch.no_grad():
+        for name, param in model.named_parameters():
+            if name.endswith("norm.weight") or name.endswith(".bias"):
+                param.add_(torch.randn(param.shape, generator=gen).to(param.dtype) * 0.1)
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    return json.loads((path / "config.json").read_text())
