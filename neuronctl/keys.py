@@ -67,9 +67,7 @@ def _normalize(value: Any) -> Any:
 
 
 def canonical_json(value: Any) -> str:
-    return json.dumps(
-        _normalize(value), sort_keys=True, separators=(",", ":"), ensure_ascii=False
-    )
+    return json.dumps(_normalize(value), sort_keys=True, separators=(",", ":"), ensure_ascii=False)
 
 
 def digest(value: Any) -> str:

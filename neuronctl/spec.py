@@ -197,6 +197,8 @@ def resolve_spec(
         for name, value in values.items():
             merged[name] = value
             sources[name] = source
+    if "max_context_length" not in merged:
+        sources["max_context_length"] = "default (= seq_len)"
     return build_spec(merged), sources
 
 
@@ -249,16 +251,17 @@ def check_spec(spec: BuildSpec) -> None:
             "pass --draft-model or set --num-speculative-tokens 0",
         )
     if spec.draft_model and not spec.num_speculative_tokens:
-        raise SpecError(
-            "draft_model", "a draft model needs --num-speculative-tokens > 0"
-        )
+        raise SpecError("draft_model", "a draft model needs --num-speculative-tokens > 0")
     if spec.backend == "torch" and (spec.quantized or spec.draft_model):
         raise SpecError(
             "backend",
             "the torch backend does not implement quantization or speculation",
             "use --backend nxdi or tnx on a Neuron host",
         )
-    if spec.on_device_sampling and spec.on_device_sampling.top_k > spec.on_device_sampling.global_topk:
+    if (
+        spec.on_device_sampling
+        and spec.on_device_sampling.top_k > spec.on_device_sampling.global_topk
+    ):
         raise SpecError("on_device_sampling.top_k", "top_k is larger than global_topk")
 
 
@@ -271,7 +274,9 @@ def _check_buckets(field: str, buckets: Buckets, limit: int, limit_name: str) ->
         raise SpecError(field, f"{buckets} has a bucket <= 0")
     if list(buckets) != sorted(set(buckets)):
         raise SpecError(
-            field, f"{buckets} is not sorted ascending without repeats", f"use {sorted(set(buckets))}"
+            field,
+            f"{buckets} is not sorted ascending without repeats",
+            f"use {sorted(set(buckets))}",
         )
     if buckets[-1] > limit:
         raise SpecError(

@@ -5,6 +5,7 @@ Layout under `<root>/neuron-compiled-artifacts/`:
   .staging/<key>.<id>/   work in progress; never looks like an artifact
   .locks/<key>.lock      one lock per key: one process builds, the others wait and reuse
   .trash/                replaced artifacts on their way out
+  .failed/<key>.<id>/    what a failed build left, with its logs, until `gc`
 """
 
 from __future__ import annotations
@@ -18,7 +19,7 @@ from pathlib import Path
 
 from filelock import FileLock, Timeout
 
-from neuronctl.errors import NotFoundError, UsageError
+from neuronctl.errors import NeuronctlError, NotFoundError, UsageError
 from neuronctl.store.manifest import MANIFEST, Manifest, read_manifest, record_files, write_manifest
 
 ARTIFACTS_DIR = "neuron-compiled-artifacts"
@@ -119,10 +120,20 @@ class Store:
                 step("manifest-written")
                 self._move_into_place(staging, final)
                 step("published")
-            except BaseException:
-                shutil.rmtree(staging, ignore_errors=True)
+            except BaseException as exc:
+                self._discard(staging, exc)
                 raise
         return Published(final, cache_hit=False)
+
+    def _discard(self, staging: Path, exc: BaseException) -> None:
+        """A failed build keeps its staging dir (logs) under .failed/; an interrupted one goes."""
+        if not isinstance(exc, Exception):
+            shutil.rmtree(staging, ignore_errors=True)
+            return
+        kept = self._private(".failed") / staging.name
+        staging.rename(kept)
+        if isinstance(exc, NeuronctlError) and exc.hint is None:
+            exc.hint = f"build files and logs kept in {kept}; `neuronctl artifacts gc` removes them"
 
     def _move_into_place(self, staging: Path, final: Path) -> None:
         if final.exists():  # a broken or partial directory: set it aside, never merge

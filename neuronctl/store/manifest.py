@@ -116,4 +116,6 @@ def read_manifest(root: Path) -> Manifest:
     try:
         return Manifest.model_validate(data)
     except ValidationError as exc:
-        raise NotFoundError(f"{path} is not a neuronctl manifest: {exc.errors()[0]['msg']}") from None
+        raise NotFoundError(
+            f"{path} is not a neuronctl manifest: {exc.errors()[0]['msg']}"
+        ) from None

@@ -1,0 +1,198 @@
+"""Compile orchestration: spec + checkpoint -> keys -> (cache hit | backend build) -> artifact.
+
+Backend-neutral: the backend fills a staging directory; this module decides whether to build
+at all, what the artifact is called, what goes beside the backend's files, and what the
+manifest records. The store makes it atomic.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+import time
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from neuronctl.backends import get_backend
+from neuronctl.backends.base import Backend, BuildRequest, NullProgress, Progress
+from neuronctl.keys import Keys, compute_keys
+from neuronctl.spec import BuildSpec, finalize, resolve_spec, spec_to_dict
+from neuronctl.store.local import Published, Store, default_store_root, is_artifact
+from neuronctl.store.manifest import Manifest, Source, host_facts, read_manifest
+
+if TYPE_CHECKING:
+    from neuronctl.checkpoints import Checkpoint
+
+# Copied from the checkpoint so an artifact is self-contained: serve/generate need nothing else.
+MODEL_FILES = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "vocab.json",
+    "merges.txt",
+    "chat_template.jinja",
+    "chat_template.json",
+)
+
+
+@dataclass
+class ResolvedBuild:
+    spec: BuildSpec  # finalized
+    sources: dict[str, str]  # field -> flag | file:PATH | env | default
+    checkpoint: Checkpoint
+    backend: Backend
+    keys: Keys
+    store: Store
+
+    @property
+    def path(self) -> Path:
+        return self.store.path(self.keys.dirname)
+
+
+@dataclass
+class CompileOutcome:
+    path: Path
+    keys: Keys
+    cache_hit: bool
+    graphs_reused: bool
+    compile_seconds: float
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "path": str(self.path),
+            **self.keys.as_dict(),
+            "cache_hit": self.cache_hit,
+            "graphs_reused": self.graphs_reused,
+            "compile_seconds": round(self.compile_seconds, 3),
+        }
+
+
+def resolve_build(
+    model: str | None,
+    spec_flags: Mapping[str, Any],
+    config_file: Path | None = None,
+    *,
+    revision: str | None = None,
+    store_dir: Path | None = None,
+    env: Mapping[str, str] | None = None,
+    rehash: bool = False,
+    allow_pickle: bool = False,
+) -> ResolvedBuild:
+    """Everything `compile` needs, and all `hash` prints, without compiling anything."""
+    from neuronctl.checkpoints import open_checkpoint
+    from neuronctl.checkpoints.registry import check_supported
+    from neuronctl.errors import UsageError
+
+    flags = {**spec_flags, "model": model, "revision": revision}
+    spec, sources = resolve_spec(flags, config_file, env)
+    if not spec.model:
+        raise UsageError(
+            "no model given", "name a Hub id or a local directory, or set `model` in -c FILE"
+        )
+    checkpoint = open_checkpoint(spec.model, spec.revision, allow_pickle=allow_pickle)
+    check_supported(checkpoint.architecture, spec.backend)
+    spec = finalize(spec, checkpoint.shape())
+    backend = get_backend(spec.backend)
+    backend.check(spec, checkpoint.config)
+    keys = compute_keys(spec, checkpoint.config, backend.versions(), checkpoint.digest(rehash))
+    local_model = checkpoint.path if checkpoint.revision is None else None
+    store = Store(store_dir or default_store_root(local_model))
+    return ResolvedBuild(spec, sources, checkpoint, backend, keys, store)
+
+
+def compile_model(
+    build: ResolvedBuild, progress: Progress | None = None, jobs: int | None = None
+) -> CompileOutcome:
+    """Publish the artifact for `build`, compiling only what no artifact already has."""
+    started = time.monotonic()
+    reuse_from = find_graph_donor(build.store, build.keys)
+    reused: list[bool] = []
+
+    def fill(staging: Path) -> Manifest:
+        result = build.backend.build(
+            BuildRequest(
+                spec=build.spec,
+                checkpoint=build.checkpoint,
+                staging=staging,
+                reuse_graphs_from=reuse_from,
+                progress=progress or NullProgress(),
+                jobs=jobs or os.cpu_count() or 1,
+            )
+        )
+        reused.append(result.graphs_reused)
+        copy_model_files(build.checkpoint.path, staging)
+        return new_manifest(build, result.graphs, result.extra)
+
+    published: Published = build.store.publish(build.keys.dirname, fill, reuse=is_intact)
+    return CompileOutcome(
+        path=published.path,
+        keys=build.keys,
+        cache_hit=published.cache_hit,
+        graphs_reused=bool(reused and reused[0]),
+        compile_seconds=time.monotonic() - started,
+    )
+
+
+def new_manifest(build: ResolvedBuild, graphs: list[str], extra: Mapping[str, Any]) -> Manifest:
+    checkpoint = build.checkpoint
+    return Manifest(
+        backend=build.spec.backend,
+        backend_versions=build.backend.versions(),
+        host={**host_facts(), **extra},
+        spec=spec_to_dict(build.spec),
+        keys=build.keys.as_dict(),
+        source=Source(
+            model=build.spec.model,
+            path=str(checkpoint.path),
+            revision=checkpoint.revision,
+            digest=checkpoint.digest(),
+        ),
+        architecture=dict(checkpoint.config),
+        graphs=graphs,
+    )
+
+
+def copy_model_files(model_dir: Path, staging: Path) -> None:
+    for name in MODEL_FILES:
+        src = model_dir / name
+        if src.is_file() and not (staging / name).exists():
+            shutil.copyfile(src, staging / name)
+
+
+def is_intact(path: Path) -> bool:
+    """Good enough for a cache hit: a manifest, and every file it lists at its size.
+
+    A damaged artifact is rebuilt (and replaced atomically) rather than reused.
+    """
+    if not is_artifact(path):
+        return False
+    try:
+        manifest = read_manifest(path)
+    except Exception:
+        return False
+    for name, entry in manifest.files.items():
+        try:
+            if (path / name).stat().st_size != entry.size:
+                return False
+        except OSError:
+            return False
+    return True
+
+
+def find_graph_donor(store: Store, keys: Keys) -> Path | None:
+    """A published artifact with the same graph key but other weights: its graphs are ours."""
+    for path, manifest in store.iter_artifacts():
+        if (
+            manifest is not None
+            and manifest.keys.get("graph_key") == keys.graph
+            and manifest.keys.get("artifact_key") != keys.artifact
+            and is_intact(path)
+        ):
+            return path
+    return None

@@ -1,0 +1,160 @@
+"""`neuronctl artifacts list | show | rm | gc` over a local store."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import typer
+
+from neuronctl.cli._common import JsonOpt, StoreOpt, console, human_size, print_json, table
+from neuronctl.cli._groups import artifacts_app
+from neuronctl.store.gc import collect, parse_duration, parse_size
+from neuronctl.store.local import Store, default_store_root
+from neuronctl.store.manifest import Manifest, read_manifest
+
+ORDER = 40
+KeyArg = typer.Argument(help="Artifact key, directory name or a unique prefix; or a path.")
+
+
+def open_store(store: Path | None) -> Store:
+    return Store(store or default_store_root())
+
+
+def _resolve(store: Store, key: str) -> Path:
+    path = Path(key)
+    if "/" in key and path.is_dir():
+        return path
+    return store.find(key)
+
+
+def summary(path: Path, manifest: Manifest) -> dict[str, object]:
+    spec = manifest.spec
+    return {
+        "key": path.name,
+        "path": str(path),
+        "model": manifest.source.model,
+        "backend": manifest.backend,
+        "tp_degree": spec.get("tp_degree"),
+        "seq_len": spec.get("seq_len"),
+        "batch_size": spec.get("batch_size"),
+        "dtype": spec.get("dtype"),
+        "size": manifest.total_size(),
+        "created": manifest.created,
+    }
+
+
+@artifacts_app.command("list")
+def list_command(store: StoreOpt = None, json_out: JsonOpt = False) -> None:
+    """List the artifacts in a store.
+
+    Example: neuronctl artifacts list --store /mnt/artifacts
+    """
+    s = open_store(store)
+    rows = [summary(p, m) for p, m in s.iter_artifacts() if m is not None]
+    if json_out:
+        print_json({"store": str(s.artifacts), "artifacts": rows})
+        return
+    if not rows:
+        console.print(f"no artifacts in {s.artifacts}")
+        return
+    columns = ["key", "model", "backend", "tp", "seq len", "batch", "dtype", "size", "created"]
+    console.print(
+        table(
+            str(s.artifacts),
+            columns,
+            [
+                [
+                    r["key"],
+                    r["model"],
+                    r["backend"],
+                    r["tp_degree"],
+                    r["seq_len"],
+                    r["batch_size"],
+                    r["dtype"],
+                    human_size(float(r["size"])),
+                    r["created"],
+                ]  # type: ignore[arg-type]
+                for r in rows
+            ],
+        )
+    )
+
+
+@artifacts_app.command("show")
+def show_command(key: str = KeyArg, store: StoreOpt = None, json_out: JsonOpt = False) -> None:
+    """Show an artifact's manifest: spec, keys, source, versions and files.
+
+    Example: neuronctl artifacts show 3f9a2c --json
+    """
+    path = _resolve(open_store(store), key)
+    manifest = read_manifest(path)
+    if json_out:
+        print_json({"path": str(path), **manifest.model_dump(mode="json")})
+        return
+    console.print(f"[bold]{path}[/bold]")
+    info = summary(path, manifest)
+    info["size"] = human_size(manifest.total_size())
+    rows = [[k, v] for k, v in info.items() if k not in ("key", "path")]
+    rows += [[name, value] for name, value in manifest.keys.items()]
+    rows += [["source digest", manifest.source.digest], ["revision", manifest.source.revision]]
+    rows += [[f"version {k}", v] for k, v in manifest.backend_versions.items()]
+    console.print(table(None, ["field", "value"], rows))
+    files = [[n, human_size(e.size), e.sha256[:16]] for n, e in manifest.files.items()]
+    console.print(table("files", ["file", "size", "sha256"], files))
+
+
+@artifacts_app.command("rm")
+def rm_command(key: str = KeyArg, store: StoreOpt = None, json_out: JsonOpt = False) -> None:
+    """Remove one artifact (atomically: it is never seen half-deleted).
+
+    Example: neuronctl artifacts rm 3f9a2c
+    """
+    s = open_store(store)
+    path = s.find(key)
+    s.remove(path)
+    if json_out:
+        print_json({"removed": str(path)})
+    else:
+        console.print(f"removed {path}")
+
+
+@artifacts_app.command("gc")
+def gc_command(
+    store: StoreOpt = None,
+    keep_last: int | None = typer.Option(None, "--keep-last", help="Keep the N newest artifacts."),
+    older_than: str | None = typer.Option(
+        None, "--older-than", help="Remove artifacts created longer ago than this (e.g. 7d, 12h)."
+    ),
+    max_size: str | None = typer.Option(
+        None, "--max-size", help="Remove the oldest artifacts until the store fits (e.g. 50G)."
+    ),
+    dry_run: bool = typer.Option(False, "--dry-run", help="Say what would go; remove nothing."),
+    json_out: JsonOpt = False,
+) -> None:
+    """Remove what killed or failed builds left behind, and artifacts past a policy.
+
+    Example: neuronctl artifacts gc --keep-last 5 --dry-run
+    """
+    report = collect(
+        open_store(store),
+        keep_last=keep_last,
+        older_than=parse_duration(older_than) if older_than else None,
+        max_size=parse_size(max_size) if max_size else None,
+        dry_run=dry_run,
+    )
+    if json_out:
+        print_json(report.as_dict())
+        return
+    verb = "would remove" if dry_run else "removed"
+    for path in report.removed:
+        console.print(f"{verb} artifact {path}")
+    for path in report.leftovers:
+        console.print(f"{verb} leftover {path}")
+    console.print(
+        f"{verb} {len(report.removed)} artifacts, {len(report.leftovers)} leftovers, "
+        f"{human_size(report.freed_bytes)}"
+    )
+
+
+def register(app: typer.Typer) -> None:
+    app.add_typer(artifacts_app, name="artifacts")

@@ -1,0 +1,103 @@
+"""`neuronctl compile`: build (or reuse) the artifact for a model and spec."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import typer
+
+from neuronctl.build import compile_model, resolve_build
+from neuronctl.cli._common import (
+    ConfigOpt,
+    JsonOpt,
+    RevisionOpt,
+    StoreOpt,
+    console,
+    print_json,
+    with_spec_options,
+)
+from neuronctl.cli._progress import progress_for
+from neuronctl.errors import UsageError
+
+ORDER = 20
+ACCURACY_MODES = ("token-matching", "logit-matching")
+
+
+@with_spec_options
+def compile_command(
+    spec_flags: dict[str, Any],
+    model: str | None = typer.Argument(
+        None, help="Hub id or local checkpoint directory (or `model` in -c FILE)."
+    ),
+    revision: RevisionOpt = None,
+    config: ConfigOpt = None,
+    store: StoreOpt = None,
+    jobs: int | None = typer.Option(
+        None, "--jobs", "-j", help="Parallel compile workers (default: all cores)."
+    ),
+    rehash: bool = typer.Option(
+        False, "--rehash", help="Re-read every weight file for the digest."
+    ),
+    allow_pickle: bool = typer.Option(
+        False, "--allow-pickle", help="Accept *.bin checkpoints (loaded with weights_only=True)."
+    ),
+    check_accuracy: str | None = typer.Option(
+        None,
+        "--check-accuracy",
+        help="After compiling, compare with transformers: token-matching | logit-matching.",
+        show_default=False,
+    ),
+    json_out: JsonOpt = False,
+) -> None:
+    """Compile a model into a content-addressed artifact, or reuse the one that exists.
+
+    Examples:
+
+      neuronctl compile ./tiny-llama --compiler export --seq-len 128 --batch-size 4
+
+      neuronctl compile meta-llama/Llama-3.2-1B -c neuronctl.toml --json
+    """
+    if check_accuracy is not None and check_accuracy not in ACCURACY_MODES:
+        raise UsageError(
+            f"--check-accuracy: unknown mode {check_accuracy!r}",
+            "use " + " or ".join(ACCURACY_MODES),
+        )
+    build = resolve_build(
+        model,
+        spec_flags,
+        config,
+        revision=revision,
+        store_dir=store,
+        rehash=rehash,
+        allow_pickle=allow_pickle,
+    )
+    with progress_for(quiet=json_out) as progress:
+        outcome = compile_model(build, progress, jobs)
+    data = outcome.as_dict()
+    if check_accuracy:
+        data["accuracy"] = _check_accuracy(build, outcome.path, check_accuracy)
+    if json_out:
+        print_json(data)
+        return
+    verb = "reused" if outcome.cache_hit else "compiled"
+    extra = " (graphs reused, weights re-sharded)" if outcome.graphs_reused else ""
+    console.print(f"[green]{verb}[/green] {outcome.path}{extra}")
+    console.print(f"artifact key {outcome.keys.artifact}  ({outcome.compile_seconds:.1f} s)")
+    if "accuracy" in data:
+        console.print(f"accuracy: {data['accuracy']}")
+    console.print(f"[dim]export NEURON_COMPILED_ARTIFACTS={outcome.path}[/dim]")
+
+
+def _check_accuracy(build: Any, path: Any, mode: str) -> dict[str, Any]:
+    if build.spec.backend != "torch":
+        raise UsageError(
+            "--check-accuracy runs on the torch backend here; on Neuron use inference_demo"
+        )
+    from neuronctl.backends.torch.accuracy import check_accuracy
+
+    report: dict[str, Any] = check_accuracy(path, build.checkpoint.path, mode)
+    return report
+
+
+def register(app: typer.Typer) -> None:
+    app.command("compile")(compile_command)

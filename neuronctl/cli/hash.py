@@ -1,0 +1,54 @@
+"""`neuronctl hash`: the keys `compile` would use, without compiling (CI cache keys)."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import typer
+
+from neuronctl.build import resolve_build
+from neuronctl.cli._common import (
+    ConfigOpt,
+    JsonOpt,
+    RevisionOpt,
+    StoreOpt,
+    console,
+    print_json,
+    table,
+    with_spec_options,
+)
+
+ORDER = 25
+
+
+@with_spec_options
+def hash_command(
+    spec_flags: dict[str, Any],
+    model: str | None = typer.Argument(None, help="Hub id or local checkpoint directory."),
+    revision: RevisionOpt = None,
+    config: ConfigOpt = None,
+    store: StoreOpt = None,
+    rehash: bool = typer.Option(False, "--rehash", help="Re-read every weight file."),
+    vllm: bool = typer.Option(False, "--vllm", help="Also print vLLM's own directory name."),
+    json_out: JsonOpt = False,
+) -> None:
+    """Print the graph, weights and artifact keys for a model and spec.
+
+    Example: neuronctl hash ./Llama-3.2-1B --tp-degree 2 --seq-len 2048 --json
+    """
+    build = resolve_build(
+        model, spec_flags, config, revision=revision, store_dir=store, rehash=rehash
+    )
+    data: dict[str, Any] = {**build.keys.as_dict(), "path": str(build.path)}
+    if vllm:
+        from neuronctl.vllm import vllm_dirname
+
+        data["vllm_dirname"] = vllm_dirname(build.spec, build.checkpoint.config)
+    if json_out:
+        print_json(data)
+        return
+    console.print(table(None, ["key", "value"], [[k, v] for k, v in data.items()]))
+
+
+def register(app: typer.Typer) -> None:
+    app.command("hash")(hash_command)

@@ -1,0 +1,110 @@
+"""Garbage collection: leftovers of killed or failed builds, and artifacts past a policy."""
+
+from __future__ import annotations
+
+import re
+import shutil
+from dataclasses import dataclass, field
+from datetime import UTC, datetime, timedelta
+from pathlib import Path
+
+from neuronctl.errors import UsageError
+from neuronctl.store.local import Store
+from neuronctl.store.manifest import Manifest
+
+_DURATION = re.compile(r"^(\d+(?:\.\d+)?)\s*([smhdw])$")
+_SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)$", re.IGNORECASE)
+_SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
+
+
+def parse_duration(text: str) -> timedelta:
+    match = _DURATION.match(text.strip())
+    if not match:
+        raise UsageError(f"--older-than: {text!r} is not a duration", "e.g. 12h, 7d, 2w")
+    return timedelta(seconds=float(match.group(1)) * _SECONDS[match.group(2)])
+
+
+def parse_size(text: str) -> int:
+    match = _SIZE.match(text.strip())
+    if not match:
+        raise UsageError(f"--max-size: {text!r} is not a size", "e.g. 500M, 20G, 1T")
+    unit = match.group(2).upper().rstrip("B").rstrip("I")
+    power = " KMGT".index(unit) if unit else 0
+    return int(float(match.group(1)) * 1024**power)
+
+
+@dataclass
+class GcReport:
+    removed: list[Path] = field(default_factory=list)  # artifacts
+    leftovers: list[Path] = field(default_factory=list)  # staging, failed, trash
+    freed_bytes: int = 0
+    dry_run: bool = False
+
+    def as_dict(self) -> dict[str, object]:
+        return {
+            "removed": [str(p) for p in self.removed],
+            "leftovers": [str(p) for p in self.leftovers],
+            "freed_bytes": self.freed_bytes,
+            "dry_run": self.dry_run,
+        }
+
+
+def created(manifest: Manifest) -> datetime:
+    return datetime.fromisoformat(manifest.created)
+
+
+def doomed_artifacts(
+    artifacts: list[tuple[Path, Manifest]],
+    keep_last: int | None,
+    older_than: timedelta | None,
+    max_size: int | None,
+) -> list[tuple[Path, Manifest]]:
+    newest_first = sorted(artifacts, key=lambda item: created(item[1]), reverse=True)
+    doomed: dict[Path, Manifest] = {}
+    if keep_last is not None:
+        doomed.update(newest_first[keep_last:])
+    if older_than is not None:
+        cutoff = datetime.now(UTC) - older_than
+        doomed.update((p, m) for p, m in newest_first if created(m) < cutoff)
+    if max_size is not None:
+        total = 0
+        for path, manifest in newest_first:
+            total += manifest.total_size()
+            if total > max_size:
+                doomed[path] = manifest
+    return [(p, m) for p, m in newest_first if p in doomed]
+
+
+def leftovers(store: Store) -> list[Path]:
+    paths = store.stale_staging()
+    for name in (".failed", ".trash"):
+        folder = store.artifacts / name
+        if folder.is_dir():
+            paths.extend(sorted(folder.iterdir()))
+    return paths
+
+
+def _tree_size(path: Path) -> int:
+    return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
+
+
+def collect(
+    store: Store,
+    keep_last: int | None = None,
+    older_than: timedelta | None = None,
+    max_size: int | None = None,
+    dry_run: bool = False,
+) -> GcReport:
+    report = GcReport(dry_run=dry_run)
+    artifacts = [(p, m) for p, m in store.iter_artifacts() if m is not None]
+    for path, manifest in doomed_artifacts(artifacts, keep_last, older_than, max_size):
+        report.removed.append(path)
+        report.freed_bytes += manifest.total_size()
+        if not dry_run:
+            store.remove(path)
+    for path in leftovers(store):
+        report.leftovers.append(path)
+        report.freed_bytes += _tree_size(path)
+        if not dry_run:
+            shutil.rmtree(path, ignore_errors=True)
+    return report
