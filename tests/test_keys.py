@@ -1,0 +1,152 @@
+"""Keys: stable under order, source and defaults; sensitive to every compile-relevant field."""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+from hypothesis import given, settings
+from hypothesis import strategies as st
+
+from neuronctl.keys import canonical_json, compute_keys
+from neuronctl.spec import GRAPH_FIELDS, WEIGHTS_FIELDS, ModelShape, finalize, resolve_spec
+
+CONFIG: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "model_type": "llama",
+    "hidden_size": 64,
+    "num_attention_heads": 8,
+    "num_key_value_heads": 2,
+    "num_hidden_layers": 2,
+    "vocab_size": 320,
+    "rms_norm_eps": 1e-5,
+    "max_position_embeddings": 4096,
+}
+SHAPE = ModelShape(num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096)
+VERSIONS = {"torch": "2.13.0"}
+DIGEST = "a" * 64
+
+# A value set for every spec flag, used in any order and through any source.
+BASE: dict[str, Any] = {
+    "backend": "torch",
+    "tp_degree": 2,
+    "batch_size": 4,
+    "seq_len": 512,
+    "max_context_length": 256,
+    "dtype": "bfloat16",
+    "context_buckets": [128, 256],
+    "token_gen_buckets": [256, 512],
+    "compiler": "export",
+}
+
+
+def keys_for(
+    flags: dict[str, Any] | None = None,
+    cfg: Path | None = None,
+    env: dict[str, str] | None = None,
+    config: dict[str, Any] | None = None,
+    digest: str = DIGEST,
+):
+    spec, _ = resolve_spec(flags or {}, cfg, env or {})
+    return compute_keys(finalize(spec, SHAPE), config or CONFIG, VERSIONS, digest)
+
+
+@settings(max_examples=50, deadline=None)
+@given(st.permutations(list(BASE.items())))
+def test_flag_order_does_not_change_keys(items) -> None:
+    assert keys_for(dict(items)) == keys_for(BASE)
+
+
+def test_same_spec_from_flags_file_and_env_gives_same_keys(tmp_path: Path) -> None:
+    cfg = tmp_path / "neuronctl.toml"
+    cfg.write_text(
+        'backend = "torch"\ntp_degree = 2\nbatch_size = 4\nseq_len = 512\n'
+        'max_context_length = 256\ndtype = "bfloat16"\ncontext_buckets = [128, 256]\n'
+        'compiler = "export"\n'
+    )
+    env = {"NEURON_TOKEN_GEN_BUCKETS": "256,512"}
+    assert keys_for(cfg=cfg, env=env) == keys_for(BASE)
+
+
+def test_defaults_filled_in_equal_explicit_defaults() -> None:
+    implicit = {k: v for k, v in BASE.items() if k != "compiler"}
+    assert keys_for(implicit | {"compiler": "inductor"}) == keys_for(implicit)
+    assert keys_for(BASE | {"max_context_length": None, "context_buckets": [128, 256, 512]}) == (
+        keys_for(BASE | {"max_context_length": 512, "context_buckets": [128, 256, 512]})
+    )
+
+
+def test_config_key_order_and_provenance_fields_do_not_change_keys() -> None:
+    reordered = dict(reversed(list(CONFIG.items())))
+    noisy = CONFIG | {"_name_or_path": "/home/me/llama", "transformers_version": "4.99"}
+    assert keys_for(BASE, config=reordered) == keys_for(BASE) == keys_for(BASE, config=noisy)
+
+
+@settings(max_examples=40, deadline=None)
+@given(st.floats(allow_nan=False, allow_infinity=False, min_value=-1e6, max_value=1e6))
+def test_numbers_are_normalized(x: float) -> None:
+    assert canonical_json({"v": x}) == canonical_json({"v": float(x)})
+    if x.is_integer():
+        assert canonical_json({"v": x}) == canonical_json({"v": int(x)})
+
+
+# One changed value per compile-relevant field.
+CHANGES: dict[str, Any] = {
+    "tp_degree": 4,
+    "batch_size": 8,
+    "seq_len": 1024,
+    "max_context_length": 128,
+    "dtype": "float32",
+    "context_buckets": [256],
+    "token_gen_buckets": [512],
+    "compiler": "inductor",
+    "override_neuron_config": {"fused_qkv": True},
+    "on_device_sampling": {"do_sample": True, "top_k": 50},
+    "cc_flags": "--optlevel=1",
+}
+
+
+@pytest.mark.parametrize("field", sorted(CHANGES))
+def test_each_compile_relevant_field_changes_the_graph_key(field: str) -> None:
+    changed = BASE | {field: CHANGES[field]}
+    if field == "max_context_length":
+        changed["context_buckets"] = [128]
+    before, after = keys_for(BASE), keys_for(changed)
+    assert field in GRAPH_FIELDS
+    assert after.graph != before.graph
+    assert after.artifact != before.artifact
+    assert (after.weights != before.weights) == (field in WEIGHTS_FIELDS)
+
+
+def test_backend_changes_the_graph_key() -> None:
+    nxdi = {k: v for k, v in BASE.items() if k != "compiler"} | {"backend": "nxdi"}
+    assert keys_for(nxdi).graph != keys_for(BASE).graph
+
+
+def test_backend_version_changes_the_graph_key() -> None:
+    spec, _ = resolve_spec(BASE, None, {})
+    spec = finalize(spec, SHAPE)
+    a = compute_keys(spec, CONFIG, {"torch": "2.13.0"}, DIGEST)
+    b = compute_keys(spec, CONFIG, {"torch": "2.14.1"}, DIGEST)
+    assert a.graph != b.graph and a.weights == b.weights
+
+
+def test_architecture_changes_the_graph_key() -> None:
+    assert keys_for(BASE, config=CONFIG | {"num_hidden_layers": 3}).graph != keys_for(BASE).graph
+
+
+def test_new_weights_change_only_the_weights_key() -> None:
+    a, b = keys_for(BASE), keys_for(BASE, digest="b" * 64)
+    assert a.graph == b.graph
+    assert a.weights != b.weights and a.artifact != b.artifact
+
+
+def test_runtime_fields_change_no_key() -> None:
+    assert keys_for(BASE | {"model": "a/b", "revision": "main"}) == keys_for(BASE)
+
+
+def test_keys_need_a_finalized_spec() -> None:
+    spec, _ = resolve_spec({}, None, {})
+    with pytest.raises(ValueError, match="finalized"):
+        compute_keys(spec, CONFIG, VERSIONS, DIGEST)

@@ -1,0 +1,118 @@
+"""The build spec: precedence, provenance, and every refusal names the field and the fix."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from neuronctl.errors import SpecError
+from neuronctl.spec import ModelShape, auto_buckets, finalize, resolve_spec
+
+SHAPE = ModelShape(num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096)
+
+
+def write_toml(tmp_path: Path, text: str) -> Path:
+    path = tmp_path / "neuronctl.toml"
+    path.write_text(text)
+    return path
+
+
+def test_precedence_flag_over_file_over_env_over_default(tmp_path: Path) -> None:
+    cfg = write_toml(tmp_path, "seq_len = 512\nbatch_size = 4\ncontext_buckets = [128, 256]\n")
+    env = {"NEURON_CONTEXT_LENGTH_BUCKETS": "64", "NEURON_TOKEN_GEN_BUCKETS": "256,512"}
+    spec, sources = resolve_spec({"batch_size": 8}, cfg, env)
+    assert spec.batch_size == 8 and sources["batch_size"] == "flag"
+    assert spec.seq_len == 512 and sources["seq_len"] == f"file:{cfg}"
+    assert spec.context_buckets == [128, 256] and sources["context_buckets"] == f"file:{cfg}"
+    assert spec.token_gen_buckets == [256, 512] and sources["token_gen_buckets"] == "env"
+    assert spec.tp_degree == 1 and sources["tp_degree"] == "default"
+
+
+def test_env_maps_vllm_names() -> None:
+    env = {
+        "VLLM_NEURON_FRAMEWORK": "transformers-neuronx",
+        "NEURON_QUANT_DTYPE": "s8",
+        "NEURON_CC_FLAGS": "--auto-cast=none",
+    }
+    spec, _ = resolve_spec({}, None, env)
+    assert spec.backend == "tnx"
+    assert spec.cc_flags == "--auto-cast=none"
+    assert spec.compiler is None  # meaningless outside the torch backend
+
+
+@pytest.mark.parametrize(
+    ("flags", "env", "field"),
+    [
+        ({"context_buckets": "256,128"}, {}, "context_buckets"),
+        ({"context_buckets": "64,64"}, {}, "context_buckets"),
+        ({"seq_len": 128, "token_gen_buckets": "64,256"}, {}, "token_gen_buckets"),
+        ({"seq_len": 128, "max_context_length": 256}, {}, "seq_len"),
+        ({"dtype": "float8"}, {}, "dtype"),
+        ({"override_neuron_config": "{not json"}, {}, "override_neuron_config"),
+        ({"override_neuron_config": "[1, 2]"}, {}, "override_neuron_config"),
+        ({}, {"NEURON_TOKEN_GEN_BUCKETS": "128,big"}, "NEURON_TOKEN_GEN_BUCKETS"),
+        ({}, {"NEURON_QUANT_DTYPE": "int4"}, "NEURON_QUANT_DTYPE"),
+        ({}, {"VLLM_NEURON_FRAMEWORK": "tensorrt"}, "VLLM_NEURON_FRAMEWORK"),
+        ({"tp_degree": 0}, {}, "tp_degree"),
+        ({"num_speculative_tokens": 4}, {}, "num_speculative_tokens"),
+        ({"backend": "torch", "quantized": True}, {}, "backend"),
+    ],
+)
+def test_invalid_values_are_refused_naming_the_field(flags, env, field) -> None:
+    with pytest.raises(SpecError) as info:
+        resolve_spec(flags, None, env)
+    assert info.value.field == field
+    assert field in str(info.value)
+
+
+def test_unknown_toml_key_is_refused_with_the_known_keys(tmp_path: Path) -> None:
+    cfg = write_toml(tmp_path, "seq_length = 512\n")
+    with pytest.raises(SpecError, match="unknown key 'seq_length'") as info:
+        resolve_spec({}, cfg, {})
+    assert "seq_len" in (info.value.hint or "")
+
+
+def test_malformed_toml_is_refused(tmp_path: Path) -> None:
+    with pytest.raises(SpecError, match="not valid TOML"):
+        resolve_spec({}, write_toml(tmp_path, "seq_len = = 3"), {})
+
+
+def test_toml_accepts_dashed_keys(tmp_path: Path) -> None:
+    spec, _ = resolve_spec({}, write_toml(tmp_path, "tp-degree = 2\n"), {})
+    assert spec.tp_degree == 2
+
+
+def test_finalize_fills_auto_from_the_model() -> None:
+    spec, _ = resolve_spec({"seq_len": 1024, "max_context_length": 512}, None, {})
+    shape = SHAPE.model_copy(update={"dtype": "float16"})
+    final = finalize(spec, shape)
+    assert final.dtype == "float16"
+    assert final.context_buckets == [128, 256, 512]
+    assert final.token_gen_buckets == [128, 256, 512, 1024]
+
+
+def test_auto_buckets_follow_nxdi() -> None:
+    assert auto_buckets(64) == [64]
+    assert auto_buckets(128) == [128]
+    assert auto_buckets(300) == [128, 256, 300]
+
+
+@pytest.mark.parametrize("tp", [3, 16])
+def test_tp_that_does_not_divide_heads_is_refused(tp: int) -> None:
+    spec, _ = resolve_spec({"tp_degree": tp}, None, {})
+    with pytest.raises(SpecError, match="tp_degree") as info:
+        finalize(spec, SHAPE)
+    assert "attention heads" in str(info.value) or "KV heads" in str(info.value)
+
+
+@pytest.mark.parametrize("tp", [1, 2, 4, 8])
+def test_tp_over_kv_heads_replicates_them(tp: int) -> None:
+    spec, _ = resolve_spec({"tp_degree": tp}, None, {})
+    assert finalize(spec, SHAPE).tp_degree == tp
+
+
+def test_seq_len_over_max_positions_is_refused() -> None:
+    spec, _ = resolve_spec({"seq_len": 8192}, None, {})
+    with pytest.raises(SpecError, match="max_position_embeddings"):
+        finalize(spec, SHAPE)
