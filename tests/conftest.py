@@ -1,7 +1,9 @@
 from __future__ import annotations
 
 import os
+import tempfile
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -11,6 +13,20 @@ from tests.helpers import make_checkpoint
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
+# Session fixtures run before the per-test isolation below: keep them off the user's cache too.
+os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="neuronctl-test-cache-")
+
+# The spec of the shared tiny artifact: small buckets so several graphs exist, 4 slots so
+# continuous batching has something to do, the fast export compiler.
+TINY_SPEC: dict[str, Any] = {
+    "compiler": "export",
+    "dtype": "float32",
+    "seq_len": 128,
+    "max_context_length": 64,
+    "batch_size": 4,
+    "context_buckets": "32,64",
+    "token_gen_buckets": "64,128",
+}
 
 
 @pytest.fixture(autouse=True)
@@ -34,3 +50,13 @@ def _isolated_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
 def tiny_llama(tmp_path_factory: pytest.TempPathFactory) -> Path:
     """A shared read-only tiny Llama checkpoint; copy it before modifying."""
     return make_checkpoint(tmp_path_factory.mktemp("ckpt") / "tiny-llama", "llama")
+
+
+@pytest.fixture(scope="session")
+def compiled_artifact(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> Path:
+    """A real artifact of `tiny_llama` (torch backend, export compiler); copy before mutating."""
+    from neuronctl.build import compile_model, resolve_build
+
+    store = tmp_path_factory.mktemp("store")
+    build = resolve_build(str(tiny_llama), TINY_SPEC, store_dir=store)
+    return compile_model(build, jobs=1).path
