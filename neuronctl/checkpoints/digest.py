@@ -1,0 +1,93 @@
+"""The content digest of a checkpoint, cheap to recompute.
+
+digest = sha256(canonical JSON of {relative file name: sha256 of the file}) over config.json and
+the weight files. Two ways avoid re-reading gigabytes:
+- a Hugging Face cache snapshot links each LFS file to `blobs/<sha256>`: the name is the hash;
+- any other file's hash is cached in `<user cache>/neuronctl/digests.json`, keyed by absolute
+  path and trusted while (size, mtime_ns, inode) are unchanged. `rehash=True` ignores the cache.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from filelock import FileLock
+
+from neuronctl.keys import digest as json_digest
+from neuronctl.store.local import user_cache_store
+from neuronctl.store.manifest import sha256_file
+
+if TYPE_CHECKING:
+    from neuronctl.checkpoints.reader import Checkpoint
+
+SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
+CACHE_FILE = "digests.json"
+
+
+def checkpoint_digest(checkpoint: Checkpoint, rehash: bool = False) -> str:
+    files = [checkpoint.path / "config.json", *checkpoint.weight_files()]
+    return json_digest(file_hashes(checkpoint.path, files, rehash=rehash))
+
+
+def file_hashes(root: Path, files: list[Path], rehash: bool = False) -> dict[str, str]:
+    """{path relative to root: sha256} using the Hub blob names and the stat cache."""
+    cache = DigestCache()
+    hashes: dict[str, str] = {}
+    for path in files:
+        rel = path.relative_to(root).as_posix()
+        hashes[rel] = hub_blob_sha256(path) or cache.sha256(path, rehash=rehash)
+    cache.save()
+    return hashes
+
+
+def hub_blob_sha256(path: Path) -> str | None:
+    """The sha256 a Hugging Face cache snapshot file's blob is named by, if it is one."""
+    if not path.is_symlink():
+        return None
+    target = Path(os.path.realpath(path))
+    if target.parent.name == "blobs" and SHA256_RE.match(target.name):
+        return target.name
+    return None  # a git (sha1) blob such as config.json: hash it
+
+
+class DigestCache:
+    """sha256 per absolute path, valid while the file's size, mtime and inode are unchanged."""
+
+    def __init__(self, path: Path | None = None) -> None:
+        self.path = path or user_cache_store() / CACHE_FILE
+        self.entries = self._load()
+        self.changed: dict[str, dict[str, Any]] = {}
+
+    def _load(self) -> dict[str, dict[str, Any]]:
+        try:
+            data = json.loads(self.path.read_text())
+        except (OSError, json.JSONDecodeError):
+            return {}  # no cache yet, or a damaged one: hashing again is always correct
+        return data if isinstance(data, dict) else {}
+
+    def sha256(self, path: Path, rehash: bool = False) -> str:
+        key = str(path.resolve())
+        st = path.stat()
+        stamp = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino}
+        entry = self.entries.get(key)
+        if not rehash and entry and all(entry.get(k) == v for k, v in stamp.items()):
+            return str(entry["sha256"])
+        sha = sha256_file(path)
+        self.entries[key] = self.changed[key] = {**stamp, "sha256": sha}
+        return sha
+
+    def save(self) -> None:
+        if not self.changed:
+            return
+        self.path.parent.mkdir(parents=True, exist_ok=True)
+        # Merge under a lock: another process may have cached other files meanwhile.
+        with FileLock(str(self.path) + ".lock"):
+            merged = {**self._load(), **self.changed}
+            tmp = self.path.with_suffix(f".{os.getpid()}.tmp")
+            tmp.write_text(json.dumps(merged, indent=0, sort_keys=True))
+            os.replace(tmp, self.path)
+        self.changed = {}

@@ -1,0 +1,208 @@
+"""Reading a local checkpoint directory: config.json plus safetensors (or, if allowed, pickle).
+
+Everything that can be checked without reading tensor bytes is checked when the checkpoint is
+opened (config present, every shard the index names present, no file truncated), so a broken
+download fails in a second with one line instead of halfway through a compile.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from neuronctl.checkpoints.registry import describe_support, supported_backends
+from neuronctl.checkpoints.safetensors_format import TensorInfo, read_header
+from neuronctl.errors import CheckpointError, NotFoundError
+from neuronctl.spec import ModelShape
+
+CONFIG = "config.json"
+SAFETENSORS_INDEX = "model.safetensors.index.json"
+PICKLE_INDEX = "pytorch_model.bin.index.json"
+CONVERT_HINT = (
+    "convert it to safetensors (e.g. `AutoModelForCausalLM.from_pretrained(dir)"
+    ".save_pretrained(out, safe_serialization=True)`) or pass --allow-pickle if you trust it"
+)
+
+
+@dataclass
+class Checkpoint:
+    ref: str  # what the user named: Hub id or path
+    path: Path  # local directory holding config.json and the weights
+    revision: str | None  # Hub commit sha; None for a local directory
+    config: dict[str, Any]  # parsed config.json
+    # tensor name -> file holding it; filled by open_local
+    _where: dict[str, Path] = field(default_factory=dict, repr=False)
+    _infos: dict[str, TensorInfo] = field(default_factory=dict, repr=False)
+    _pickled: dict[Path, dict[str, torch.Tensor]] = field(default_factory=dict, repr=False)
+
+    @property
+    def architecture(self) -> str:
+        return str(self.config["architectures"][0])
+
+    def shape(self) -> ModelShape:
+        heads = int(self.config["num_attention_heads"])
+        return ModelShape(
+            num_attention_heads=heads,
+            num_key_value_heads=int(self.config.get("num_key_value_heads") or heads),
+            max_position_embeddings=self.config.get("max_position_embeddings"),
+            dtype=config_dtype(self.config),
+        )
+
+    def weight_files(self) -> list[Path]:
+        return sorted(set(self._where.values()))
+
+    def tensor_names(self) -> list[str]:
+        return list(self._where)
+
+    def tensor_info(self, name: str) -> TensorInfo:
+        """Dtype and shape without reading the tensor."""
+        return self._infos[self._check_name(name)]
+
+    def tensor(self, name: str) -> torch.Tensor:
+        """One tensor, read on its own; the file mapping is released before returning."""
+        path = self._where[self._check_name(name)]
+        if path.suffix == ".safetensors":
+            from safetensors import safe_open
+
+            # Open per tensor: keeping the mapping would count every page read toward RSS.
+            with safe_open(str(path), framework="pt") as f:
+                return f.get_tensor(name)
+        return self._pickle_file(path)[name]
+
+    def digest(self, rehash: bool = False) -> str:
+        from neuronctl.checkpoints.digest import checkpoint_digest
+
+        return checkpoint_digest(self, rehash=rehash)
+
+    def num_parameters(self) -> int:
+        tied = bool(self.config.get("tie_word_embeddings"))
+        return sum(
+            info.numel
+            for name, info in self._infos.items()
+            if not (tied and name == "lm_head.weight")
+        )
+
+    def size_on_disk(self) -> int:
+        return sum(p.stat().st_size for p in self.weight_files())
+
+    def _check_name(self, name: str) -> str:
+        if name not in self._where:
+            raise CheckpointError(f"{self.ref} has no tensor {name!r}")
+        return name
+
+    def _pickle_file(self, path: Path) -> dict[str, torch.Tensor]:
+        if path not in self._pickled:
+            # mmap keeps memory flat: tensors are paged in when used.
+            self._pickled[path] = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
+        return self._pickled[path]
+
+
+def config_dtype(config: dict[str, Any]) -> str | None:
+    """The checkpoint dtype; transformers 5 writes "dtype", older versions "torch_dtype"."""
+    value = config.get("dtype") or config.get("torch_dtype")
+    return str(value) if value else None
+
+
+def read_config(path: Path) -> dict[str, Any]:
+    config_path = path / CONFIG
+    if not config_path.is_file():
+        raise CheckpointError(
+            f"{path} has no config.json", "point at the directory holding the model's config.json"
+        )
+    try:
+        config = json.loads(config_path.read_text())
+    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        raise CheckpointError(f"{config_path} is not valid JSON: {exc}") from None
+    if not isinstance(config, dict):
+        raise CheckpointError(f"{config_path} is not a JSON object")
+    return config
+
+
+def check_architecture(config: dict[str, Any], where: Path) -> None:
+    archs = config.get("architectures") or []
+    if not archs:
+        raise CheckpointError(
+            f"{where / CONFIG} names no architecture", 'add an "architectures" list to it'
+        )
+    if not supported_backends(archs[0]):
+        raise CheckpointError(
+            f"architecture {archs[0]} is not supported by any backend",
+            "supported: " + describe_support(),
+        )
+
+
+def open_local(
+    ref: str, path: Path, revision: str | None = None, *, allow_pickle: bool = False
+) -> Checkpoint:
+    """Open and validate a checkpoint directory (no tensor bytes are read)."""
+    if not path.exists():
+        raise NotFoundError(f"{path} does not exist")
+    if not path.is_dir():
+        raise CheckpointError(f"{path} is not a directory", "name the checkpoint directory")
+    config = read_config(path)
+    check_architecture(config, path)
+    ckpt = Checkpoint(ref=ref, path=path, revision=revision, config=config)
+    files = _safetensors_files(path)
+    if files:
+        for file in files:
+            infos, _meta = read_header(file)
+            for name, info in infos.items():
+                ckpt._where[name] = file
+                ckpt._infos[name] = info
+    else:
+        _open_pickle(ckpt, allow_pickle)
+    if not ckpt._where:
+        raise CheckpointError(f"{path} holds no tensors")
+    return ckpt
+
+
+def _safetensors_files(path: Path) -> list[Path]:
+    index = path / SAFETENSORS_INDEX
+    if index.is_file():
+        return _indexed_files(path, index)
+    return sorted(path.glob("*.safetensors"))
+
+
+def _indexed_files(path: Path, index: Path) -> list[Path]:
+    try:
+        weight_map = json.loads(index.read_text())["weight_map"]
+    except (json.JSONDecodeError, KeyError, TypeError):
+        raise CheckpointError(f"{index} is not a valid index (no weight_map)") from None
+    files = sorted({path / name for name in weight_map.values()})
+    for file in files:
+        if not file.is_file():
+            raise CheckpointError(
+                f"{index.name} names {file.name}, which is missing from {path}",
+                "the download is incomplete: run `neuronctl download MODEL` again",
+            )
+    return files
+
+
+def _open_pickle(ckpt: Checkpoint, allow_pickle: bool) -> None:
+    path = ckpt.path
+    index = path / PICKLE_INDEX
+    if index.is_file():
+        weight_map = json.loads(index.read_text()).get("weight_map", {})
+        files = sorted({path / name for name in weight_map.values()})
+    else:
+        files = sorted(path.glob("*.bin")) + sorted(path.glob("*.pth"))
+    if not files:
+        raise CheckpointError(
+            f"{path} has no weights (*.safetensors)", "download the model's safetensors files"
+        )
+    if not allow_pickle:
+        raise CheckpointError(f"{path} has only pickle weights ({files[0].name})", CONVERT_HINT)
+    for file in files:
+        if not file.is_file():
+            raise CheckpointError(f"{index.name} names {file.name}, which is missing from {path}")
+        try:
+            tensors = ckpt._pickle_file(file)
+        except Exception as exc:  # torch raises many types for a damaged or unsafe pickle
+            raise CheckpointError(f"cannot load {file}: {exc}".splitlines()[0]) from None
+        for name, tensor in tensors.items():
+            ckpt._where[name] = file
+            ckpt._infos[name] = TensorInfo(tensor.dtype, tuple(tensor.shape))
