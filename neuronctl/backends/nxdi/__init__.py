@@ -1,0 +1,1 @@
+"""NxD Inference backend (neuronx-distributed-inference); the SDK imports lazily."""

@@ -1,0 +1,1 @@
+"""Transformers NeuronX backend (transformers-neuronx); the SDK imports lazily."""
