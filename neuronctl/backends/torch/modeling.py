@@ -1,0 +1,413 @@
+"""Llama-family modeling in plain PyTorch with static shapes (gpt-fast style, functional).
+
+Every function takes the weights as a dict of tensors (Hugging Face names) instead of owning
+parameters, so `torch.export` sees them as graph inputs: the compiled graphs carry no weights
+and one graph serves every checkpoint of the same architecture.
+
+The KV cache follows Neuron's layout: per layer one K and one V tensor of
+[batch_size slots, kv_heads, seq_len, head_dim], one contiguous block per sequence. The two
+entry points mirror Neuron's two graphs:
+
+- `context_encode`: one prompt padded to a context bucket, written into one slot; returns the
+  logits of the last real position.
+- `token_generate`: every slot advances by one token at its own position; attention reads the
+  first `bucket` positions of each slot, masked per slot; returns logits [batch, vocab].
+
+Both update the cache in place (index_put_), which torch.export and AOTInductor keep as a
+mutation of the caller's tensors, so no cache is ever copied.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from neuronctl.errors import CheckpointError, SpecError
+
+ARCHITECTURES = {
+    "LlamaForCausalLM": "Llama 2/3/3.1/3.2 (default, linear and llama3 rope)",
+    "MistralForCausalLM": "Mistral (sliding window only when >= seq_len)",
+    "Qwen2ForCausalLM": "Qwen2/2.5 (qkv bias; sliding window only when >= seq_len)",
+}
+ROPE_TYPES = ("default", "linear", "llama3")
+Weights = Mapping[str, Tensor]
+
+
+@dataclass(frozen=True)
+class ModelArgs:
+    architecture: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_layers: int
+    num_heads: int
+    num_kv_heads: int
+    head_dim: int
+    rms_norm_eps: float
+    rope: dict[str, Any]  # rope_type, rope_theta and the type's own parameters
+    tie_word_embeddings: bool
+    qkv_bias: bool
+    o_bias: bool
+    max_position_embeddings: int | None
+    sliding_window: int | None  # the window that applies to some layer, None when none does
+
+    @property
+    def group_size(self) -> int:
+        return self.num_heads // self.num_kv_heads
+
+
+def args_from_config(config: Mapping[str, Any]) -> ModelArgs:
+    """Read a config.json (old and new transformers spellings); refuse what we cannot run."""
+    archs = config.get("architectures") or []
+    arch = archs[0] if archs else None
+    if arch not in ARCHITECTURES:
+        raise CheckpointError(
+            f"architecture {arch!r} is not supported by the torch backend",
+            "supported: " + ", ".join(ARCHITECTURES),
+        )
+    act = config.get("hidden_act", "silu")
+    if act != "silu":
+        raise CheckpointError(f"hidden_act {act!r} is not supported", "only silu is")
+    if config.get("mlp_bias"):
+        raise CheckpointError("mlp_bias is not supported by the torch backend")
+    heads = int(config["num_attention_heads"])
+    attention_bias = bool(config.get("attention_bias", False))
+    return ModelArgs(
+        architecture=arch,
+        vocab_size=int(config["vocab_size"]),
+        hidden_size=int(config["hidden_size"]),
+        intermediate_size=int(config["intermediate_size"]),
+        num_layers=int(config["num_hidden_layers"]),
+        num_heads=heads,
+        num_kv_heads=int(config.get("num_key_value_heads") or heads),
+        head_dim=int(config.get("head_dim") or config["hidden_size"] // heads),
+        rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
+        rope=rope_parameters(config),
+        tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
+        # Qwen2 always has q/k/v bias; Llama's attention_bias adds it to q/k/v and o.
+        qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
+        o_bias=arch != "Qwen2ForCausalLM" and attention_bias,
+        max_position_embeddings=config.get("max_position_embeddings"),
+        sliding_window=_sliding_window(arch, config),
+    )
+
+
+def rope_parameters(config: Mapping[str, Any]) -> dict[str, Any]:
+    """transformers 5 keeps rope in `rope_parameters`; older configs in rope_theta+rope_scaling."""
+    params = dict(config.get("rope_parameters") or {})
+    if not params or "rope_theta" not in params:
+        params.update(config.get("rope_scaling") or {})
+        params.setdefault("rope_theta", config.get("rope_theta", 10000.0))
+    rope_type = params.pop("type", None) or params.get("rope_type") or "default"
+    params["rope_type"] = rope_type
+    if rope_type not in ROPE_TYPES:
+        raise CheckpointError(
+            f"rope type {rope_type!r} is not supported by the torch backend",
+            "supported: " + ", ".join(ROPE_TYPES),
+        )
+    if float(params.get("partial_rotary_factor", 1.0)) != 1.0:
+        raise CheckpointError("partial_rotary_factor != 1 is not supported")
+    return params
+
+
+def _sliding_window(arch: str, config: Mapping[str, Any]) -> int | None:
+    window = config.get("sliding_window")
+    if not window:
+        return None
+    if arch == "MistralForCausalLM":
+        return int(window)
+    layer_types = config.get("layer_types") or []
+    if "sliding_attention" in layer_types:
+        return int(window)
+    if config.get("use_sliding_window") and not layer_types:
+        # Older Qwen2 configs: layers from max_window_layers on use the window.
+        if int(config.get("max_window_layers", 0)) < int(config["num_hidden_layers"]):
+            return int(window)
+    return None
+
+
+def check_args(args: ModelArgs, seq_len: int) -> None:
+    """Refuse shapes this modeling code would not compute exactly."""
+    if args.num_heads % args.num_kv_heads:
+        raise CheckpointError(
+            f"{args.num_heads} attention heads are not a multiple of {args.num_kv_heads} KV heads"
+        )
+    if args.sliding_window is not None and args.sliding_window < seq_len:
+        raise SpecError(
+            "seq_len",
+            f"the model uses a sliding window of {args.sliding_window} tokens, shorter than "
+            f"seq_len {seq_len}; the torch backend attends over the full context",
+            f"use --seq-len {args.sliding_window} or less",
+        )
+
+
+def inv_freq(args: ModelArgs) -> Tensor:
+    """RoPE inverse frequencies in float32, as transformers computes them."""
+    rope, dim = args.rope, args.head_dim
+    base = float(rope["rope_theta"])
+    freq = 1.0 / (base ** (torch.arange(0, dim, 2, dtype=torch.int64).float() / dim))
+    if rope["rope_type"] == "linear":
+        return freq / float(rope["factor"])
+    if rope["rope_type"] == "llama3":
+        return _llama3_scaling(freq, rope)
+    return freq
+
+
+def _llama3_scaling(freq: Tensor, rope: Mapping[str, Any]) -> Tensor:
+    factor = float(rope["factor"])
+    low, high = float(rope["low_freq_factor"]), float(rope["high_freq_factor"])
+    old_len = float(rope["original_max_position_embeddings"])
+    wavelen = 2 * math.pi / freq
+    scaled = torch.where(wavelen > old_len / low, freq / factor, freq)
+    smooth = (old_len / wavelen - low) / (high - low)
+    smoothed = (1 - smooth) * scaled / factor + smooth * scaled
+    medium = ~(wavelen < old_len / high) * ~(wavelen > old_len / low)
+    return torch.where(medium, smoothed, scaled)
+
+
+def weight_names(args: ModelArgs) -> list[str]:
+    """The checkpoint tensors the graphs read, in the order graphs take them."""
+    names = ["model.embed_tokens.weight", "model.norm.weight"]
+    if not args.tie_word_embeddings:
+        names.append("lm_head.weight")
+    for i in range(args.num_layers):
+        p = f"model.layers.{i}."
+        names += [p + "input_layernorm.weight", p + "post_attention_layernorm.weight"]
+        for proj in ("q_proj", "k_proj", "v_proj", "o_proj"):
+            names.append(f"{p}self_attn.{proj}.weight")
+        if args.qkv_bias:
+            names += [f"{p}self_attn.{proj}.bias" for proj in ("q_proj", "k_proj", "v_proj")]
+        if args.o_bias:
+            names.append(f"{p}self_attn.o_proj.bias")
+        names += [f"{p}mlp.{proj}.weight" for proj in ("gate_proj", "up_proj", "down_proj")]
+    return sorted(names)
+
+
+def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
+    """The shape every weight must have for this config (checked before building)."""
+    h, kv = args.hidden_size, args.num_kv_heads * args.head_dim
+    q = args.num_heads * args.head_dim
+    per_layer = {
+        "input_layernorm.weight": (h,),
+        "post_attention_layernorm.weight": (h,),
+        "self_attn.q_proj.weight": (q, h),
+        "self_attn.k_proj.weight": (kv, h),
+        "self_attn.v_proj.weight": (kv, h),
+        "self_attn.o_proj.weight": (h, q),
+        "self_attn.q_proj.bias": (q,),
+        "self_attn.k_proj.bias": (kv,),
+        "self_attn.v_proj.bias": (kv,),
+        "self_attn.o_proj.bias": (h,),
+        "mlp.gate_proj.weight": (args.intermediate_size, h),
+        "mlp.up_proj.weight": (args.intermediate_size, h),
+        "mlp.down_proj.weight": (h, args.intermediate_size),
+    }
+    shapes = {
+        "model.embed_tokens.weight": (args.vocab_size, h),
+        "model.norm.weight": (h,),
+        "lm_head.weight": (args.vocab_size, h),
+    }
+    for name in weight_names(args):
+        if name.startswith("model.layers."):
+            shapes[name] = per_layer[name.split(".", 3)[3]]
+    return {name: shapes[name] for name in weight_names(args)}
+
+
+def new_kv_cache(
+    args: ModelArgs, batch_size: int, seq_len: int, dtype: torch.dtype
+) -> tuple[list[Tensor], list[Tensor]]:
+    shape = (batch_size, args.num_kv_heads, seq_len, args.head_dim)
+    k = [torch.zeros(shape, dtype=dtype) for _ in range(args.num_layers)]
+    v = [torch.zeros(shape, dtype=dtype) for _ in range(args.num_layers)]
+    return k, v
+
+
+# --- the computation -----------------------------------------------------------------------
+
+
+def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
+    # float32 statistics, then back to the activation dtype, as transformers does.
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return weight * x32.to(x.dtype)
+
+
+def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    return torch.nn.functional.linear(x, weight, bias)
+
+
+def rope_tables(freq: Tensor, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
+    """cos/sin of shape [B, 1, T, head_dim] for integer positions [B, T]."""
+    angles = positions[..., None].float() * freq
+    emb = torch.cat((angles, angles), dim=-1)
+    return emb.cos().to(dtype)[:, None], emb.sin().to(dtype)[:, None]
+
+
+def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
+    half = x.shape[-1] // 2
+    rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
+    return x * cos + rotated * sin
+
+
+def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, args: ModelArgs) -> Tensor:
+    """Grouped-query attention without repeating K/V.
+
+    q [B, Hq, T, D]; k, v [B, Hkv, S, D]; mask [B, T, S] bool (True = attend). -> [B, T, Hq*D]
+    """
+    b, _, t, d = q.shape
+    g, s = args.group_size, k.shape[2]
+    # Query heads h*g .. h*g+g-1 share KV head h: fold the group into the query rows.
+    qg = q.reshape(b, args.num_kv_heads, g * t, d)
+    scores = torch.matmul(qg, k.transpose(-1, -2)) * (d**-0.5)
+    scores = scores.view(b, args.num_kv_heads, g, t, s)
+    scores = scores.masked_fill(~mask[:, None, None], float("-inf"))
+    probs = torch.softmax(scores.float(), dim=-1).to(q.dtype)
+    out = torch.matmul(probs.view(b, args.num_kv_heads, g * t, s), v)
+    return out.view(b, args.num_heads, t, d).transpose(1, 2).reshape(b, t, args.num_heads * d)
+
+
+def _project_qkv(
+    w: Weights, p: str, h: Tensor, args: ModelArgs
+) -> tuple[Tensor, Tensor, Tensor]:
+    b, t, _ = h.shape
+    bias = args.qkv_bias
+    q = linear(h, w[p + "q_proj.weight"], w[p + "q_proj.bias"] if bias else None)
+    k = linear(h, w[p + "k_proj.weight"], w[p + "k_proj.bias"] if bias else None)
+    v = linear(h, w[p + "v_proj.weight"], w[p + "v_proj.bias"] if bias else None)
+    q = q.view(b, t, args.num_heads, args.head_dim).transpose(1, 2)
+    k = k.view(b, t, args.num_kv_heads, args.head_dim).transpose(1, 2)
+    v = v.view(b, t, args.num_kv_heads, args.head_dim).transpose(1, 2)
+    return q, k, v
+
+
+def _mlp(w: Weights, p: str, x: Tensor) -> Tensor:
+    gate = linear(x, w[p + "gate_proj.weight"])
+    up = linear(x, w[p + "up_proj.weight"])
+    return linear(torch.nn.functional.silu(gate) * up, w[p + "down_proj.weight"])
+
+
+def _lm_head(w: Weights, x: Tensor, args: ModelArgs) -> Tensor:
+    x = rms_norm(x, w["model.norm.weight"], args.rms_norm_eps)
+    head = w["model.embed_tokens.weight"] if args.tie_word_embeddings else w["lm_head.weight"]
+    return linear(x, head).float()
+
+
+def context_encode(
+    args: ModelArgs,
+    w: Weights,
+    freq: Tensor,
+    k_cache: list[Tensor],
+    v_cache: list[Tensor],
+    token_ids: Tensor,
+    length: Tensor,
+    slot: Tensor,
+) -> Tensor:
+    """token_ids [1, bucket] (right-padded), length [1], slot [1] -> logits [vocab] float32."""
+    bucket = token_ids.shape[1]
+    positions = torch.arange(bucket, device=token_ids.device)
+    x = torch.nn.functional.embedding(token_ids, w["model.embed_tokens.weight"])
+    cos, sin = rope_tables(freq, positions[None], x.dtype)
+    causal = (positions[None, :] <= positions[:, None])[None]  # [1, T, T]
+    for i in range(args.num_layers):
+        p = f"model.layers.{i}."
+        h = rms_norm(x, w[p + "input_layernorm.weight"], args.rms_norm_eps)
+        q, k, v = _project_qkv(w, p + "self_attn.", h, args)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        # cache[slot, :, 0:bucket] = k; padded positions hold garbage that decode masks out
+        k_cache[i][slot, :, positions] = k[0].transpose(0, 1)
+        v_cache[i][slot, :, positions] = v[0].transpose(0, 1)
+        o = attention(q, k, v, causal, args)
+        x = x + linear(o, w[p + "self_attn.o_proj.weight"], _o_bias(w, p, args))
+        h = rms_norm(x, w[p + "post_attention_layernorm.weight"], args.rms_norm_eps)
+        x = x + _mlp(w, p + "mlp.", h)
+    last = x.index_select(1, length - 1)  # [1, 1, hidden]: only the last real position
+    return _lm_head(w, last, args)[0, 0]
+
+
+def token_generate(
+    args: ModelArgs,
+    w: Weights,
+    freq: Tensor,
+    k_cache: list[Tensor],
+    v_cache: list[Tensor],
+    token_ids: Tensor,
+    positions: Tensor,
+    bucket: int,
+) -> Tensor:
+    """token_ids [B], positions [B] (-1 = idle slot) -> logits [B, vocab] float32."""
+    batch = token_ids.shape[0]
+    seq_len = k_cache[0].shape[2]
+    # An idle slot writes into its own last position, which any live sequence overwrites
+    # before it attends to it; position 0 would clobber a prompt prefilled in that slot.
+    write_at = torch.where(positions < 0, seq_len - 1, positions)
+    live = positions.clamp(min=0)
+    slots = torch.arange(batch, device=token_ids.device)
+    x = torch.nn.functional.embedding(token_ids[:, None], w["model.embed_tokens.weight"])
+    cos, sin = rope_tables(freq, live[:, None], x.dtype)
+    span = torch.arange(bucket, device=token_ids.device)
+    mask = (span[None, :] <= live[:, None])[:, None]  # [B, 1, bucket]
+    for i in range(args.num_layers):
+        p = f"model.layers.{i}."
+        h = rms_norm(x, w[p + "input_layernorm.weight"], args.rms_norm_eps)
+        q, k, v = _project_qkv(w, p + "self_attn.", h, args)
+        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
+        k_cache[i][slots, :, write_at] = k[:, :, 0]
+        v_cache[i][slots, :, write_at] = v[:, :, 0]
+        keys, values = k_cache[i][:, :, :bucket], v_cache[i][:, :, :bucket]
+        o = attention(q, keys, values, mask, args)
+        x = x + linear(o, w[p + "self_attn.o_proj.weight"], _o_bias(w, p, args))
+        h = rms_norm(x, w[p + "post_attention_layernorm.weight"], args.rms_norm_eps)
+        x = x + _mlp(w, p + "mlp.", h)
+    return _lm_head(w, x, args)[:, 0]
+
+
+def _o_bias(w: Weights, p: str, args: ModelArgs) -> Tensor | None:
+    return w[p + "self_attn.o_proj.bias"] if args.o_bias else None
+
+
+# --- exportable wrappers ---------------------------------------------------------------------
+
+
+class ContextEncoding(torch.nn.Module):
+    """Holds no tensors: weights, rope frequencies and the KV cache are all inputs."""
+
+    def __init__(self, args: ModelArgs) -> None:
+        super().__init__()
+        self.args = args
+
+    def forward(
+        self,
+        weights: dict[str, Tensor],
+        freq: Tensor,
+        k_cache: list[Tensor],
+        v_cache: list[Tensor],
+        token_ids: Tensor,
+        length: Tensor,
+        slot: Tensor,
+    ) -> Tensor:
+        return context_encode(self.args, weights, freq, k_cache, v_cache, token_ids, length, slot)
+
+
+class TokenGeneration(torch.nn.Module):
+    def __init__(self, args: ModelArgs, bucket: int) -> None:
+        super().__init__()
+        self.args = args
+        self.bucket = bucket
+
+    def forward(
+        self,
+        weights: dict[str, Tensor],
+        freq: Tensor,
+        k_cache: list[Tensor],
+        v_cache: list[Tensor],
+        token_ids: Tensor,
+        positions: Tensor,
+    ) -> Tensor:
+        return token_generate(
+            self.args, weights, freq, k_cache, v_cache, token_ids, positions, self.bucket
+        )
