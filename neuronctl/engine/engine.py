@@ -1,0 +1,275 @@
+"""The continuous-batching engine: one thread drives a Runner, many threads submit.
+
+The loop is the flow of seed 000 (Transformers NeuronX continuous batching):
+  1. context-encode waiting prompts into free slots (one prefill each; the first token);
+  2. decode every live slot together, one token per step;
+  3. evict a sequence at EOS, a stop string or max_tokens, freeing its slot;
+  4. repeat, so waiting prompts enter freed slots while the others keep decoding.
+Each request has its own seeded generator, so sampling never depends on what shares the batch.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+import time
+from collections.abc import Iterable, Iterator, Sequence
+
+from neuronctl.backends.base import Runner
+from neuronctl.engine.errors import EngineStoppedError, RequestError
+from neuronctl.engine.request import Event, FinishReason, Request, RequestOutput, Sink
+from neuronctl.engine.sampling import (
+    DEFAULT_GLOBAL_TOPK,
+    SamplingParams,
+    resolve,
+    sample,
+    sample_rows,
+)
+from neuronctl.engine.scheduler import Scheduler
+from neuronctl.engine.text import Detokenize
+
+
+class RequestHandle:
+    """What `submit` returns: the request id, cancel, and (without a custom sink) its events."""
+
+    def __init__(self, engine: Engine, request: Request, events: queue.Queue[Event] | None):
+        self._engine = engine
+        self._request = request
+        self._events = events
+        self.request_id = request.request_id
+        self.prompt_tokens = len(request.prompt_ids)
+
+    def cancel(self) -> None:
+        self._engine.cancel(self._request)
+
+    def __iter__(self) -> Iterator[Event]:
+        if self._events is None:
+            raise TypeError("this request was submitted with its own sink")
+        while True:
+            event = self._events.get()
+            yield event
+            if event.finish_reason is not None:
+                return
+
+    def result(self) -> RequestOutput:
+        for event in self:
+            if event.output is not None:
+                return event.output
+        raise AssertionError("a request always ends with an output")
+
+
+class Engine:
+    def __init__(
+        self,
+        runner: Runner,
+        detokenize: Detokenize,
+        eos_ids: Iterable[int] = (),
+        global_topk: int = DEFAULT_GLOBAL_TOPK,
+        max_queue: int | None = None,
+    ) -> None:
+        self.runner = runner
+        self.detokenize = detokenize
+        self.eos_ids = frozenset(eos_ids)
+        self.global_topk = global_topk
+        self.scheduler = Scheduler(runner.batch_size, max_queue)
+        self.max_prompt = min(runner.max_context_length, max(runner.context_buckets))
+        self._cond = threading.Condition()
+        self._thread: threading.Thread | None = None
+        self._stopping = False
+        self._drain = True
+        self.steps = 0  # decode steps run, for tests and metrics
+
+    # -- public API, any thread ---------------------------------------------------------------
+
+    def start(self) -> Engine:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._loop, name="neuronctl-engine", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self, drain: bool = True, timeout: float | None = None) -> None:
+        """Stop accepting; with drain, finish what was submitted first, else abort it."""
+        with self._cond:
+            self._stopping = True
+            self._drain = drain
+            self._cond.notify_all()
+        if self._thread is not None:
+            self._thread.join(timeout)
+
+    def submit(
+        self, prompt_ids: Sequence[int], params: SamplingParams, sink: Sink | None = None
+    ) -> RequestHandle:
+        """Queue a request; raise RequestError, QueueFullError or EngineStoppedError."""
+        resolved = resolve(params, self.global_topk)
+        max_tokens = self._check_lengths(prompt_ids, resolved)
+        events: queue.Queue[Event] | None = None
+        if sink is None:
+            events = queue.Queue()
+            sink = events.put
+        request = Request(list(prompt_ids), resolved, max_tokens, sink, self.detokenize)
+        with self._cond:
+            if self._stopping:
+                raise EngineStoppedError("the engine is shutting down")
+            self.scheduler.add(request)
+            self._cond.notify_all()
+        return RequestHandle(self, request, events)
+
+    def generate(
+        self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+    ) -> list[RequestOutput]:
+        """Run prompts through the batch together; outputs in prompt order."""
+        per = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
+        handles = [self.submit(p, sp) for p, sp in zip(prompts, per, strict=True)]
+        return [h.result() for h in handles]
+
+    def cancel(self, request: Request) -> None:
+        with self._cond:
+            request.cancelled = True
+            self._cond.notify_all()
+
+    def stats(self) -> dict[str, int]:
+        with self._cond:
+            return {
+                "waiting": len(self.scheduler.waiting),
+                "running": len(self.scheduler.running()),
+                "batch_size": len(self.scheduler.slots),
+            }
+
+    def limits(self) -> dict[str, int]:
+        return {"max_prompt_tokens": self.max_prompt, "seq_len": self.runner.seq_len}
+
+    def _check_lengths(self, prompt_ids: Sequence[int], params: SamplingParams) -> int:
+        n, seq_len = len(prompt_ids), self.runner.seq_len
+        if n == 0:
+            raise RequestError("the prompt is empty", param="prompt")
+        if n > self.max_prompt:
+            raise RequestError(
+                f"the prompt has {n} tokens; this artifact accepts at most {self.max_prompt} "
+                f"(its largest context bucket)",
+                param="prompt",
+                code="context_length_exceeded",
+            )
+        bad = [t for t in prompt_ids if not 0 <= t < self.runner.vocab_size]
+        if bad:
+            raise RequestError(f"token id {bad[0]} is outside the vocabulary", param="prompt")
+        max_tokens = params.max_tokens if params.max_tokens is not None else seq_len - n
+        if n + max_tokens > seq_len:
+            raise RequestError(
+                f"prompt ({n} tokens) + max_tokens ({max_tokens}) = {n + max_tokens} is over "
+                f"this artifact's sequence length {seq_len}",
+                param="max_tokens",
+                hint=f"use max_tokens <= {seq_len - n}",
+                code="context_length_exceeded",
+            )
+        if max_tokens < 1:
+            raise RequestError(
+                f"the prompt ({n} tokens) leaves no room to generate in sequence length {seq_len}",
+                param="prompt",
+                code="context_length_exceeded",
+            )
+        return max_tokens
+
+    # -- the engine thread --------------------------------------------------------------------
+
+    def _loop(self) -> None:
+        while True:
+            with self._cond:
+                while not self.scheduler.has_work() and not self._stopping:
+                    self._cond.wait()
+                if self._stopping and not (self._drain and self.scheduler.has_work()):
+                    break
+                for request in self.scheduler.take_cancelled():
+                    self._emit_end(request, "abort")
+                admitted = self.scheduler.admit()
+            for request in admitted:
+                self._prefill(request)
+            running = self.scheduler.running()
+            if running:
+                self._decode(running)
+        self._abort_all()
+
+    def _prefill(self, request: Request) -> None:
+        request.scheduled = time.perf_counter()
+        assert request.slot is not None
+        try:
+            logits = self.runner.prefill(request.slot, request.prompt_ids)
+            token = sample(logits, request.params, request.generator)
+        except Exception as exc:  # the runner failed: end this request, keep serving
+            self._finish(request, "error", f"{type(exc).__name__}: {exc}")
+            return
+        self._append(request, token)
+
+    def _decode(self, running: list[Request]) -> None:
+        batch = len(self.scheduler.slots)
+        tokens, positions = [0] * batch, [-1] * batch
+        for r in running:
+            assert r.slot is not None
+            tokens[r.slot], positions[r.slot] = r.output_ids[-1], r.next_position
+        try:
+            logits = self.runner.decode(tokens, positions)
+            picked = sample_rows(
+                logits,
+                [r.slot for r in running],  # type: ignore[misc]
+                [r.params for r in running],
+                [r.generator for r in running],
+            )
+        except Exception as exc:
+            for r in running:
+                self._finish(r, "error", f"{type(exc).__name__}: {exc}")
+            return
+        self.steps += 1
+        for r, token in zip(running, picked, strict=True):
+            self._append(r, token)
+
+    def _append(self, request: Request, token: int) -> None:
+        request.output_ids.append(token)
+        request.token_times.append(time.perf_counter())
+        delta, hit_stop = request.text.update(request.output_ids)
+        reason: FinishReason | None = None
+        if hit_stop or (token in self.eos_ids and not request.params.ignore_eos):
+            reason = "stop"
+        elif len(request.output_ids) >= request.max_tokens:
+            reason = "length"
+        if reason is None:
+            self._send(request, Event(request.request_id, token, delta, time.perf_counter()))
+            return
+        with self._cond:
+            self.scheduler.release(request)
+        delta += request.text.flush()
+        output = request.output(reason)
+        self._send(
+            request, Event(request.request_id, token, delta, time.perf_counter(), reason, output)
+        )
+
+    def _finish(self, request: Request, reason: FinishReason, error: str | None = None) -> None:
+        with self._cond:
+            self.scheduler.release(request)
+        self._emit_end(request, reason, error)
+
+    def _emit_end(self, request: Request, reason: FinishReason, error: str | None = None) -> None:
+        output = request.output(reason, error)
+        event = Event(
+            request.request_id,
+            None,
+            request.text.flush(),
+            time.perf_counter(),
+            reason,
+            output,
+            error,
+        )
+        self._send(request, event)
+
+    def _send(self, request: Request, event: Event) -> None:
+        try:
+            request.sink(event)
+        except Exception:  # the consumer is gone (e.g. its event loop closed): stop its work
+            request.cancelled = True
+
+    def _abort_all(self) -> None:
+        with self._cond:
+            leftover = list(self.scheduler.waiting) + self.scheduler.running()
+            self.scheduler.waiting.clear()
+            for request in leftover:
+                self.scheduler.release(request)
+        for request in leftover:
+            self._emit_end(request, "abort", "the engine stopped")

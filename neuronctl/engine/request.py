@@ -1,0 +1,131 @@
+"""A request's lifecycle: waiting -> running in a slot -> finished, and what it reports.
+
+The engine thread owns every Request; consumers only see the immutable events it sends to the
+request's sink (a thread-safe callable), so no state is shared across threads.
+"""
+
+from __future__ import annotations
+
+import itertools
+import time
+from collections.abc import Callable
+from dataclasses import dataclass, field
+from typing import Any, Literal
+
+import torch
+
+from neuronctl.engine.sampling import SamplingParams, make_generator
+from neuronctl.engine.text import Detokenize, TextStream
+
+# "stop": EOS or a stop string; "length": max_tokens or the end of the sequence;
+# "abort": cancelled by the caller; "error": the runner failed.
+FinishReason = Literal["stop", "length", "abort", "error"]
+
+_ids = itertools.count()
+
+
+@dataclass(frozen=True)
+class Timings:
+    arrival: float
+    scheduled: float | None  # when it got a slot (prefill started)
+    first_token: float | None
+    finished: float | None
+
+    def as_dict(self) -> dict[str, float | None]:
+        def ms(end: float | None, start: float | None) -> float | None:
+            return None if end is None or start is None else round((end - start) * 1000, 3)
+
+        return {
+            "queue_ms": ms(self.scheduled, self.arrival),
+            "ttft_ms": ms(self.first_token, self.arrival),
+            "e2e_ms": ms(self.finished, self.arrival),
+        }
+
+
+@dataclass(frozen=True)
+class Event:
+    """New output of one request: one token (or none, at an abort/error), and maybe the end."""
+
+    request_id: str
+    token_id: int | None
+    text: str  # text that became final with this event
+    time: float
+    finish_reason: FinishReason | None = None
+    output: RequestOutput | None = None  # set on the last event
+    error: str | None = None
+
+
+@dataclass(frozen=True)
+class RequestOutput:
+    request_id: str
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: FinishReason
+    timings: Timings
+    token_times: list[float]  # wall time at which each output token was produced
+    error: str | None = None
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "request_id": self.request_id,
+            "text": self.text,
+            "token_ids": self.token_ids,
+            "prompt_tokens": len(self.prompt_token_ids),
+            "completion_tokens": len(self.token_ids),
+            "finish_reason": self.finish_reason,
+            "timings": {**self.timings.as_dict(), "tpot_ms": self.tpot_ms()},
+            **({"error": self.error} if self.error else {}),
+        }
+
+    def tpot_ms(self) -> float | None:
+        """Mean time per output token after the first."""
+        if len(self.token_times) < 2:
+            return None
+        span = self.token_times[-1] - self.token_times[0]
+        return round(span / (len(self.token_times) - 1) * 1000, 3)
+
+
+Sink = Callable[[Event], None]
+
+
+@dataclass(eq=False)
+class Request:
+    prompt_ids: list[int]
+    params: SamplingParams  # resolved
+    max_tokens: int  # resolved against the sequence length
+    sink: Sink
+    detokenize: Detokenize
+    request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
+    arrival: float = field(default_factory=time.perf_counter)
+    slot: int | None = None
+    output_ids: list[int] = field(default_factory=list)
+    token_times: list[float] = field(default_factory=list)
+    scheduled: float | None = None
+    cancelled: bool = False
+    generator: torch.Generator = field(init=False)
+    text: TextStream = field(init=False)
+
+    def __post_init__(self) -> None:
+        assert self.params.seed is not None, "params must be resolved"
+        self.generator = make_generator(self.params.seed)
+        self.text = TextStream(self.detokenize, self.params.stop)
+
+    @property
+    def next_position(self) -> int:
+        """Where the last sampled token is written by the next decode step."""
+        return len(self.prompt_ids) + len(self.output_ids) - 1
+
+    def output(self, reason: FinishReason, error: str | None = None) -> RequestOutput:
+        first = self.token_times[0] if self.token_times else None
+        end = self.token_times[-1] if self.token_times else time.perf_counter()
+        return RequestOutput(
+            request_id=self.request_id,
+            prompt_token_ids=list(self.prompt_ids),
+            token_ids=list(self.output_ids),
+            text=self.text.text,
+            finish_reason=reason,
+            timings=Timings(self.arrival, self.scheduled, first, end),
+            token_times=list(self.token_times),
+            error=error,
+        )

@@ -1,0 +1,96 @@
+"""Sampling parameters, their on-device rules, and the sampler itself.
+
+The rules follow NxD Inference's on-device sampling (seed 002): temperature 0 means greedy
+(the same as top_k 1); top_k -1 (or 0, "disabled") is capped at the artifact's global top_k
+(256 by default); a top_k above that cap is refused rather than silently lowered.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Sequence
+from dataclasses import dataclass, field, replace
+
+import torch
+
+from neuronctl.engine.errors import RequestError
+
+DEFAULT_GLOBAL_TOPK = 256
+
+
+@dataclass(frozen=True)
+class SamplingParams:
+    temperature: float = 1.0
+    top_k: int = -1
+    top_p: float = 1.0
+    seed: int | None = None
+    max_tokens: int | None = None  # None: up to the end of the sequence
+    stop: tuple[str, ...] = field(default_factory=tuple)
+    ignore_eos: bool = False
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0 or self.top_k == 1
+
+
+def resolve(params: SamplingParams, global_topk: int = DEFAULT_GLOBAL_TOPK) -> SamplingParams:
+    """Check a request's parameters and apply the on-device rules; raise RequestError."""
+    if params.temperature < 0:
+        raise RequestError("temperature must be >= 0", param="temperature")
+    if not 0 < params.top_p <= 1:
+        raise RequestError("top_p must be in (0, 1]", param="top_p")
+    if params.top_k < -1:
+        raise RequestError("top_k must be -1 (disabled) or >= 1", param="top_k")
+    if params.top_k > global_topk:
+        raise RequestError(
+            f"top_k {params.top_k} is above this artifact's global top_k {global_topk}",
+            param="top_k",
+            hint=f"use top_k <= {global_topk}, or -1 for {global_topk}",
+        )
+    if params.max_tokens is not None and params.max_tokens < 1:
+        raise RequestError("max_tokens must be >= 1", param="max_tokens")
+    stop = tuple(s for s in params.stop if s)
+    top_k = global_topk if params.top_k in (-1, 0) else params.top_k
+    if params.temperature == 0:
+        top_k = 1
+    seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
+    return replace(params, top_k=top_k, stop=stop, seed=seed)
+
+
+def make_generator(seed: int) -> torch.Generator:
+    gen = torch.Generator()
+    gen.manual_seed(seed)
+    return gen
+
+
+def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:
+    """One token from [vocab] float logits; params must have gone through `resolve`."""
+    if params.greedy:
+        return int(torch.argmax(logits))
+    values, indices = torch.topk(logits.float(), min(params.top_k, logits.numel()))
+    probs = torch.softmax(values / params.temperature, dim=-1)
+    if params.top_p < 1.0:
+        # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
+        before = torch.cumsum(probs, dim=-1) - probs
+        probs = torch.where(before < params.top_p, probs, torch.zeros_like(probs))
+    choice = torch.multinomial(probs, 1, generator=gen)
+    return int(indices[choice])
+
+
+def sample_rows(
+    logits: torch.Tensor,
+    rows: Sequence[int],
+    params: Sequence[SamplingParams],
+    gens: Sequence[torch.Generator],
+) -> list[int]:
+    """Sample one token per listed row of [batch, vocab] logits; greedy rows in one argmax."""
+    greedy = [i for i, p in enumerate(params) if p.greedy]
+    out = [0] * len(rows)
+    if greedy:
+        picked = torch.argmax(logits[[rows[i] for i in greedy]], dim=-1).tolist()
+        for i, token in zip(greedy, picked, strict=True):
+            out[i] = token
+    for i, p in enumerate(params):
+        if not p.greedy:
+            out[i] = sample(logits[rows[i]], p, gens[i])
+    return out

@@ -1,0 +1,98 @@
+"""FakeRunner: a stand-in for a loaded artifact, for engine/server tests. Not a model.
+
+Its next-token logits are a pure function of the slot's whole token history (a hash seeds
+them), so a scheduling bug — a token written to the wrong slot or position, a stale cache
+after a slot is reused — changes every later token. It is strict like Neuron's static cache:
+a decode must write exactly at the next free position of its slot.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import threading
+import time
+from collections.abc import Sequence
+
+import torch
+
+EOS_ID = 257  # tests/helpers.py's byte-level tokenizer: <s>=256, </s>=257, <pad>=258
+BYTE_TOKENS = 256
+
+
+class FakeRunner:
+    def __init__(
+        self,
+        batch_size: int = 4,
+        seq_len: int = 64,
+        max_context_length: int | None = None,
+        vocab_size: int = 320,
+        eos_every: int = 0,  # > 0: EOS becomes likely about once in this many histories
+        step_delay: float = 0.0,  # seconds per prefill / decode call, to make queues build up
+        fail_prefill_on: int | None = None,  # a first prompt token that makes prefill raise
+    ) -> None:
+        self.batch_size = batch_size
+        self.seq_len = seq_len
+        self.max_context_length = max_context_length or seq_len
+        self.context_buckets = [self.max_context_length]
+        self.token_gen_buckets = [seq_len]
+        self.vocab_size = vocab_size
+        self.eos_every = eos_every
+        self.step_delay = step_delay
+        self.fail_prefill_on = fail_prefill_on
+        self.history: list[list[int]] = [[] for _ in range(batch_size)]
+        self.prefills = 0
+        self.decodes = 0
+        self.max_live = 0  # most slots live in one decode step
+        self._lock = threading.Lock()  # the engine must call from one thread at a time
+
+    def logits_for(self, history: Sequence[int]) -> torch.Tensor:
+        digest = hashlib.sha256(",".join(map(str, history)).encode()).digest()
+        gen = torch.Generator().manual_seed(int.from_bytes(digest[:8], "little"))
+        logits = torch.full((self.vocab_size,), float("-inf"))
+        logits[:BYTE_TOKENS] = torch.randn(BYTE_TOKENS, generator=gen) * 3
+        if self.eos_every and digest[8] % self.eos_every == 0:
+            logits[EOS_ID] = 50.0
+        else:
+            logits[EOS_ID] = -5.0
+        return logits
+
+    def prefill(self, slot: int, token_ids: Sequence[int]) -> torch.Tensor:
+        with self._lock:
+            self._sleep()
+            if self.fail_prefill_on is not None and token_ids[0] == self.fail_prefill_on:
+                raise RuntimeError("injected prefill failure")
+            if not 0 < len(token_ids) <= self.max_context_length:
+                raise AssertionError(f"prefill of {len(token_ids)} tokens")
+            self.history[slot] = list(token_ids)
+            self.prefills += 1
+            return self.logits_for(self.history[slot])
+
+    def decode(self, token_ids: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
+        with self._lock:
+            self._sleep()
+            if len(token_ids) != self.batch_size or len(positions) != self.batch_size:
+                raise AssertionError("decode must pass one entry per slot")
+            out = torch.zeros(self.batch_size, self.vocab_size)
+            live = 0
+            for slot, (token, pos) in enumerate(zip(token_ids, positions, strict=True)):
+                if pos < 0:
+                    continue
+                if pos != len(self.history[slot]) or pos >= self.seq_len:
+                    raise AssertionError(
+                        f"slot {slot}: write at {pos}, but {len(self.history[slot])} filled"
+                    )
+                self.history[slot].append(token)
+                out[slot] = self.logits_for(self.history[slot])
+                live += 1
+            self.decodes += 1
+            self.max_live = max(self.max_live, live)
+            return out
+
+    def _sleep(self) -> None:
+        if self.step_delay:
+            time.sleep(self.step_delay)
+
+
+def byte_detokenize(token_ids: Sequence[int]) -> str:
+    """Bytes as Latin-1 characters; specials vanish (as with skip_special_tokens)."""
+    return "".join(chr(t) for t in token_ids if t < BYTE_TOKENS)

@@ -1,0 +1,182 @@
+from __future__ import annotations
+
+import random
+import threading
+
+import pytest
+
+from neuronctl.engine.engine import Engine
+from neuronctl.engine.errors import EngineStoppedError, QueueFullError, RequestError
+from neuronctl.engine.sampling import SamplingParams
+from tests.fake_runner import EOS_ID, FakeRunner, byte_detokenize
+
+GREEDY = SamplingParams(temperature=0)
+
+
+def make_engine(runner: FakeRunner, **kw: object) -> Engine:
+    return Engine(runner, byte_detokenize, eos_ids=[EOS_ID], **kw).start()  # type: ignore[arg-type]
+
+
+@pytest.fixture
+def prompts() -> list[list[int]]:
+    rng = random.Random(0)
+    return [[rng.randrange(256) for _ in range(rng.randint(1, 20))] for _ in range(13)]
+
+
+def run_alone(prompt: list[int], params: SamplingParams, **runner_kw: object) -> list[int]:
+    engine = make_engine(FakeRunner(batch_size=1, **runner_kw))  # type: ignore[arg-type]
+    try:
+        return engine.generate([prompt], params)[0].token_ids
+    finally:
+        engine.stop()
+
+
+def test_continuous_batching_gives_the_same_tokens_as_one_at_a_time(prompts) -> None:
+    # batch 3 for 13 prompts with EOS at random points: slots are freed and refilled mid-run.
+    runner = FakeRunner(batch_size=3, eos_every=9)
+    engine = make_engine(runner)
+    params = [SamplingParams(temperature=0, max_tokens=5 + i % 7) for i in range(len(prompts))]
+    outputs = engine.generate(prompts, params)
+    engine.stop()
+    for prompt, p, out in zip(prompts, params, outputs, strict=True):
+        assert out.token_ids == run_alone(prompt, p, eos_every=9)
+    assert runner.prefills == len(prompts)
+    assert runner.max_live == 3
+    assert {o.finish_reason for o in outputs} == {"stop", "length"}
+
+
+def test_seeded_sampling_does_not_depend_on_the_batch(prompts) -> None:
+    engine = make_engine(FakeRunner(batch_size=4))
+    params = [SamplingParams(temperature=0.9, top_p=0.9, seed=i, max_tokens=8) for i in range(6)]
+    batched = engine.generate(prompts[:6], params)
+    again = engine.generate(prompts[:6], params)
+    engine.stop()
+    for prompt, p, out, out2 in zip(prompts, params, batched, again, strict=False):
+        assert out.token_ids == out2.token_ids == run_alone(prompt, p)
+
+
+def test_eos_ends_with_stop_unless_ignored() -> None:
+    runner = FakeRunner(batch_size=2, eos_every=3)
+    engine = make_engine(runner)
+    prompt = [1, 2, 3]
+    stopped = engine.generate([prompt], SamplingParams(temperature=0, max_tokens=40))[0]
+    ignored = engine.generate(
+        [prompt], SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    )[0]
+    engine.stop()
+    assert stopped.finish_reason == "stop" and stopped.token_ids[-1] == EOS_ID
+    assert EOS_ID not in stopped.token_ids[:-1]
+    assert ignored.finish_reason == "length" and len(ignored.token_ids) == 40
+    assert ignored.token_ids[: len(stopped.token_ids)] == stopped.token_ids
+
+
+def test_stop_string_cuts_the_text_and_frees_the_slot() -> None:
+    engine = make_engine(FakeRunner(batch_size=1))
+    full = engine.generate([[5, 6]], SamplingParams(temperature=0, max_tokens=20))[0]
+    stop = full.text[6:8]  # a stop string the greedy output is known to contain
+    cut = engine.generate([[5, 6]], SamplingParams(temperature=0, max_tokens=20, stop=(stop,)))[0]
+    engine.stop()
+    assert cut.finish_reason == "stop"
+    assert cut.text == full.text[: full.text.index(stop)]
+    assert len(cut.token_ids) < 20
+
+
+def test_streamed_text_adds_up_to_the_final_text() -> None:
+    engine = make_engine(FakeRunner(batch_size=2))
+    handle = engine.submit([9, 9, 9], SamplingParams(temperature=0.7, seed=3, max_tokens=12))
+    events = list(handle)
+    engine.stop()
+    assert [e.token_id for e in events] == events[-1].output.token_ids  # type: ignore[union-attr]
+    assert "".join(e.text for e in events) == events[-1].output.text  # type: ignore[union-attr]
+    assert events[-1].finish_reason == "length"
+    assert all(e.finish_reason is None for e in events[:-1])
+
+
+def test_too_long_prompt_and_too_many_tokens_are_refused_with_limits() -> None:
+    engine = make_engine(FakeRunner(batch_size=1, seq_len=32, max_context_length=16))
+    with pytest.raises(RequestError, match="17 tokens.*at most 16"):
+        engine.submit([1] * 17, GREEDY)
+    with pytest.raises(RequestError, match=r"10 tokens\) \+ max_tokens \(30\) = 40.*32") as exc:
+        engine.submit([1] * 10, SamplingParams(max_tokens=30))
+    assert exc.value.hint == "use max_tokens <= 22"
+    with pytest.raises(RequestError, match="empty"):
+        engine.submit([], GREEDY)
+    with pytest.raises(RequestError, match="top_k"):
+        engine.submit([1], SamplingParams(top_k=1000))
+    # Without max_tokens a request may run to the end of the sequence.
+    out = engine.generate([[1] * 10], SamplingParams(temperature=0, ignore_eos=True))[0]
+    engine.stop()
+    assert len(out.token_ids) == 22 and out.finish_reason == "length"
+
+
+def test_full_queue_is_refused_immediately() -> None:
+    runner = FakeRunner(batch_size=1, step_delay=0.02)
+    engine = make_engine(runner, max_queue=2)
+    first = engine.submit([1], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
+    while engine.stats()["running"] == 0:
+        pass
+    queued = [engine.submit([2], GREEDY) for _ in range(2)]
+    with pytest.raises(QueueFullError, match="queue is full"):
+        engine.submit([3], GREEDY)
+    first.cancel()
+    assert first.result().finish_reason == "abort"
+    assert [q.result().finish_reason in ("stop", "length") for q in queued] == [True, True]
+    engine.stop()
+
+
+def test_cancel_frees_the_slot_for_a_waiting_request() -> None:
+    runner = FakeRunner(batch_size=1, step_delay=0.005)
+    engine = make_engine(runner)
+    long = engine.submit([1], SamplingParams(temperature=0, ignore_eos=True))
+    short = engine.submit([2], SamplingParams(temperature=0, max_tokens=3))
+    next(iter(long))  # the long request is running
+    long.cancel()
+    out = long.result()
+    assert out.finish_reason == "abort" and len(out.token_ids) < 63
+    assert short.result().finish_reason in ("stop", "length")
+    engine.stop()
+
+
+def test_runner_failure_ends_only_that_request() -> None:
+    engine = make_engine(FakeRunner(batch_size=2, fail_prefill_on=99))
+    bad = engine.submit([99, 1], GREEDY)
+    good = engine.submit([1, 2], SamplingParams(temperature=0, max_tokens=4))
+    bad_out, good_out = bad.result(), good.result()
+    engine.stop()
+    assert bad_out.finish_reason == "error" and "injected" in (bad_out.error or "")
+    assert good_out.finish_reason in ("stop", "length")
+
+
+def test_stop_drains_in_flight_then_refuses() -> None:
+    engine = make_engine(FakeRunner(batch_size=2, step_delay=0.002))
+    handles = [engine.submit([i], SamplingParams(temperature=0, max_tokens=10)) for i in range(5)]
+    engine.stop(drain=True)
+    assert all(h.result().finish_reason in ("stop", "length") for h in handles)
+    with pytest.raises(EngineStoppedError):
+        engine.submit([1], GREEDY)
+
+
+def test_stop_without_drain_aborts_the_rest() -> None:
+    engine = make_engine(FakeRunner(batch_size=1, step_delay=0.01))
+    handles = [engine.submit([i], SamplingParams(temperature=0, ignore_eos=True)) for i in range(3)]
+    engine.stop(drain=False)
+    assert "abort" in {h.result().finish_reason for h in handles}
+
+
+def test_submit_is_thread_safe() -> None:
+    engine = make_engine(FakeRunner(batch_size=4))
+    results: dict[int, list[int]] = {}
+
+    def worker(i: int) -> None:
+        results[i] = engine.generate([[i, i + 1]], SamplingParams(temperature=0, max_tokens=6))[
+            0
+        ].token_ids
+
+    threads = [threading.Thread(target=worker, args=(i,)) for i in range(16)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    engine.stop()
+    for i in range(16):
+        assert results[i] == run_alone([i, i + 1], SamplingParams(temperature=0, max_tokens=6))
