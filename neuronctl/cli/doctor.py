@@ -1,0 +1,61 @@
+"""`neuronctl doctor`: what is installed, what is missing, known-bad combinations."""
+
+from __future__ import annotations
+
+import typer
+
+from neuronctl.cli._common import JsonOpt, StoreOpt, console, print_json, table
+from neuronctl.doctor import BACKENDS, DoctorReport, diagnose
+from neuronctl.errors import EXIT_FAILED, EXIT_OK, UsageError
+
+ORDER = 90
+
+
+def doctor_command(
+    backend: str = typer.Option(
+        "torch", "--backend", help="The backend whose requirements decide the exit code."
+    ),
+    store: StoreOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Show Python and package versions, the Neuron SDK, vLLM, devices and store disk space.
+
+    Exit codes: 0 everything the backend needs is there, 1 something required is missing,
+    2 usage error. Warnings (optional packages, known-bad combinations, low disk) do not fail.
+
+    Examples:
+
+      neuronctl doctor
+
+      neuronctl doctor --backend nxdi --json
+    """
+    if backend not in BACKENDS:
+        raise UsageError(f"unknown backend {backend!r}", "use one of: " + ", ".join(BACKENDS))
+    report = diagnose(backend, store)
+    if json_out:
+        print_json(report.as_dict())
+    else:
+        render(report)
+    raise typer.Exit(EXIT_OK if report.healthy else EXIT_FAILED)
+
+
+def render(report: DoctorReport) -> None:
+    rows = [
+        [_mark(f.ok, f.required), f.section, f.name, f.detail, f.fix] for f in report.findings
+    ]
+    console.print(table(None, ["", "section", "name", "state", "fix"], rows))
+    if report.healthy:
+        console.print(f"[green]ready[/green] for the {report.backend} backend")
+    else:
+        names = ", ".join(f.name for f in report.missing)
+        console.print(f"[red]missing[/red] for the {report.backend} backend: {names}")
+
+
+def _mark(ok: bool, required: bool) -> str:
+    if ok:
+        return "[green]ok[/green]"
+    return "[red]MISSING[/red]" if required else "[yellow]warn[/yellow]"
+
+
+def register(app: typer.Typer) -> None:
+    app.command("doctor")(doctor_command)

@@ -1,0 +1,128 @@
+"""`neuronctl validate`: prove an artifact will be reused as-is, or say why not."""
+
+# No `from __future__ import annotations`: with_spec_options rebuilds the signature, and
+# typer must see the Annotated option aliases as objects, not strings.
+import os
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from neuronctl.cli._common import (
+    ConfigOpt,
+    JsonOpt,
+    RevisionOpt,
+    StoreOpt,
+    console,
+    print_json,
+    table,
+    with_spec_options,
+)
+from neuronctl.cli._progress import progress_for
+from neuronctl.errors import EXIT_FAILED, EXIT_OK, UsageError
+from neuronctl.validate import Report, validate_artifact
+
+ORDER = 30
+ARTIFACTS_ENV = "NEURON_COMPILED_ARTIFACTS"
+
+
+@with_spec_options
+def validate_command(
+    spec_flags: dict[str, Any],
+    path: str | None = typer.Argument(
+        None,
+        help="Artifact directory or artifact key (default: $NEURON_COMPILED_ARTIFACTS).",
+        show_default=False,
+    ),
+    config: ConfigOpt = None,
+    model: str | None = typer.Option(
+        None,
+        "--model",
+        help="Also check that this checkpoint is the one the artifact was built from.",
+        show_default=False,
+    ),
+    revision: RevisionOpt = None,
+    deep: bool = typer.Option(
+        False, "--deep", help="Re-hash every byte against the manifest's sha256 (slow)."
+    ),
+    store: StoreOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
+    """Check that an artifact can be reused as-is: for this spec, on this host.
+
+    Checks: the directory is an artifact; every file is present at its recorded size (with
+    --deep, its sha256 too); backend/compiler/runtime versions and NEURON_CC_FLAGS match this
+    host; the requested spec (flags or -c FILE, when given) equals the compiled one on every
+    field that changes the compiled result; the host has the cores the tp degree needs; with
+    --model, the checkpoint is the one it was built from.
+
+    Exit codes: 0 reusable, 1 not reusable (or not found), 2 usage error.
+
+    Examples:
+
+      neuronctl validate $NEURON_COMPILED_ARTIFACTS
+
+      neuronctl validate ./neuron-compiled-artifacts/3f2a9c --seq-len 2048 --tp-degree 2
+
+      neuronctl validate -c neuronctl.toml --model ./llama --deep --json
+    """
+    target = resolve_target(path, store)
+    spec, sources = requested_spec(spec_flags, config)
+    with progress_for(quiet=json_out or not deep, bytes_=True) as progress:
+        report = validate_artifact(
+            target, spec, model=model, revision=revision, deep=deep, progress=progress,
+            sources=sources,
+        )
+    if json_out:
+        print_json(report.as_dict())
+    else:
+        render(report)
+    raise typer.Exit(EXIT_OK if report.reusable else EXIT_FAILED)
+
+
+def resolve_target(path: str | None, store: Path | None) -> Path:
+    """PATH, else $NEURON_COMPILED_ARTIFACTS; a bare key is looked up in the store."""
+    text = path or os.environ.get(ARTIFACTS_ENV)
+    if not text:
+        raise UsageError(
+            "no artifact given", f"pass PATH or set {ARTIFACTS_ENV} to an artifact directory"
+        )
+    candidate = Path(text).expanduser()
+    if candidate.exists() or os.sep in text or text.startswith("."):
+        return candidate
+    from neuronctl.errors import NeuronctlError
+    from neuronctl.store.local import Store, default_store_root
+
+    try:
+        return Store(store or default_store_root()).find(text)
+    except NeuronctlError:
+        return candidate  # reported as "does not exist" by the artifact check
+
+
+def requested_spec(spec_flags: dict[str, Any], config: Path | None) -> tuple[Any, Any]:
+    """The requested spec when any flag or a file was given; (None, None) otherwise."""
+    if config is None and all(v is None for v in spec_flags.values()):
+        return None, None
+    from neuronctl.spec import resolve_spec
+
+    return resolve_spec(spec_flags, config)
+
+
+def render(report: Report) -> None:
+    rows = [[_mark(c.ok, c.kind), c.name, c.reason] for c in report.checks]
+    console.print(table(str(report.path), ["", "check", "reason"], rows))
+    if report.reusable:
+        console.print("[green]reusable[/green]: this artifact will be used as-is")
+    else:
+        n = len(report.failed)
+        console.print(f"[red]not reusable[/red]: {n} check{'s' if n > 1 else ''} failed")
+
+
+def _mark(ok: bool, kind: str) -> str:
+    if not ok:
+        return "[red]FAIL[/red]"
+    return "[yellow]note[/yellow]" if kind in ("runtime-only", "note") else "[green]ok[/green]"
+
+
+def register(app: typer.Typer) -> None:
+    app.command("validate")(validate_command)

@@ -1,0 +1,277 @@
+"""`doctor`: what is installed, what is missing, which combinations are known to break.
+
+Every finding is a value (name, ok, detail, fix). A finding is `required` when the selected
+backend cannot work without it; the report is healthy when every required finding is ok.
+Package lookups go through `importlib.metadata` and `importlib.util.find_spec` (no imports of
+the packages themselves: importing vLLM or the Neuron SDK can take seconds and print noise).
+"""
+
+from __future__ import annotations
+
+import glob
+import importlib.util
+import json
+import platform
+import re
+import shutil
+import subprocess
+import sys
+from dataclasses import dataclass
+from importlib import metadata
+from pathlib import Path
+from typing import Any
+
+NEURON_REPO = "https://pip.repos.neuron.amazonaws.com"
+NEURON_INSTALL = f"pip install --extra-index-url {NEURON_REPO} {{package}}"
+LOW_DISK_BYTES = 20 * 2**30  # a compiled 8B model with sharded weights is ~16 GB
+CORES_PER_DEVICE = 2  # NeuronCore-v2 devices (Inf2, Trn1); used only when neuron-ls is absent
+
+# dist name -> (import name, backends that need it)
+CORE_PACKAGES = {
+    "torch": ("torch", ("torch", "nxdi", "tnx")),
+    "transformers": ("transformers", ("torch", "nxdi", "tnx")),
+    "huggingface_hub": ("huggingface_hub", ("torch", "nxdi", "tnx")),
+    "safetensors": ("safetensors", ("torch", "nxdi", "tnx")),
+}
+NEURON_PACKAGES = {
+    "neuronx-cc": ("neuronxcc", ("nxdi", "tnx")),
+    "torch-neuronx": ("torch_neuronx", ("nxdi", "tnx")),
+    "neuronx-distributed-inference": ("neuronx_distributed_inference", ("nxdi",)),
+    "transformers-neuronx": ("transformers_neuronx", ("tnx",)),
+}
+BACKENDS = ("torch", "nxdi", "tnx")
+
+
+@dataclass
+class Finding:
+    name: str
+    ok: bool
+    detail: str
+    fix: str = ""
+    required: bool = False
+    section: str = "packages"
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "name": self.name,
+            "ok": self.ok,
+            "detail": self.detail,
+            "fix": self.fix,
+            "required": self.required,
+            "section": self.section,
+        }
+
+
+@dataclass
+class DoctorReport:
+    backend: str
+    findings: list[Finding]
+
+    @property
+    def healthy(self) -> bool:
+        return all(f.ok for f in self.findings if f.required)
+
+    @property
+    def missing(self) -> list[Finding]:
+        return [f for f in self.findings if f.required and not f.ok]
+
+    def as_dict(self) -> dict[str, Any]:
+        return {
+            "healthy": self.healthy,
+            "backend": self.backend,
+            "checks": [f.as_dict() for f in self.findings],
+        }
+
+
+def diagnose(backend: str = "torch", store: Path | None = None) -> DoctorReport:
+    findings = [python_finding()]
+    findings += [package_finding(name, backend) for name in CORE_PACKAGES]
+    findings += [package_finding(name, backend) for name in NEURON_PACKAGES]
+    findings += vllm_findings()
+    findings.append(devices_finding(backend))
+    findings.append(disk_finding(store))
+    return DoctorReport(backend, findings)
+
+
+# --- packages -------------------------------------------------------------------------------
+
+
+def dist_version(name: str) -> str | None:
+    try:
+        return metadata.version(name)
+    except metadata.PackageNotFoundError:
+        return None
+
+
+def module_found(name: str) -> bool:
+    try:
+        return importlib.util.find_spec(name) is not None
+    except (ImportError, ValueError):
+        return False
+
+
+def python_finding() -> Finding:
+    version = platform.python_version()
+    ok = sys.version_info >= (3, 11)
+    fix = "" if ok else "use Python 3.11 or newer"
+    return Finding("python", ok, f"{version} ({sys.executable})", fix, required=True)
+
+
+def package_finding(name: str, backend: str) -> Finding:
+    module, needed_by = {**CORE_PACKAGES, **NEURON_PACKAGES}[name]
+    required = backend in needed_by
+    neuron = name in NEURON_PACKAGES
+    install = NEURON_INSTALL.format(package=name) if neuron else f"pip install {name}"
+    version = dist_version(name)
+    section = "neuron" if neuron else "packages"
+    if version is None:
+        detail = "not installed"
+        if neuron:
+            detail += " (the Neuron SDK is not on PyPI; install it from the Neuron repository)"
+        return Finding(name, False, detail, install, required, section)
+    if not module_found(module):
+        # PyPI only has placeholder packages for the Neuron SDK: installed, nothing to import.
+        detail = f"{version} installed but module {module!r} is missing (a PyPI placeholder?)"
+        fix = f"pip uninstall -y {name} && {install}"
+        return Finding(name, False, detail, fix, required, section)
+    return Finding(name, True, version, "", required, section)
+
+
+# --- vLLM -----------------------------------------------------------------------------------
+
+
+def version_tuple(version: str) -> tuple[int, ...]:
+    """Leading numeric release parts: '0.6.dev0+neuron215' -> (0, 6)."""
+    parts = []
+    for piece in version.split("+")[0].split("."):
+        match = re.match(r"\d+", piece)
+        if not match:
+            break
+        parts.append(int(match.group()))
+        if match.group() != piece:
+            break
+    return tuple(parts)
+
+
+def vllm_dir() -> Path | None:
+    try:
+        spec = importlib.util.find_spec("vllm")
+    except (ImportError, ValueError):
+        return None
+    if spec is None or not spec.submodule_search_locations:
+        return None
+    return Path(next(iter(spec.submodule_search_locations)))
+
+
+def vllm_findings() -> list[Finding]:
+    version = dist_version("vllm")
+    if version is None:
+        fix = (
+            "only needed for `serve --engine vllm`: install a Neuron build from source "
+            "(VLLM_TARGET_DEVICE=neuron pip install -e . in a vLLM checkout)"
+        )
+        return [Finding("vllm", True, "not installed (optional)", fix, section="vllm")]
+    plugin = dist_version("vllm-neuron")
+    neuron_build = "neuron" in version.split("+", 1)[-1] if "+" in version else False
+    if neuron_build or plugin:
+        how = f"vllm-neuron plugin {plugin}" if plugin else "Neuron build"
+        findings = [Finding("vllm", True, f"{version} ({how})", section="vllm")]
+    else:
+        fix = (
+            "the PyPI wheel does not support Neuron: install from source with "
+            "VLLM_TARGET_DEVICE=neuron (see the Neuron vLLM user guide)"
+        )
+        findings = [Finding("vllm", False, f"{version} (not a Neuron build)", fix, section="vllm")]
+    findings += known_bad(version)
+    return findings
+
+
+def known_bad(vllm_version: str) -> list[Finding]:
+    """Combinations the Neuron documentation warns about."""
+    found = []
+    triton = dist_version("triton")
+    bad_triton = triton is not None and version_tuple(triton)[:3] == (2, 1, 0)
+    if bad_triton and version_tuple(vllm_version) >= (0, 5, 3):
+        found.append(
+            Finding(
+                "triton",
+                False,
+                f"triton {triton} with vllm {vllm_version}: fails with \"cannot import name "
+                "'default_dump_dir'\" (the Neuron torch pins triton 2.1.0, vllm >= 0.5.3 needs "
+                "newer)",
+                "pip install --upgrade triton==3.0.0 (after installing vLLM)",
+                section="known issues",
+            )
+        )
+    root = vllm_dir()
+    old_layout = version_tuple(vllm_version)[:2] < (0, 4)
+    if root is not None and old_layout and not (root / "model_executor/models/neuron").is_dir():
+        found.append(
+            Finding(
+                "vllm.model_executor.models.neuron",
+                False,
+                f"missing from {root}: vLLM raises ModuleNotFoundError on Neuron (pip skipped "
+                "the directory because it had no __init__.py)",
+                "in the vLLM checkout: touch vllm/model_executor/models/neuron/__init__.py, "
+                "then pip install . again",
+                section="known issues",
+            )
+        )
+    return found
+
+
+# --- devices and disk -----------------------------------------------------------------------
+
+
+def neuron_device_paths() -> list[str]:
+    return sorted(p for p in glob.glob("/dev/neuron*") if re.fullmatch(r"/dev/neuron\d+", p))
+
+
+def neuron_ls() -> list[dict[str, Any]] | None:
+    """`neuron-ls --json-output`, or None when the tool is absent or fails."""
+    exe = shutil.which("neuron-ls")
+    if exe is None:
+        return None
+    try:
+        out = subprocess.run(
+            [exe, "--json-output"], capture_output=True, text=True, timeout=20, check=True
+        ).stdout
+        data = json.loads(out)
+    except (OSError, subprocess.SubprocessError, json.JSONDecodeError):
+        return None
+    return data if isinstance(data, list) else None
+
+
+def neuron_cores() -> tuple[int, str]:
+    """NeuronCores on this host and how that was found out."""
+    devices = neuron_ls()
+    if devices is not None:
+        cores = sum(int(d.get("nc_count") or 0) for d in devices if isinstance(d, dict))
+        return cores, f"neuron-ls: {len(devices)} devices"
+    paths = neuron_device_paths()
+    if paths:
+        return len(paths) * CORES_PER_DEVICE, f"{len(paths)} /dev/neuron* devices, no neuron-ls"
+    return 0, "no /dev/neuron* devices"
+
+
+def devices_finding(backend: str) -> Finding:
+    cores, how = neuron_cores()
+    if cores:
+        return Finding("neuron devices", True, f"{cores} NeuronCores ({how})", section="host")
+    note = "compile works, running needs an Inf2/Trn1/Trn2 instance" if backend != "torch" else ""
+    fix = "install the Neuron driver (aws-neuronx-dkms) on a Neuron instance" if note else ""
+    detail = how + (f"; {note}" if note else "; not needed by the torch backend")
+    return Finding("neuron devices", backend == "torch", detail, fix, section="host")
+
+
+def disk_finding(store: Path | None) -> Finding:
+    from neuronctl.store.local import default_store_root
+
+    root = Path(store) if store is not None else default_store_root()
+    probe = root
+    while not probe.exists() and probe != probe.parent:
+        probe = probe.parent  # the store may not exist yet: its filesystem is what counts
+    free = shutil.disk_usage(probe).free
+    ok = free >= LOW_DISK_BYTES
+    fix = "" if ok else "free space or point --store / NEURONCTL_STORE at a bigger disk"
+    return Finding("store disk", ok, f"{free / 2**30:.1f} GiB free at {root}", fix, section="host")
