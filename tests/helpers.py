@@ -107,3 +107,19 @@ def _perturb_norms(model: Any, seed: int) -> None:
 
 def read_config(path: Path) -> dict[str, Any]:
     return json.loads((path / "config.json").read_text())
+
+
+def cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) -> Any:
+    """Run the real `neuronctl` entry point in a subprocess; returns CompletedProcess."""
+    import os
+    import subprocess
+    import sys
+
+    return subprocess.run(
+        [sys.executable, "-m", "neuronctl.cli.main", *args],
+        capture_output=True,
+        text=True,
+        env={**os.environ, **(env or {}), "COLUMNS": "200"},
+        cwd=cwd,
+        timeout=600,
+    )

@@ -10,6 +10,7 @@ import functools
 import inspect
 import json
 import sys
+import typing
 from collections.abc import Callable
 from pathlib import Path
 from typing import Annotated, Any
@@ -99,7 +100,14 @@ SPEC_OPTIONS: dict[str, tuple[Any, Any]] = {
 def with_spec_options(func: Callable[..., Any]) -> Callable[..., Any]:
     """Add every spec flag to a command; it receives them as one dict `spec_flags`."""
     sig = inspect.signature(func)
-    params = [p for name, p in sig.parameters.items() if name != "spec_flags"]
+    # Resolve string annotations (from __future__) in the command's own module: typer reads
+    # the wrapper, whose globals are this module's.
+    hints = typing.get_type_hints(func, include_extras=True)
+    params = [
+        p.replace(annotation=hints.get(name, p.annotation))
+        for name, p in sig.parameters.items()
+        if name != "spec_flags"
+    ]
     for name, (annotation, option) in SPEC_OPTIONS.items():
         params.append(
             inspect.Parameter(
@@ -120,6 +128,7 @@ def with_spec_options(func: Callable[..., Any]) -> Callable[..., Any]:
         return func(spec_flags=flags, **kwargs)
 
     wrapper.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]
+    wrapper.__annotations__ = {p.name: p.annotation for p in params}
     return wrapper
 
 

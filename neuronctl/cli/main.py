@@ -100,3 +100,7 @@ def _report(exc: NeuronctlError) -> None:
     err_console.print(f"[red]error:[/red] {exc.message}", soft_wrap=True)
     if exc.hint:
         err_console.print(f"[dim]hint:[/dim] {exc.hint}", soft_wrap=True)
+
+
+if __name__ == "__main__":
+    main()

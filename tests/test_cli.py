@@ -1,0 +1,106 @@
+"""The CLI shell: help, version, JSON output, and user errors as one line with an exit code."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+from neuronctl.store.local import Store
+from neuronctl.store.manifest import Manifest, Source
+from tests.helpers import cli
+
+
+def test_version_and_help_list_every_command() -> None:
+    assert cli("--version").stdout.startswith("neuronctl ")
+    out = cli("--help").stdout
+    for command in ("compile", "hash", "artifacts", "config"):
+        assert command in out
+
+
+def test_config_show_json_with_explain() -> None:
+    result = cli(
+        "config",
+        "show",
+        "--tp-degree",
+        "2",
+        "--explain",
+        "--json",
+        env={"NEURON_TOKEN_GEN_BUCKETS": "128"},
+    )
+    data = json.loads(result.stdout)
+    assert data["spec"]["tp_degree"] == 2 and data["sources"]["tp_degree"] == "flag"
+    assert (
+        data["spec"]["token_gen_buckets"] == [128] and data["sources"]["token_gen_buckets"] == "env"
+    )
+
+
+def test_usage_error_is_one_line_exit_2_no_traceback() -> None:
+    result = cli("config", "show", "--context-buckets", "256,128")
+    assert result.returncode == 2
+    assert "Traceback" not in result.stderr
+    assert "context_buckets" in result.stderr and "hint:" in result.stderr
+
+
+def test_usage_error_with_json_prints_json_error() -> None:
+    result = cli("config", "show", "--dtype", "float8", "--json")
+    assert result.returncode == 2
+    assert "dtype" in json.loads(result.stdout)["error"]
+
+
+def test_unknown_flag_is_a_usage_error() -> None:
+    assert cli("compile", "--no-such-flag").returncode == 2
+
+
+def _publish(store: Store, key: str, model: str) -> Path:
+    def build(staging: Path) -> Manifest:
+        (staging / "weights").mkdir()
+        (staging / "weights" / "tp0_sharded_checkpoint.safetensors").write_bytes(b"w" * 100)
+        return Manifest(
+            backend="torch",
+            backend_versions={"torch": "2.13.0"},
+            spec={"tp_degree": 1, "seq_len": 128, "batch_size": 2, "dtype": "float32"},
+            keys={"graph_key": "g", "weights_key": "w", "artifact_key": key * 4},
+            source=Source(model=model, digest="d"),
+            architecture={},
+        )
+
+    return store.publish(key, build).path
+
+
+def test_artifacts_list_show_rm(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    _publish(store, "aaaa", "org/model-a")
+    _publish(store, "bbbb", "org/model-b")
+    listing = json.loads(cli("artifacts", "list", "--store", str(tmp_path), "--json").stdout)
+    assert [a["model"] for a in listing["artifacts"]] == ["org/model-a", "org/model-b"]
+    assert listing["artifacts"][0]["size"] == 100
+
+    shown = json.loads(cli("artifacts", "show", "bb", "--store", str(tmp_path), "--json").stdout)
+    assert shown["source"]["model"] == "org/model-b"
+    assert "weights/tp0_sharded_checkpoint.safetensors" in shown["files"]
+
+    table = cli("artifacts", "list", "--store", str(tmp_path)).stdout
+    assert "org/model-a" in table and "100 B" in table
+
+    assert cli("artifacts", "rm", "aaaa", "--store", str(tmp_path)).returncode == 0
+    missing = cli("artifacts", "show", "aaaa", "--store", str(tmp_path))
+    assert missing.returncode == 1 and "no artifact" in missing.stderr
+
+
+def test_artifacts_gc_dry_run_then_for_real(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    for key in ("k1", "k2", "k3"):
+        _publish(store, key, key)
+    (store.artifacts / ".staging" / "k9.123.abcd").mkdir(parents=True)
+    dry = json.loads(
+        cli(
+            "artifacts", "gc", "--keep-last", "1", "--dry-run", "--json", "--store", str(tmp_path)
+        ).stdout
+    )
+    assert len(dry["removed"]) == 2 and len(dry["leftovers"]) == 1
+    assert len(list(store.iter_artifacts())) == 3
+    real = cli("artifacts", "gc", "--keep-last", "1", "--store", str(tmp_path))
+    assert real.returncode == 0
+    assert len(list(store.iter_artifacts())) == 1
+    bad = cli("artifacts", "gc", "--older-than", "soon", "--store", str(tmp_path))
+    assert bad.returncode == 2
