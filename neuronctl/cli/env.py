@@ -1,0 +1,77 @@
+"""`neuronctl env PATH`: the exports that make vLLM reuse an artifact as-is."""
+
+from __future__ import annotations
+
+import shlex
+from enum import StrEnum
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from neuronctl.cli._common import print_json
+
+ORDER = 45
+
+HELP = (
+    "Print the environment that makes vLLM load PATH instead of recompiling.\n\n"
+    "Without NEURON_COMPILED_ARTIFACTS, vLLM's Neuron integration falls into its default path, "
+    "<model>/neuron-compiled-artifacts/<md5>/, which it deletes and recompiles on every start "
+    "(15-60 minutes for a real model). These exports name the artifact by absolute path and "
+    "repeat the framework, buckets and quantization it was compiled with; every value comes "
+    "from the artifact's manifest.\n\n"
+    "Examples:\n\n"
+    '  eval "$(neuronctl env ./neuron-compiled-artifacts/3f2a...)"\n\n'
+    "  neuronctl env $ART --shell fish | source\n\n"
+    "  neuronctl env $ART --shell json\n\n"
+    "Exit codes: 0 ok, 1 PATH is not an artifact, 2 usage error (e.g. a framework the "
+    "artifact was not compiled for)."
+)
+
+
+class Shell(StrEnum):
+    bash = "bash"
+    fish = "fish"
+    json = "json"
+
+
+def fish_quote(value: str) -> str:
+    # In fish single quotes only \\ and \' are escapes (POSIX shlex.quote is wrong there).
+    return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
+
+
+def render(env: dict[str, str], shell: Shell) -> str:
+    if shell is Shell.fish:
+        return "".join(f"set -gx {k} {fish_quote(v)}\n" for k, v in env.items())
+    return "".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items())
+
+
+def env_command(
+    path: Annotated[
+        Path, typer.Argument(help="Artifact directory.", metavar="PATH", show_default=False)
+    ],
+    framework: Annotated[
+        str | None,
+        typer.Option(
+            "--framework",
+            help="nxdi | tnx (default: the backend the artifact was built with; another one "
+            "is refused because vLLM would recompile).",
+            show_default=False,
+        ),
+    ] = None,
+    shell: Annotated[Shell, typer.Option("--shell", help="Output syntax.")] = Shell.bash,
+    json_out: Annotated[bool, typer.Option("--json", help="Same as --shell json.")] = False,
+) -> None:
+    from neuronctl.store.manifest import read_manifest
+    from neuronctl.vllm import env_exports
+
+    manifest = read_manifest(path)  # first: a clear error when PATH is not an artifact
+    env = env_exports(path, manifest, framework)
+    if json_out or shell is Shell.json:
+        print_json(env)
+    else:
+        typer.echo(render(env, shell), nl=False)
+
+
+def register(app: typer.Typer) -> None:
+    app.command("env", help=HELP)(env_command)
