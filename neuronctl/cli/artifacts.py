@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from pathlib import Path
+from typing import Any
 
 import typer
 
@@ -27,7 +28,7 @@ def _resolve(store: Store, key: str) -> Path:
     return store.find(key)
 
 
-def summary(path: Path, manifest: Manifest) -> dict[str, object]:
+def summary(path: Path, manifest: Manifest) -> dict[str, Any]:
     spec = manifest.spec
     return {
         "key": path.name,
