@@ -1,0 +1,350 @@
+"""Remote stores against a real S3-protocol server (moto, on 127.0.0.1) and a shared mount,
+through the same s3fs code path users hit."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from neuronctl.store.local import Store
+from neuronctl.store.manifest import MANIFEST, Manifest, Source, read_manifest
+from neuronctl.store.remote import (
+    RemoteArtifactError,
+    open_remote,
+    resolve_artifacts_arg,
+    split_artifact_url,
+)
+from tests.s3server import S3Server, new_bucket
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+@pytest.fixture(scope="module")
+def s3server() -> Iterator[S3Server]:
+    server = S3Server().start()
+    yield server
+    server.stop()
+
+
+@pytest.fixture()
+def bucket(s3server: S3Server, monkeypatch: pytest.MonkeyPatch) -> str:
+    for name, value in s3server.env().items():
+        monkeypatch.setenv(name, value)
+    name = new_bucket(s3server)
+    s3server.reset_counts()
+    return name
+
+
+def make_artifact(root: Path, files: dict[str, bytes], seed: str = "a") -> Path:
+    """A synthetic artifact published the way compile publishes: push/pull ignore contents."""
+    key = hashlib.sha256(seed.encode()).hexdigest()
+    manifest = Manifest(
+        backend="torch",
+        backend_versions={"torch": "test"},
+        spec={"tp_degree": 1},
+        keys={"graph_key": "g" * 64, "weights_key": "w" * 64, "artifact_key": key},
+        source=Source(digest="d" * 64),
+        architecture={"model_type": "llama"},
+    )
+
+    def build(staging: Path) -> Manifest:
+        for rel, data in files.items():
+            (staging / rel).parent.mkdir(parents=True, exist_ok=True)
+            (staging / rel).write_bytes(data)
+        return manifest
+
+    return Store(root).publish(key[:20], build).path
+
+
+def sample_files(big: int = 3 * 1024 * 1024) -> dict[str, bytes]:
+    rng = os.urandom
+    return {
+        "config.json": b'{"model_type": "llama"}',
+        "graphs/ctx_128.pt2": rng(big),
+        "graphs/tkg_128.pt2": rng(100_000),
+        "weights/tp0_sharded_checkpoint.safetensors": rng(big // 2),
+        "empty.txt": b"",
+    }
+
+
+def tree_bytes(root: Path) -> dict[str, bytes]:
+    files = sorted(p for p in root.rglob("*") if p.is_file())
+    return {p.relative_to(root).as_posix(): p.read_bytes() for p in files}
+
+
+def visible(store: Store) -> list[str]:
+    return [p.name for p, _m in store.iter_artifacts()]
+
+
+def _client() -> Any:
+    """A plain boto3 client, independent of the code under test, to inspect or damage objects."""
+    import boto3
+
+    return boto3.client("s3", endpoint_url=os.environ["AWS_ENDPOINT_URL"])
+
+
+def boto_client_keys(bucket: str) -> set[str]:
+    pages = _client().get_paginator("list_objects_v2").paginate(Bucket=bucket)
+    return {obj["Key"] for page in pages for obj in page.get("Contents", [])}
+
+
+def test_s3_push_pull_round_trip_is_bit_for_bit(tmp_path: Path, bucket: str) -> None:
+    artifact = make_artifact(tmp_path / "a", sample_files())
+    remote = open_remote(f"s3://{bucket}/team")
+    assert not remote.has(artifact.name)
+
+    pushed = remote.push(artifact)
+    assert remote.has(artifact.name)
+    assert pushed.uploaded[-1] == MANIFEST
+    keys = boto_client_keys(bucket)
+    assert f"team/neuron-compiled-artifacts/{artifact.name}/graphs/ctx_128.pt2" in keys
+
+    dest = Store(tmp_path / "b")
+    published = remote.pull(artifact.name, dest)
+    assert not published.cache_hit
+    assert published.path == dest.path(artifact.name)
+    assert tree_bytes(published.path) == tree_bytes(artifact)
+    assert not list((dest.artifacts / ".staging").iterdir())
+
+
+def test_repush_uploads_nothing(tmp_path: Path, bucket: str, s3server: S3Server) -> None:
+    artifact = make_artifact(tmp_path / "a", sample_files())
+    first = open_remote(f"s3://{bucket}").push(artifact)
+    assert first.uploaded_bytes == read_manifest(artifact).total_size()
+    s3server.reset_counts()
+
+    again = open_remote(f"s3://{bucket}").push(artifact)
+
+    assert again.noop and again.uploaded_bytes == 0
+    assert s3server.uploads() == 0 and s3server.bytes_uploaded == 0
+
+
+def test_interrupted_push_resumes_from_object_metadata(
+    tmp_path: Path, bucket: str, s3server: S3Server
+) -> None:
+    artifact = make_artifact(tmp_path / "a", sample_files())
+    remote = open_remote(f"s3://{bucket}")
+    remote.push(artifact)
+    # A push killed before its last step: every file there, no manifest.
+    _client().delete_object(
+        Bucket=bucket, Key=f"neuron-compiled-artifacts/{artifact.name}/{MANIFEST}"
+    )
+    assert not remote.has(artifact.name)
+    s3server.reset_counts()
+
+    resumed = remote.push(artifact)
+
+    assert resumed.uploaded == [MANIFEST]
+    assert s3server.requests["PUT"] == 1
+    assert remote.has(artifact.name)
+
+
+def test_push_after_remote_damage_reuploads_only_the_damaged_file(
+    tmp_path: Path, bucket: str
+) -> None:
+    artifact = make_artifact(tmp_path / "a", sample_files())
+    remote = open_remote(f"s3://{bucket}")
+    remote.push(artifact)
+    _client().put_object(
+        Bucket=bucket,
+        Key=f"neuron-compiled-artifacts/{artifact.name}/graphs/tkg_128.pt2",
+        Body=b"short",
+    )
+
+    repaired = remote.push(artifact)
+
+    assert repaired.uploaded == ["graphs/tkg_128.pt2", MANIFEST]
+    pulled = remote.pull(artifact.name, Store(tmp_path / "b"))
+    assert tree_bytes(pulled.path) == tree_bytes(artifact)
+
+
+def test_corrupted_remote_object_is_refused_naming_the_file(tmp_path: Path, bucket: str) -> None:
+    files = sample_files()
+    artifact = make_artifact(tmp_path / "a", files)
+    remote = open_remote(f"s3://{bucket}")
+    remote.push(artifact)
+    rel = "weights/tp0_sharded_checkpoint.safetensors"
+    flipped = bytearray(files[rel])
+    flipped[1000] ^= 0xFF  # same size: only a hash can tell
+    _client().put_object(
+        Bucket=bucket, Key=f"neuron-compiled-artifacts/{artifact.name}/{rel}", Body=bytes(flipped)
+    )
+    dest = Store(tmp_path / "b")
+
+    with pytest.raises(RemoteArtifactError, match=rel):
+        remote.pull(artifact.name, dest)
+
+    assert visible(dest) == []
+    assert not list((dest.artifacts / ".staging").iterdir())
+
+
+def test_truncated_remote_object_is_refused_before_download(tmp_path: Path, bucket: str) -> None:
+    artifact = make_artifact(tmp_path / "a", sample_files())
+    remote = open_remote(f"s3://{bucket}")
+    remote.push(artifact)
+    _client().delete_object(
+        Bucket=bucket, Key=f"neuron-compiled-artifacts/{artifact.name}/graphs/ctx_128.pt2"
+    )
+    with pytest.raises(RemoteArtifactError, match="graphs/ctx_128.pt2.*missing"):
+        remote.pull(artifact.name, Store(tmp_path / "b"))
+
+
+def test_incomplete_remote_artifact_is_refused(tmp_path: Path, bucket: str) -> None:
+    artifact = make_artifact(tmp_path / "a", sample_files())
+    remote = open_remote(f"s3://{bucket}")
+    remote.push(artifact)
+    _client().delete_object(
+        Bucket=bucket, Key=f"neuron-compiled-artifacts/{artifact.name}/{MANIFEST}"
+    )
+    with pytest.raises(RemoteArtifactError, match="incomplete"):
+        remote.pull(artifact.name, Store(tmp_path / "b"))
+    with pytest.raises(Exception, match="no artifact"):
+        remote.pull("0" * 20, Store(tmp_path / "b"))
+
+
+def test_pull_of_a_local_artifact_is_a_cache_hit_without_download(
+    tmp_path: Path, bucket: str, s3server: S3Server
+) -> None:
+    artifact = make_artifact(tmp_path / "a", sample_files())
+    remote = open_remote(f"s3://{bucket}")
+    remote.push(artifact)
+    dest = Store(tmp_path / "b")
+    remote.pull(artifact.name, dest)
+    s3server.reset_counts()
+
+    again = remote.pull(artifact.name, dest)
+
+    assert again.cache_hit
+    assert s3server.bytes_downloaded == 0
+
+
+PULL_SCRIPT = """
+import json, sys, time
+from pathlib import Path
+from neuronctl.store.local import Store
+from neuronctl.store.remote import open_remote
+
+url, dirname, store_dir, marker, go, pause = sys.argv[1:7]
+
+class Pausing:
+    def task(self, description, total=None):
+        def advance(n):
+            if not Path(marker).exists():
+                Path(marker).touch()
+                time.sleep(float(pause))
+        return advance
+
+while not Path(go).exists():
+    time.sleep(0.01)
+published = open_remote(url).pull(dirname, Store(Path(store_dir)), Pausing())
+print(json.dumps({"cache_hit": published.cache_hit, "path": str(published.path)}))
+"""
+
+
+def pull_process(
+    url: str, dirname: str, store: Path, marker: Path, go: Path, pause: float
+) -> subprocess.Popen[str]:
+    args = [url, dirname, str(store), str(marker), str(go), str(pause)]
+    return subprocess.Popen(
+        [sys.executable, "-c", PULL_SCRIPT, *args],
+        cwd=ROOT,
+        stdout=subprocess.PIPE,
+        text=True,
+        env=os.environ.copy(),
+    )
+
+
+def wait_for(path: Path, timeout: float = 60) -> None:
+    deadline = time.monotonic() + timeout
+    while not path.exists():
+        assert time.monotonic() < deadline, f"timed out waiting for {path}"
+        time.sleep(0.02)
+
+
+def test_pull_killed_with_sigkill_leaves_no_visible_artifact(tmp_path: Path, bucket: str) -> None:
+    artifact = make_artifact(tmp_path / "a", sample_files())
+    url = f"s3://{bucket}"
+    open_remote(url).push(artifact)
+    store_dir, marker, go = tmp_path / "b", tmp_path / "marker", tmp_path / "go"
+    go.touch()
+    proc = pull_process(url, artifact.name, store_dir, marker, go, pause=120)
+    wait_for(marker)  # mid-download: some bytes are in staging
+
+    proc.send_signal(signal.SIGKILL)
+    proc.wait(timeout=30)
+
+    store = Store(store_dir)
+    assert visible(store) == []
+    assert len(store.stale_staging()) == 1  # the lock died with the process
+    published = open_remote(url).pull(artifact.name, store)
+    assert tree_bytes(published.path) == tree_bytes(artifact)
+
+
+def test_two_concurrent_pulls_download_once(
+    tmp_path: Path, bucket: str, s3server: S3Server
+) -> None:
+    artifact = make_artifact(tmp_path / "a", sample_files())
+    url = f"s3://{bucket}"
+    open_remote(url).push(artifact)
+    size = read_manifest(artifact).total_size()
+    store_dir, go = tmp_path / "b", tmp_path / "go"
+    s3server.reset_counts()
+    # The first to download pauses mid-way, so the other surely finds the key locked.
+    procs = [
+        pull_process(url, artifact.name, store_dir, tmp_path / "marker", go, pause=1.0)
+        for _ in range(2)
+    ]
+    go.touch()
+    outputs = [json.loads(p.communicate(timeout=120)[0]) for p in procs]
+
+    assert all(p.returncode == 0 for p in procs)
+    assert sorted(o["cache_hit"] for o in outputs) == [False, True]
+    # Data bytes crossed the wire once (plus two small manifest reads).
+    assert size <= s3server.bytes_downloaded < size + 64 * 1024
+    assert tree_bytes(Path(outputs[0]["path"])) == tree_bytes(artifact)
+
+
+def test_shared_mount_round_trip(tmp_path: Path) -> None:
+    artifact = make_artifact(tmp_path / "a", sample_files(big=200_000))
+    mount = tmp_path / "mount"
+    remote = open_remote(f"file://{mount}")
+
+    pushed = remote.push(artifact)
+    again = remote.push(artifact)
+    published = open_remote(str(mount)).pull(artifact.name, Store(tmp_path / "b"))
+
+    assert (mount / "neuron-compiled-artifacts" / artifact.name / MANIFEST).is_file()
+    assert pushed.uploaded_bytes > 0 and again.noop
+    assert tree_bytes(published.path) == tree_bytes(artifact)
+    assert not list(mount.rglob("*.tmp-*"))
+
+
+def test_resolve_artifacts_arg_pulls_remote_urls(tmp_path: Path, bucket: str) -> None:
+    artifact = make_artifact(tmp_path / "a", sample_files(big=10_000))
+    open_remote(f"s3://{bucket}/p").push(artifact)
+    store = Store(tmp_path / "b")
+
+    short = resolve_artifacts_arg(f"s3://{bucket}/p/{artifact.name[:6]}", store)
+    full = resolve_artifacts_arg(
+        f"s3://{bucket}/p/neuron-compiled-artifacts/{read_manifest(artifact).artifact_key}", store
+    )
+
+    assert short == full == store.path(artifact.name)
+    assert resolve_artifacts_arg(str(artifact), store) == artifact
+
+
+def test_split_artifact_url() -> None:
+    assert split_artifact_url("s3://b/p/KEY") == ("s3://b/p", "KEY")
+    assert split_artifact_url("s3://b/neuron-compiled-artifacts/KEY/") == ("s3://b", "KEY")
+    with pytest.raises(Exception, match="does not name"):
+        split_artifact_url("s3://bucket")
