@@ -119,8 +119,10 @@ class RemoteStore:
         self.is_s3 = "s3" in _protocols(fs)
 
     def path(self, dirname: str, rel: str = "") -> str:
-        return posixpath.join(self.artifacts, dirname, rel) if rel else posixpath.join(
-            self.artifacts, dirname
+        return (
+            posixpath.join(self.artifacts, dirname, rel)
+            if rel
+            else posixpath.join(self.artifacts, dirname)
         )
 
     def artifact_url(self, dirname: str) -> str:
