@@ -1,0 +1,72 @@
+"""`neuronctl config migrate`: a Transformers NeuronX override_neuron_config -> NxD Inference."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Annotated
+
+import typer
+
+from neuronctl.cli._common import JsonOpt, console, print_json, table
+from neuronctl.cli._groups import config_app
+from neuronctl.errors import UsageError
+
+HELP = (
+    "Turn a Transformers NeuronX override_neuron_config into NxD Inference's.\n\n"
+    "Follows every row of the AWS guide 'Migrating from Transformers NeuronX to NxD Inference' "
+    "(Neuron Config Migration table): sub-config keys such as quant.quant_dtype and "
+    "continuous_batching.max_num_seqs included. Keys with no NxD Inference equivalent are "
+    "listed as dropped, with the guide's note; an unknown key is an error.\n\n"
+    "SOURCE is a JSON object, vLLM's key:value,key:value form, a file holding either, or - "
+    "(stdin, the default).\n\n"
+    "Examples:\n\n"
+    "  neuronctl config migrate '{\"fuse_qkv\": true, \"quant\": {\"quant_dtype\": \"s8\"}}' "
+    "--from tnx\n\n"
+    "  neuronctl config migrate tnx_override.json --from tnx --json\n\n"
+    "  neuronctl config migrate 'shard_over_sequence:True' --from tnx\n\n"
+    "Exit codes: 0 ok, 2 unknown key, unreadable input or unsupported --from."
+)
+
+
+def read_source(source: str) -> str:
+    if source == "-":
+        return sys.stdin.read()
+    stripped = source.strip()
+    if stripped.startswith("{") or (":" in stripped and not Path(source).exists()):
+        return source
+    path = Path(source)
+    if not path.is_file():
+        raise UsageError(f"{source} is neither a file nor a JSON object")
+    return path.read_text()
+
+
+@config_app.command("migrate", help=HELP)
+def migrate_command(
+    source: Annotated[
+        str, typer.Argument(help="FILE, JSON object, key:value pairs, or - for stdin.")
+    ] = "-",
+    from_: Annotated[
+        str, typer.Option("--from", help="The library the config is written for: tnx.")
+    ] = "tnx",
+    json_out: JsonOpt = False,
+) -> None:
+    from neuronctl.migrate import migrate_tnx, parse_override
+
+    if from_ != "tnx":
+        raise UsageError(f"cannot migrate from {from_!r}", "only --from tnx is supported")
+    result = migrate_tnx(parse_override(read_source(source)))
+    if json_out:
+        print_json(result.as_dict())
+        return
+    rows = [[m["tnx"], m["nxdi"], json.dumps(m["value"]), m["note"]] for m in result.mapped]
+    rows += [[d["tnx"], "dropped", json.dumps(d["value"]), d["note"]] for d in result.dropped]
+    console.print(table("Transformers NeuronX -> NxD Inference", ["TNx", "NxDI", "value", "note"],
+                        rows))
+    console.print("override_neuron_config for NxD Inference:")
+    typer.echo(json.dumps(result.nxdi, indent=2, sort_keys=True))
+
+
+def register(app: typer.Typer) -> None:
+    """The command lives on config_app, which cli/config.py registers."""

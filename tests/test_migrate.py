@@ -1,0 +1,311 @@
+"""`config migrate` row by row against the AWS migration guide's table (seed 004).
+
+SEED_TABLE is the guide's rst list-table, transcribed as-is; the test parses it and checks
+every row against neuronctl.migrate, so the implementation's own table is not the oracle.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+import subprocess
+
+import pytest
+from typer.testing import CliRunner
+
+from neuronctl.cli.main import app
+from neuronctl.errors import UsageError
+from neuronctl.migrate import migrate_tnx, parse_override
+
+SEED_TABLE = """\
+   * - Transformers NeuronX parameter
+     - NxD Inference parameter
+     - Notes
+   * - sparse_attn
+     - N/A
+     - 
+   * - quant.quant_dtype
+     - quantization_dtype
+     - To use quantization, set ``quantized`` to True, and provide the ``quantized_checkpoints_path`` where the quantized model is stored (or will be stored).
+   * - quant.dequant_dtype
+     - torch_dtype
+     - NxD Inference uses the inference dtype as the dequant dtype.
+   * - quant.quantize_method
+     - quantization_type
+     - 
+   * - quant.quantize_attn
+     - N/A
+     - 
+   * - quant.no_quantize_list
+     - N/A
+     - 
+   * - kv_cache_quant.quant_dtype
+     - N/A
+     - NxD Inference uses FP8 (torch.float8_e4m3fn) for KV cache quantization. To use KV cache quantization, set ``kv_cache_quant`` to True.
+   * - kv_cache_quant.dequant_dtype
+     - torch_dtype
+     - NxD Inference uses the inference dtype as the dequant dtype.
+   * - kv_cache_quant.quantize_method
+     - N/A
+     - NxD Inference uses direct cast.
+   * - continuous_batching.max_num_seqs
+     - max_batch_size
+     - To use continuous batching, set ``is_continous_batching`` to True, and set ``tkg_batch_size`` to the max batch size.
+   * - continuous_batching.max_model_len
+     - seq_len
+     - 
+   * - continuous_batching.optimized_paged_attention
+     - N/A
+     - 
+   * - continuous_batching.block_size
+     - N/A
+     - 
+   * - continuous_batching.num_blocks
+     - N/A
+     - 
+   * - attention_layout
+     - N/A
+     - NxD Inference uses BHSD layout.
+   * - collectives_layout
+     - N/A
+     - NxD Inference uses BHSD layout.
+   * - cache_layout
+     - N/A
+     - NxD Inference uses BHSD layout.
+   * - padding_side
+     - padding_side
+     - NxD Inference defaults to padding on the right side.
+   * - group_query_attention
+     - N/A
+     - 
+   * - sequence_parallel_norm
+     - sequence_parallel_enabled
+     - 
+   * - sequence_parallel_norm_threshold
+     - N/A
+     - 
+   * - bf16_rms_norm
+     - N/A
+     - NxD Inference upcasts RMS norm inputs to fp32.
+   * - on_device_embedding
+     - N/A
+     - 
+   * - on_device_generation
+     - on_device_sampling_config
+     - 
+   * - on_device_generation.max_length
+     - seq_len
+     - NxD Inference uses the model's sequence length.
+   * - on_device_generation.do_sample
+     - on_device_sampling_config.do_sample
+     - 
+   * - on_device_generation.top_k
+     - on_device_sampling_config.top_k
+     - NxD Inference supports top_k through dynamic sampling. Pass the top_k values to the model inputs.
+   * - on_device_generation.top_p
+     - N/A
+     - NxD Inference supports top_p through dynamic sampling. Pass the top_p values to the model inputs.
+   * - on_device_generation.temperature
+     - N/A
+     - NxD Inference supports temperature through dynamic sampling. Pass the temperature values to the model inputs.
+   * - on_device_generation.top_p_min_tokens
+     - N/A
+     - NxD Inference defaults to a minimum of 1 token.
+   * - on_device_generation.global_top_k
+     - on_device_sampling_config.global_topk
+     - 
+   * - on_device_generation.eos_token_id
+     - N/A
+     - NxD Inference sampling treats EOS like any other token.
+   * - on_device_generation.dynamic
+     - on_device_sampling_config.dynamic
+     - 
+   * - on_device_generation.deterministic
+     - on_device_sampling_config.deterministic
+     - 
+   * - on_device_generation.per_batch_line
+     - N/A
+     - 
+   * - all_reduce_dtype
+     - rpl_reduce_dtype
+     - NxD Inference applies this dtype to only the all_reduce in attention's ``o_proj`` layer.
+   * - cast_logits_dtype
+     - N/A
+     - 
+   * - fuse_qkv
+     - fused_qkv
+     - 
+   * - qkv_tiling
+     - N/A
+     - 
+   * - weight_tiling
+     - N/A
+     - 
+   * - mlp_in_weight_tiling_permute_order
+     - N/A
+     - 
+   * - mlp_out_weight_tiling_permute_order
+     - N/A
+     - 
+   * - mlp_out_weight_transpose
+     - N/A
+     - 
+   * - log_softmax_scores
+     - N/A
+     - 
+   * - shard_over_sequence
+     - flash_decoding_enabled
+     - 
+   * - duplicate_q_weight_sos
+     - N/A
+     - 
+   * - output_all_logits
+     - N/A
+     - 
+   * - fused_rmsnorm_qkv
+     - qkv_kernel_enabled
+     - 
+   * - fused_rmsnorm_mlp
+     - mlp_kernel_enabled
+     - 
+   * - attn_output_transposed
+     - N/A
+     - 
+   * - compilation_worker_count
+     - N/A
+     -
+"""
+
+
+def seed_rows() -> list[tuple[str, str | None, str]]:
+    rows = []
+    for block in SEED_TABLE.split("   * - ")[2:]:  # [0] is empty, [1] the header
+        cells = [c.strip() for c in re.split(r"\n     - ?", block)]
+        tnx, nxdi, note = (cells + [""])[:3]
+        note = " ".join(note.replace("``", "").split())
+        rows.append((tnx, None if nxdi == "N/A" else nxdi, note))
+    return rows
+
+
+ROWS = seed_rows()
+
+
+def nested(key: str, value: object) -> dict:
+    """A TNx config with `key` (dotted for sub-configs) set, the way a user writes it."""
+    parent, _, child = key.partition(".")
+    return {parent: {child: value}} if child else {parent: value}
+
+
+def lookup(config: dict, dotted: str) -> object:
+    for part in dotted.split("."):
+        config = config[part]
+    return config
+
+
+def test_seed_table_was_transcribed_whole() -> None:
+    assert len(ROWS) == 51
+    assert ROWS[0] == ("sparse_attn", None, "")
+    assert ROWS[-1] == ("compilation_worker_count", None, "")
+
+
+@pytest.mark.parametrize(("tnx", "nxdi", "note"), ROWS, ids=[r[0] for r in ROWS])
+def test_every_row(tnx: str, nxdi: str | None, note: str) -> None:
+    value = 7 if nxdi != "on_device_sampling_config" else None
+    result = migrate_tnx(nested(tnx, value))
+    if nxdi is None:
+        assert result.dropped == [{"tnx": tnx, "value": value, "note": note}]
+        assert tnx.split(".")[-1] not in result.nxdi or tnx == "kv_cache_quant.quant_dtype"
+    else:
+        assert result.mapped == [{"tnx": tnx, "nxdi": nxdi, "value": value, "note": note}]
+        assert lookup(result.nxdi, nxdi) == value
+        assert result.dropped == []
+
+
+def test_dtype_spellings_are_translated() -> None:
+    result = migrate_tnx(
+        {"quant": {"quant_dtype": "s8", "dequant_dtype": "bf16", "quantize_method": "m"},
+         "all_reduce_dtype": "f32"}
+    )
+    assert result.nxdi == {
+        "quantized": True,
+        "quantization_dtype": "int8",
+        "torch_dtype": "bfloat16",
+        "quantization_type": "m",
+        "rpl_reduce_dtype": "float32",
+    }
+
+
+def test_companion_settings_from_the_notes() -> None:
+    result = migrate_tnx(
+        {"continuous_batching": {"max_num_seqs": 8, "max_model_len": 2048, "block_size": 2048},
+         "kv_cache_quant": {"quant_dtype": "f8e4m3fn"}}
+    )
+    assert result.nxdi == {
+        "is_continuous_batching": True,
+        "tkg_batch_size": 8,
+        "max_batch_size": 8,
+        "seq_len": 2048,
+        "kv_cache_quant": True,
+    }
+    assert [d["tnx"] for d in result.dropped] == [
+        "continuous_batching.block_size", "kv_cache_quant.quant_dtype"
+    ]
+
+
+def test_on_device_generation_sub_keys_nest_under_sampling_config() -> None:
+    result = migrate_tnx(
+        {"on_device_generation": {"do_sample": True, "top_k": 50, "global_top_k": 256,
+                                  "top_p": 0.9, "max_length": 512}}
+    )
+    assert result.nxdi == {
+        "on_device_sampling_config": {"do_sample": True, "top_k": 50, "global_topk": 256},
+        "seq_len": 512,
+    }
+
+
+def test_conflicting_values_are_refused() -> None:
+    with pytest.raises(UsageError, match="seq_len"):
+        migrate_tnx({"continuous_batching": {"max_model_len": 2048},
+                     "on_device_generation": {"max_length": 1024}})
+
+
+@pytest.mark.parametrize("bad", [{"no_such_key": 1}, {"quant": {"bogus": 1}}, {"quant.x": 2}])
+def test_unknown_keys_are_an_error_naming_the_key(bad: dict) -> None:
+    with pytest.raises(UsageError) as err:
+        migrate_tnx(bad)
+    name = next(iter(bad))
+    sub = bad[name]
+    expected = f"{name}.{next(iter(sub))}" if isinstance(sub, dict) else name
+    assert repr(expected) in err.value.message
+
+
+def test_dotted_input_keys_work_too() -> None:
+    assert migrate_tnx({"quant.quantize_method": "x"}).nxdi == {"quantization_type": "x"}
+
+
+def test_parse_vllm_cli_form() -> None:
+    assert parse_override("shard_over_sequence:True, fuse_qkv:false") == {
+        "shard_over_sequence": True, "fuse_qkv": False
+    }
+    assert parse_override('{"fuse_qkv": true}') == {"fuse_qkv": True}
+    with pytest.raises(UsageError):
+        parse_override("{not json")
+
+
+def test_cli_json_and_file(tmp_path) -> None:
+    path = tmp_path / "o.json"
+    path.write_text(json.dumps({"fuse_qkv": True, "bf16_rms_norm": True}))
+    result = CliRunner().invoke(app, ["config", "migrate", str(path), "--from", "tnx", "--json"])
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["override_neuron_config"] == {"fused_qkv": True}
+    assert data["dropped"][0]["note"] == "NxD Inference upcasts RMS norm inputs to fp32."
+
+
+def test_cli_exit_code_for_unknown_key() -> None:
+    out = subprocess.run(
+        ["neuronctl", "config", "migrate", '{"nope": 1}', "--from", "tnx"],
+        capture_output=True, text=True,
+    )
+    assert out.returncode == 2
+    assert "'nope'" in out.stderr
