@@ -1,0 +1,231 @@
+"""The embedded torch backend: neuronctl's own Llama-family modeling, one graph per bucket.
+
+Runs on any CPU. `build` shards the weights (Neuron's tp layout), writes neuron_config.json
+and traces one context-encoding graph per context bucket and one token-generation graph per
+token-generation bucket (torch.export, then AOTInductor with `--compiler inductor`). `load`
+reassembles the weights and returns a TorchRunner. docs/torch-backend.md explains the model.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import platform
+import shutil
+from collections.abc import Mapping
+from functools import cache
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+from neuronctl.backends.base import BuildRequest, BuildResult, HostCheck
+from neuronctl.backends.torch import modeling
+from neuronctl.errors import BuildError, CheckpointError, SpecError
+
+if TYPE_CHECKING:
+    from neuronctl.backends.torch.runner import TorchRunner
+    from neuronctl.checkpoints import Checkpoint
+    from neuronctl.spec import BuildSpec
+    from neuronctl.store.manifest import Manifest
+
+# Bump when modeling.py or the graph signatures change what a graph computes or takes.
+MODELING_VERSION = "1"
+NEURON_CONFIG = "neuron_config.json"
+
+
+@cache
+def cpu_isa() -> str:
+    """The vector ISA inductor generates code for on this host (e.g. 'avx512 avx512_vnni')."""
+    try:
+        from torch._inductor.cpu_vec_isa import pick_vec_isa
+
+        return str(pick_vec_isa()) or "none"
+    except Exception:  # pragma: no cover - non-x86/arm hosts
+        return "none"
+
+
+def supported_isas() -> set[str]:
+    try:
+        from torch._inductor.cpu_vec_isa import valid_vec_isa_list
+
+        return {str(isa) for isa in valid_vec_isa_list()} | {"none"}
+    except Exception:  # pragma: no cover
+        return {"none"}
+
+
+class TorchBackend:
+    name = "torch"
+
+    def versions(self) -> dict[str, str]:
+        import torch
+
+        # cpu_isa changes the code inductor generates, so it is part of the graph key: an
+        # artifact built on an AVX-512 host is never a cache hit on an AVX2 host.
+        return {
+            "torch": torch.__version__,
+            "modeling": MODELING_VERSION,
+            "cpu_isa": cpu_isa(),
+        }
+
+    def architectures(self) -> Mapping[str, str]:
+        return dict(modeling.ARCHITECTURES)
+
+    def check(self, spec: BuildSpec, config: Mapping[str, Any]) -> None:
+        args = modeling.args_from_config(config)
+        modeling.check_args(args, spec.seq_len)
+        if spec.compiler not in ("export", "inductor"):
+            raise SpecError("compiler", f"{spec.compiler!r} is not a torch compiler",
+                            "use inductor or export")
+
+    def build(self, request: BuildRequest) -> BuildResult:
+        from neuronctl.backends.torch.graphs import GraphJob, build_graphs
+        from neuronctl.sharding import shard_checkpoint
+
+        spec, staging = request.spec, request.staging
+        config = dict(request.checkpoint.config)
+        self.check(spec, config)
+        check_tensors(request.checkpoint, modeling.args_from_config(config))
+        jobs = graph_jobs(spec, config, staging)
+        reused = request.reuse_graphs_from is not None
+        if reused:
+            graphs = copy_graphs(request.reuse_graphs_from, staging, jobs)  # type: ignore[arg-type]
+        else:
+            graphs = build_graphs(jobs, request.jobs, request.progress)
+        write_neuron_config(staging, spec, config, jobs)
+        from neuronctl.backends.torch.graphs import DTYPES
+
+        shard_checkpoint(
+            request.checkpoint, spec.tp_degree, DTYPES[str(spec.dtype)], staging / "weights",
+            request.progress,
+        )
+        return BuildResult(graphs=graphs, graphs_reused=reused, extra=build_facts(spec))
+
+    def load(self, path: Path, manifest: Manifest) -> TorchRunner:
+        from neuronctl.backends.torch.runner import TorchRunner
+
+        return TorchRunner(path, manifest.spec, manifest.architecture)
+
+    def host_checks(self, manifest: Manifest) -> list[HostCheck]:
+        return host_checks(manifest, self.versions())
+
+
+def check_tensors(checkpoint: Checkpoint, args: modeling.ModelArgs) -> None:
+    """Every tensor the graphs read exists with the shape the config implies."""
+    names = set(checkpoint.tensor_names())
+    for name, shape in modeling.expected_shapes(args).items():
+        if name not in names:
+            raise CheckpointError(
+                f"{checkpoint.ref} has no tensor {name}, which its config.json implies",
+                "the checkpoint is incomplete or its config does not match its weights",
+            )
+        actual = tuple(checkpoint.tensor_info(name).shape)
+        if actual != shape:
+            raise CheckpointError(
+                f"{checkpoint.ref}: {name} has shape {list(actual)}, config.json implies "
+                f"{list(shape)}",
+                "the checkpoint's config does not match its weights",
+            )
+
+
+def graph_jobs(spec: BuildSpec, config: dict[str, Any], staging: Path) -> list[Any]:
+    from neuronctl.backends.torch.graphs import CONTEXT, TOKEN_GEN, GraphJob
+
+    common = dict(
+        config=config, batch_size=spec.batch_size, seq_len=spec.seq_len,
+        dtype=str(spec.dtype), compiler=str(spec.compiler), staging=str(staging),
+    )
+    assert isinstance(spec.context_buckets, list) and isinstance(spec.token_gen_buckets, list)
+    return [GraphJob(CONTEXT, b, **common) for b in spec.context_buckets] + [
+        GraphJob(TOKEN_GEN, b, **common) for b in spec.token_gen_buckets
+    ]
+
+
+def copy_graphs(donor: Path, staging: Path, jobs: list[Any]) -> list[str]:
+    """A fine-tune of the same architecture: the donor's graphs are exactly ours."""
+    graphs = []
+    for job in jobs:
+        src = donor / job.relpath
+        if not src.is_file():
+            raise BuildError(f"graph donor {donor} lacks {job.relpath}")
+        (staging / job.relpath).parent.mkdir(parents=True, exist_ok=True)
+        shutil.copyfile(src, staging / job.relpath)
+        graphs.append(job.relpath)
+    return graphs
+
+
+def write_neuron_config(staging: Path, spec: BuildSpec, config: dict[str, Any],
+                        jobs: list[Any]) -> None:
+    """The backend-native description: spec, KV layout and graph files (relative paths)."""
+    args = modeling.args_from_config(config)
+    data = {
+        "backend": "torch",
+        "neuron_config": spec.model_dump(mode="json"),
+        "kv_cache": {
+            "layout": ["batch_size", "num_key_value_heads", "seq_len", "head_dim"],
+            "shape": [spec.batch_size, args.num_kv_heads, spec.seq_len, args.head_dim],
+            "layers": args.num_layers,
+            "dtype": str(spec.dtype),
+        },
+        "graphs": {job.name: job.relpath for job in jobs},
+        "graph_inputs": {
+            "context_encoding": "weights, inv_freq, k_cache[L], v_cache[L], token_ids[1,bucket],"
+            " length[1], slot[1] -> logits[vocab]",
+            "token_generation": "weights, inv_freq, k_cache[L], v_cache[L], token_ids[B],"
+            " positions[B] -> logits[B,vocab]",
+        },
+    }
+    (staging / NEURON_CONFIG).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def build_facts(spec: BuildSpec) -> dict[str, Any]:
+    import torch
+
+    facts: dict[str, Any] = {"torch_threads": torch.get_num_threads(), "cpu_isa": cpu_isa()}
+    if spec.compiler == "inductor":
+        facts["cxx"] = _cxx_version()
+    return facts
+
+
+def _cxx_version() -> str:
+    try:
+        from torch._inductor.cpp_builder import get_cpp_compiler
+
+        return str(get_cpp_compiler())
+    except Exception:
+        return "unknown"
+
+
+def host_checks(manifest: Manifest, here: Mapping[str, str]) -> list[HostCheck]:
+    built = manifest.backend_versions
+    checks = [
+        HostCheck(
+            "torch version",
+            built.get("torch") == here["torch"],
+            f"built with torch {built.get('torch')}, this host has {here['torch']}; "
+            "install that torch or recompile",
+        ),
+        HostCheck(
+            "modeling version",
+            built.get("modeling") == here["modeling"],
+            f"built by torch modeling v{built.get('modeling')}, this neuronctl has "
+            f"v{here['modeling']}; recompile",
+        ),
+    ]
+    if manifest.spec.get("compiler") == "inductor":
+        isa = built.get("cpu_isa", "none")
+        checks.append(HostCheck(
+            "cpu isa",
+            isa in supported_isas(),
+            f"compiled for {isa} ({manifest.host.get('machine', '?')}), this host "
+            f"({platform.machine()}) supports {sorted(supported_isas())}; recompile here or use "
+            "--compiler export",
+        ))
+    tp, cores = int(manifest.spec.get("tp_degree", 1)), os.cpu_count() or 1
+    checks.append(HostCheck(
+        "cores", tp <= cores,
+        f"tp degree {tp} needs {tp} cores, this host has {cores}; recompile with --tp-degree "
+        f"{cores} or less",
+    ))
+    return [c if not c.ok else HostCheck(c.name, True) for c in checks]
+
+
+__all__ = ["TorchBackend"]

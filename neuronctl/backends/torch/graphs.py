@@ -1,0 +1,154 @@
+"""One graph per bucket: trace with torch.export, optionally compile with AOTInductor.
+
+Graph files are `graphs/context_encoding_<bucket>.pt2` and `graphs/token_generation_<bucket>
+.pt2`. Every graph takes (weights dict, rope frequencies, K caches, V caches, ...) as inputs, so
+no weight is baked into a graph: graphs are small and shared by every checkpoint with the same
+graph key. Graphs are traced from empty tensors of the right shapes; tracing never reads the
+checkpoint.
+"""
+
+from __future__ import annotations
+
+import logging
+import traceback
+from collections.abc import Callable
+from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
+from dataclasses import dataclass
+from multiprocessing import get_context
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from neuronctl.backends.base import Progress
+from neuronctl.backends.torch import modeling
+from neuronctl.errors import BuildError
+
+GRAPHS_DIR = "graphs"
+REPORT_DIR = "report"
+CONTEXT = "context_encoding"
+TOKEN_GEN = "token_generation"
+DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+
+
+@dataclass(frozen=True)
+class GraphJob:
+    """Everything a worker process needs to produce one graph file (picklable)."""
+
+    kind: str  # CONTEXT | TOKEN_GEN
+    bucket: int
+    config: dict[str, Any]
+    batch_size: int
+    seq_len: int
+    dtype: str
+    compiler: str  # "export" | "inductor"
+    staging: str
+
+    @property
+    def name(self) -> str:
+        return graph_name(self.kind, self.bucket)
+
+    @property
+    def relpath(self) -> str:
+        return f"{GRAPHS_DIR}/{self.name}.pt2"
+
+
+def graph_name(kind: str, bucket: int) -> str:
+    return f"{kind}_{bucket}"
+
+
+def example_inputs(job: GraphJob) -> tuple[Any, ...]:
+    """Inputs with the graph's static shapes; values are never read while tracing."""
+    args = modeling.args_from_config(job.config)
+    dtype = DTYPES[job.dtype]
+    shapes = modeling.expected_shapes(args)
+    weights = {name: torch.empty(shape, dtype=dtype) for name, shape in shapes.items()}
+    cache_shape = (job.batch_size, args.num_kv_heads, job.seq_len, args.head_dim)
+    k = [torch.empty(cache_shape, dtype=dtype) for _ in range(args.num_layers)]
+    v = [torch.empty(cache_shape, dtype=dtype) for _ in range(args.num_layers)]
+    freq = modeling.inv_freq(args)
+    if job.kind == CONTEXT:
+        tokens = torch.zeros(1, job.bucket, dtype=torch.long)
+        return (weights, freq, k, v, tokens, torch.ones(1, dtype=torch.long),
+                torch.zeros(1, dtype=torch.long))
+    tokens = torch.zeros(job.batch_size, dtype=torch.long)
+    return (weights, freq, k, v, tokens, torch.zeros(job.batch_size, dtype=torch.long))
+
+
+def module_for(job: GraphJob) -> torch.nn.Module:
+    args = modeling.args_from_config(job.config)
+    if job.kind == CONTEXT:
+        return modeling.ContextEncoding(args)
+    return modeling.TokenGeneration(args, job.bucket)
+
+
+def build_graph(job: GraphJob) -> str:
+    """Trace (and compile) one graph into staging; on failure write its log and raise."""
+    staging = Path(job.staging)
+    out = staging / job.relpath
+    out.parent.mkdir(parents=True, exist_ok=True)
+    log_path = staging / REPORT_DIR / f"{job.name}.log"
+    log_path.parent.mkdir(parents=True, exist_ok=True)
+    handler = logging.FileHandler(log_path)
+    torch_logger = logging.getLogger("torch")
+    torch_logger.addHandler(handler)
+    try:
+        with torch.no_grad():
+            program = torch.export.export(module_for(job), example_inputs(job), strict=False)
+        if job.compiler == "inductor":
+            torch._inductor.aoti_compile_and_package(program, package_path=str(out))
+        else:
+            torch.export.save(program, str(out))
+    except Exception as exc:
+        handler.stream.write(traceback.format_exc())
+        raise BuildError(
+            f"compiling graph {job.name} failed: {type(exc).__name__}: {exc}"
+            f" (compiler log: {REPORT_DIR}/{job.name}.log)"
+        ) from None
+    finally:
+        torch_logger.removeHandler(handler)
+        handler.close()
+    log_path.unlink(missing_ok=True)  # a successful build keeps no report
+    return job.relpath
+
+
+def build_graphs(jobs: list[GraphJob], workers: int, progress: Progress) -> list[str]:
+    """Build every graph, in parallel spawn workers when allowed; first failure wins."""
+    bars = {job.name: progress.task(f"{job.compiler} {job.name}", total=1) for job in jobs}
+    if workers <= 1 or len(jobs) == 1:
+        # In-process: no interpreter start-up per graph, which dominates tiny builds.
+        done = []
+        for job in jobs:
+            done.append(build_graph(job))
+            bars[job.name](1)
+        return done
+    return _build_in_pool(jobs, min(workers, len(jobs)), bars)
+
+
+def _build_in_pool(
+    jobs: list[GraphJob], workers: int, bars: dict[str, Callable[[float], None]]
+) -> list[str]:
+    results: dict[str, str] = {}
+    with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")) as pool:
+        pending: dict[Future[str], GraphJob] = {pool.submit(build_graph, j): j for j in jobs}
+        try:
+            while pending:
+                finished, _ = wait(pending, return_when=FIRST_COMPLETED)
+                for future in finished:
+                    job = pending.pop(future)
+                    results[job.name] = _result(future, job)
+                    bars[job.name](1)
+        except BaseException:
+            for future in pending:
+                future.cancel()
+            raise
+    return [results[job.name] for job in jobs]
+
+
+def _result(future: Future[str], job: GraphJob) -> str:
+    try:
+        return future.result()
+    except BuildError:
+        raise
+    except Exception as exc:  # the worker died (out of memory, killed): name the bucket
+        raise BuildError(f"compiling graph {job.name} failed: {type(exc).__name__}: {exc}") from None
