@@ -425,7 +425,7 @@ def _user_set(requested: BuildSpec, sources: Mapping[str, str] | None) -> list[s
     known = set(GRAPH_FIELDS) | set(WEIGHTS_FIELDS) | set(RUNTIME_FIELDS)
     compared = [f for f in FIELDS if f in known]
     if sources is not None:
-        return [f for f in compared if sources.get(f, "default") != "default"]
+        return [f for f in compared if not sources.get(f, "default").startswith("default")]
     defaults = spec_to_dict(normalize(BuildSpec()))
     values = spec_to_dict(requested)
     return [f for f in compared if canonical_json(values[f]) != canonical_json(defaults[f])]
@@ -552,7 +552,7 @@ def check_checkpoint(manifest: Manifest, model: str, revision: str | None = None
     try:
         from neuronctl.checkpoints import open_checkpoint
 
-        digest = open_checkpoint(model, revision).digest()
+        digest = open_checkpoint(model, revision, download=False).digest()
     except NeuronctlError as exc:
         return Check("checkpoint", False, f"cannot read {model}: {exc}")
     except ImportError as exc:

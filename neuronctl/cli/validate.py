@@ -1,7 +1,7 @@
 """`neuronctl validate`: prove an artifact will be reused as-is, or say why not."""
 
-# No `from __future__ import annotations`: with_spec_options rebuilds the signature, and
-# typer must see the Annotated option aliases as objects, not strings.
+from __future__ import annotations
+
 import os
 from pathlib import Path
 from typing import Any

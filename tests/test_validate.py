@@ -1,0 +1,406 @@
+"""Reuse validation on artifacts: intact, damaged, moved, and asked for another spec."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+import neuronctl.validate as validate_mod
+from neuronctl.backends.base import HostCheck
+from neuronctl.cli.main import app
+from neuronctl.errors import BackendUnavailableError, NeuronctlError
+from neuronctl.keys import FORMAT_VERSION, compute_keys
+from neuronctl.spec import finalize, resolve_spec, spec_to_dict
+from neuronctl.store.local import Store
+from neuronctl.store.manifest import MANIFEST, Manifest, Source, read_manifest
+from neuronctl.validate import Report, quick_validate, validate_artifact
+from tests.helpers import cli
+
+runner = CliRunner()
+
+# The spec the test artifact is compiled with; every flag test changes one field of it.
+COMPILED = {"compiler": "export", "seq_len": 64, "batch_size": 2}
+WEIGHT = "weights/tp0_sharded_checkpoint.safetensors"
+
+
+class FakeTorchBackend:
+    """Stands in for the torch backend's version/host facts in the synthetic artifact."""
+
+    name = "torch"
+
+    def __init__(self, versions: dict[str, str] | None = None) -> None:
+        self._versions = versions or {"torch": "2.13.0+cpu", "cpu_isa": "x86_64-avx2"}
+        self.host: list[HostCheck] = [HostCheck("cpu isa", True, "x86_64-avx2")]
+
+    def versions(self) -> dict[str, str]:
+        return dict(self._versions)
+
+    def host_checks(self, manifest: Manifest) -> list[HostCheck]:
+        return list(self.host)
+
+
+def _synthetic_artifact(store_root: Path, checkpoint: Path) -> Path:
+    """An artifact laid out as the torch backend's, with random bytes for graphs and weights."""
+    from neuronctl.checkpoints import open_checkpoint
+
+    ckpt = open_checkpoint(str(checkpoint))
+    spec, _ = resolve_spec({**COMPILED, "model": str(checkpoint)}, env={})
+    spec = finalize(spec, ckpt.shape())
+    versions = FakeTorchBackend().versions()
+    keys = compute_keys(spec, ckpt.config, versions, ckpt.digest())
+
+    def build(staging: Path) -> Manifest:
+        (staging / "weights").mkdir()
+        (staging / "graphs").mkdir()
+        (staging / WEIGHT).write_bytes(os.urandom(256 * 1024))
+        (staging / "graphs" / "context_64.pt2").write_bytes(os.urandom(64 * 1024))
+        (staging / "graphs" / "token_gen_64.pt2").write_bytes(os.urandom(64 * 1024))
+        shutil.copyfile(checkpoint / "config.json", staging / "config.json")
+        return Manifest(
+            backend="torch",
+            backend_versions=versions,
+            spec=spec_to_dict(spec),
+            keys=keys.as_dict(),
+            source=Source(model=str(checkpoint), path=str(checkpoint), digest=ckpt.digest()),
+            architecture=ckpt.config,
+            graphs=["graphs/context_64.pt2", "graphs/token_gen_64.pt2"],
+        )
+
+    return Store(store_root).publish(keys.dirname, build).path
+
+
+@pytest.fixture(scope="session")
+def source_artifact(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> Path:
+    return _synthetic_artifact(tmp_path_factory.mktemp("store"), tiny_llama)
+
+
+@pytest.fixture(autouse=True)
+def fake_backend(monkeypatch: pytest.MonkeyPatch) -> FakeTorchBackend:
+    backend = FakeTorchBackend()
+    monkeypatch.setattr(validate_mod, "_backend", lambda name: backend)
+    return backend
+
+
+@pytest.fixture
+def artifact(source_artifact: Path, tmp_path: Path) -> Path:
+    """A private copy: tests damage it."""
+    return Path(shutil.copytree(source_artifact, tmp_path / "copy" / source_artifact.name))
+
+
+def _cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
+    """In-process (the fake backend applies); errors map to exit codes as main() maps them."""
+    result = runner.invoke(app, ["validate", *args, "--json"], env=env)
+    if isinstance(result.exception, NeuronctlError):
+        return result.exception.exit_code, {"error": str(result.exception)}
+    try:
+        return result.exit_code, json.loads(result.stdout)
+    except json.JSONDecodeError:
+        raise AssertionError(f"not JSON (exit {result.exit_code}): {result.output}") from None
+
+
+def _failed(report: Report | dict[str, Any]) -> dict[str, str]:
+    checks = report["checks"] if isinstance(report, dict) else [c.as_dict() for c in report.checks]
+    return {c["name"]: c["reason"] for c in checks if not c["ok"]}
+
+
+def _edit_manifest(path: Path, **changes: Any) -> None:
+    data = json.loads((path / MANIFEST).read_text())
+    for dotted, value in changes.items():
+        *parents, leaf = dotted.split("__")
+        target = data
+        for p in parents:
+            target = target[p]
+        target[leaf] = value
+    (path / MANIFEST).write_text(json.dumps(data))
+
+
+# --- intact, moved, copied ------------------------------------------------------------------
+
+
+def test_intact_artifact_is_reusable_quick_and_deep(artifact: Path) -> None:
+    assert quick_validate(artifact).reusable
+    report = validate_artifact(artifact, deep=True)
+    assert report.reusable, _failed(report)
+    names = [c.name for c in report.checks]
+    assert names[:2] == ["artifact", "files"] and "sha256" in names and "capacity" in names
+
+
+def test_cli_exit_0_and_json_shape(artifact: Path) -> None:
+    code, data = _cli(str(artifact))
+    assert code == 0
+    assert data["reusable"] is True and data["path"] == str(artifact)
+    assert all({"name", "ok", "reason"} <= set(c) for c in data["checks"])
+
+
+def test_moved_and_copied_artifact_stays_reusable(artifact: Path, tmp_path: Path) -> None:
+    moved = tmp_path / "elsewhere" / "renamed"
+    moved.parent.mkdir()
+    artifact.rename(moved)
+    copied = Path(shutil.copytree(moved, tmp_path / "second-copy"))
+    for path in (moved, copied):
+        report = validate_artifact(path, deep=True)
+        assert report.reusable, _failed(report)
+
+
+def test_path_defaults_to_neuron_compiled_artifacts(artifact: Path) -> None:
+    code, data = _cli(env={"NEURON_COMPILED_ARTIFACTS": str(artifact)})
+    assert code == 0 and data["path"] == str(artifact)
+
+
+def test_no_path_and_no_env_is_a_usage_error() -> None:
+    result = cli("validate")  # the real entry point: one line, exit 2, no traceback
+    assert result.returncode == 2
+    assert "NEURON_COMPILED_ARTIFACTS" in result.stderr and "Traceback" not in result.stderr
+
+
+def test_artifact_key_is_looked_up_in_the_store(source_artifact: Path) -> None:
+    store_root = source_artifact.parent.parent
+    code, data = _cli(source_artifact.name[:8], "--store", str(store_root))
+    assert code == 0 and data["path"] == str(source_artifact)
+
+
+# --- not an artifact ------------------------------------------------------------------------
+
+
+def test_missing_path_fails_with_a_reason(tmp_path: Path) -> None:
+    code, data = _cli(str(tmp_path / "nope"))
+    assert code == 1
+    assert "does not exist" in _failed(data)["artifact"]
+
+
+def test_empty_directory_is_not_an_artifact(tmp_path: Path) -> None:
+    (tmp_path / "empty").mkdir()
+    code, data = _cli(str(tmp_path / "empty"))
+    assert code == 1
+    assert "not an artifact: an empty directory" in _failed(data)["artifact"]
+
+
+def test_corrupt_manifest_is_reported(artifact: Path) -> None:
+    (artifact / MANIFEST).write_text("{not json")
+    assert "unreadable" in _failed(quick_validate(artifact))["artifact"]
+
+
+@pytest.mark.parametrize(
+    ("version", "words"), [(FORMAT_VERSION + 1, "upgrade neuronctl"), (0, "recompile")]
+)
+def test_unknown_format_version(artifact: Path, version: int, words: str) -> None:
+    _edit_manifest(artifact, format_version=version)
+    assert words in _failed(quick_validate(artifact))["artifact"]
+
+
+# --- damaged files --------------------------------------------------------------------------
+
+
+def test_flipped_byte_passes_quick_and_fails_deep_naming_the_file(artifact: Path) -> None:
+    shard = artifact / WEIGHT
+    data = bytearray(shard.read_bytes())
+    data[len(data) // 2] ^= 0x01
+    shard.write_bytes(bytes(data))
+    assert quick_validate(artifact).reusable
+    code, report = _cli(str(artifact), "--deep")
+    assert code == 1
+    assert _failed(report)["sha256"].startswith(WEIGHT)
+
+
+def test_truncated_file_is_named(artifact: Path) -> None:
+    graph = artifact / "graphs" / "context_64.pt2"
+    with open(graph, "r+b") as f:
+        f.truncate(100)
+    reason = _failed(quick_validate(artifact))["files"]
+    assert "truncated" in reason and "graphs/context_64.pt2 (100 bytes" in reason
+
+
+def test_missing_shard_is_named(artifact: Path) -> None:
+    (artifact / WEIGHT).unlink()
+    code, data = _cli(str(artifact))
+    assert code == 1
+    assert f"missing: {WEIGHT}" in _failed(data)["files"]
+
+
+def test_stray_loader_file_fails_but_other_stray_files_do_not(artifact: Path) -> None:
+    (artifact / "README.txt").write_text("notes")
+    assert quick_validate(artifact).reusable
+    (artifact / "weights" / "tp1_sharded_checkpoint.safetensors").write_bytes(b"x")
+    reason = _failed(quick_validate(artifact))["extra files"]
+    assert "weights/tp1_sharded_checkpoint.safetensors" in reason
+
+
+def test_manifest_path_outside_the_artifact_is_refused(artifact: Path) -> None:
+    _edit_manifest(artifact, files__x={"size": 1, "sha256": "0" * 64})
+    data = json.loads((artifact / MANIFEST).read_text())
+    data["files"]["../../etc/passwd"] = data["files"].pop("x")
+    (artifact / MANIFEST).write_text(json.dumps(data))
+    assert "outside the artifact" in _failed(quick_validate(artifact))["files"]
+
+
+# --- versions and host ----------------------------------------------------------------------
+
+
+def test_older_torch_version_in_manifest_fails(artifact: Path) -> None:
+    _edit_manifest(artifact, backend_versions__torch="2.5.1")
+    reason = _failed(quick_validate(artifact))["versions"]
+    assert "torch compiled with 2.5.1, this host has 2.13.0+cpu" in reason
+    assert "torch==2.5.1" in reason  # how to get the matching version back
+
+
+def test_backend_sdk_missing_fails_with_its_message(
+    artifact: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def unavailable(name: str) -> Any:
+        raise BackendUnavailableError("neuronx-distributed-inference is not installed")
+
+    monkeypatch.setattr(validate_mod, "_backend", unavailable)
+    assert "not installed" in _failed(quick_validate(artifact))["versions"]
+
+
+def test_failed_host_check_becomes_a_failed_check(
+    artifact: Path, fake_backend: FakeTorchBackend
+) -> None:
+    fake_backend.host = [HostCheck("cpu isa", False, "compiled for avx512, host has avx2")]
+    assert _failed(quick_validate(artifact)) == {"cpu isa": "compiled for avx512, host has avx2"}
+
+
+def test_neuron_cc_flags_must_match(artifact: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("NEURON_CC_FLAGS", "--model-type=transformer")
+    reason = _failed(quick_validate(artifact))["NEURON_CC_FLAGS"]
+    assert "unset NEURON_CC_FLAGS" in reason
+    _edit_manifest(artifact, spec__cc_flags="--model-type=transformer")
+    assert quick_validate(artifact).reusable
+
+
+def test_tp_degree_over_available_cores_fails(
+    artifact: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(validate_mod, "available_cpus", lambda: 1)
+    _edit_manifest(artifact, spec__tp_degree=2)
+    assert "needs 2 CPU cores, this host has 1" in _failed(quick_validate(artifact))["capacity"]
+
+
+# --- requested spec -------------------------------------------------------------------------
+
+# One changed flag per compile-relevant field that has a flag: (flags, field that must fail).
+CHANGED = [
+    (["--seq-len", "128"], "seq_len"),
+    (["--batch-size", "4"], "batch_size"),
+    (["--tp-degree", "2"], "tp_degree"),
+    (["--max-context-length", "32"], "max_context_length"),
+    (["--dtype", "bfloat16"], "dtype"),
+    (["--context-buckets", "32,64"], "context_buckets"),
+    (["--token-gen-buckets", "32,64"], "token_gen_buckets"),
+    (["--compiler", "inductor"], "compiler"),
+    (["--override-neuron-config", '{"fused_qkv": true}'], "override_neuron_config"),
+    (["--on-device-sampling", '{"top_k": 5}'], "on_device_sampling"),
+    (["--backend", "nxdi"], "backend"),
+    (["--backend", "nxdi", "--quantized"], "quantized"),
+    (
+        ["--backend", "nxdi", "--quantized", "--quantization-dtype", "f8e4m3fn"],
+        "quantization_dtype",
+    ),
+    (["--backend", "nxdi", "--draft-model", "d", "--num-speculative-tokens", "4"], "draft_model"),
+    (
+        ["--backend", "nxdi", "--draft-model", "d", "--num-speculative-tokens", "4"],
+        "num_speculative_tokens",
+    ),
+]
+
+
+@pytest.mark.parametrize(("flags", "field"), CHANGED, ids=[c[1] for c in CHANGED])
+def test_each_compile_relevant_field_changed_fails(
+    artifact: Path, flags: list[str], field: str
+) -> None:
+    code, data = _cli(str(artifact), *flags)
+    assert code == 1
+    failed = _failed(data)
+    reason = failed[f"spec.{field}"]
+    assert "requested" in reason and "compiled" in reason and "recompile with" in reason
+
+
+def test_every_graph_field_with_a_flag_is_covered() -> None:
+    from neuronctl.cli._common import SPEC_OPTIONS
+    from neuronctl.spec import GRAPH_FIELDS
+
+    with_flag = set(GRAPH_FIELDS) & set(SPEC_OPTIONS)
+    assert with_flag <= {field for _flags, field in CHANGED}
+
+
+def test_reason_names_both_values_and_both_fixes(artifact: Path) -> None:
+    _, data = _cli(str(artifact), "--seq-len", "128")
+    reason = _failed(data)["spec.seq_len"]
+    assert reason.startswith("requested 128 (flag), compiled 64")
+    assert "recompile with --seq-len 128, or use --seq-len 64" in reason
+
+
+def test_same_values_as_compiled_are_reusable(artifact: Path) -> None:
+    code, data = _cli(
+        str(artifact), "--seq-len", "64", "--batch-size", "2", "--compiler", "export",
+        "--dtype", "auto", "--token-gen-buckets", "auto",
+    )
+    assert code == 0, _failed(data)
+    assert "seq_len" in {c["name"]: c["reason"] for c in data["checks"]}["spec"]
+
+
+def test_defaults_the_user_did_not_set_are_not_compared(artifact: Path) -> None:
+    # The artifact's seq_len is 64; the default (128) must not count as a request.
+    code, data = _cli(str(artifact), "--batch-size", "2")
+    assert code == 0, _failed(data)
+
+
+def test_spec_from_config_file_and_environment(
+    artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    config = tmp_path / "neuronctl.toml"
+    config.write_text("seq_len = 64\nbatch_size = 8\n")
+    code, data = _cli(str(artifact), "-c", str(config))
+    assert code == 1
+    assert "from " + str(config) in _failed(data)["spec.batch_size"]
+    monkeypatch.setenv("NEURON_TOKEN_GEN_BUCKETS", "32,64")
+    code, data = _cli(str(artifact), "--batch-size", "2")
+    assert "(environment)" in _failed(data)["spec.token_gen_buckets"]
+
+
+def test_runtime_only_field_changed_is_still_reusable(artifact: Path, tmp_path: Path) -> None:
+    config = tmp_path / "neuronctl.toml"
+    config.write_text('model = "some-org/another-name"\nseq_len = 64\n')
+    code, data = _cli(str(artifact), "-c", str(config))
+    assert code == 0
+    notes = [c for c in data["checks"] if c["kind"] == "runtime-only"]
+    assert [c["name"] for c in notes] == ["spec.model"]
+    assert "runtime-only, may differ" in notes[0]["reason"]
+
+
+def test_api_without_sources_compares_only_non_default_fields(artifact: Path) -> None:
+    spec, _ = resolve_spec({"batch_size": 2}, env={})
+    assert validate_artifact(artifact, spec).reusable
+    spec, _ = resolve_spec({"batch_size": 3}, env={})
+    assert set(_failed(validate_artifact(artifact, spec))) == {"spec.batch_size"}
+
+
+def test_invalid_spec_flag_is_a_usage_error(artifact: Path) -> None:
+    code, data = _cli(str(artifact), "--context-buckets", "64,x")
+    assert code == 2 and "64,x" in data["error"]
+
+
+# --- checkpoint -----------------------------------------------------------------------------
+
+
+def test_model_digest_must_match(artifact: Path, tiny_llama: Path, tmp_path: Path) -> None:
+    from tests.helpers import make_checkpoint
+
+    code, data = _cli(str(artifact), "--model", str(tiny_llama))
+    assert code == 0, _failed(data)
+    other = make_checkpoint(tmp_path / "other", "llama", seed=1)
+    code, data = _cli(str(artifact), "--model", str(other))
+    assert code == 1
+    assert "the artifact was built from" in _failed(data)["checkpoint"]
+    code, data = _cli(str(artifact), "--model", str(tmp_path / "missing"))
+    assert "cannot read" in _failed(data)["checkpoint"]
+
+
+def test_manifest_reader_agrees_with_the_artifact_check(artifact: Path) -> None:
+    assert read_manifest(artifact).keys == quick_validate(artifact).manifest.keys
