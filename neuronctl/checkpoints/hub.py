@@ -1,0 +1,334 @@
+"""Hugging Face Hub downloads: a revision pinned to a commit sha, safetensors preferred.
+
+The flow is one `model_info` call (resolves a branch or tag to a sha, lists the files), a file
+selection made here (so config and tokenizer files are always taken and pickle weights skipped
+whenever safetensors exist), then `snapshot_download` at the sha. A re-run finds every file in
+the cache and transfers no file body.
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import os
+import re
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from neuronctl.errors import CheckpointError, NeuronctlError, NotFoundError
+
+# Always downloaded, whatever --include/--exclude say: what every consumer of a model needs.
+ESSENTIAL = (
+    "config.json",
+    "generation_config.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "tokenizer.model",
+    "special_tokens_map.json",
+    "added_tokens.json",
+    "chat_template.jinja",
+    "chat_template.json",
+    "vocab.json",
+    "merges.txt",
+    "*.tiktoken",
+)
+# Skipped when the repository has safetensors weights: the same weights in other formats.
+DUPLICATE_WEIGHTS = (
+    "*.bin",
+    "*.pth",
+    "*.pt",
+    "original/*",
+    "consolidated*",
+    "*.h5",
+    "*.msgpack",
+    "*.ot",
+)
+SHA_RE = re.compile(r"^[0-9a-f]{40}$")
+GATED = "this model is gated: accept its license on the Hub and set HF_TOKEN"
+
+
+@dataclass
+class Download:
+    repo_id: str
+    revision: str | None  # what was asked for (branch, tag, sha) or None for the default
+    sha: str  # the commit it resolved to
+    path: Path
+    files: list[str]
+
+
+def offline() -> bool:
+    from huggingface_hub import constants
+
+    value = os.environ.get("HF_HUB_OFFLINE") or os.environ.get("TRANSFORMERS_OFFLINE") or ""
+    return value.upper() in {"1", "ON", "YES", "TRUE"} or bool(constants.HF_HUB_OFFLINE)
+
+
+def cache_dir() -> Path:
+    """The Hugging Face hub cache, read from the environment now (not at import)."""
+    if env := os.environ.get("HF_HUB_CACHE"):
+        return Path(env)
+    if env := os.environ.get("HF_HOME"):
+        return Path(env) / "hub"
+    from huggingface_hub import constants
+
+    return Path(constants.HF_HUB_CACHE)
+
+
+def endpoint() -> str:
+    from huggingface_hub import constants
+
+    return os.environ.get("HF_ENDPOINT", constants.ENDPOINT).rstrip("/")
+
+
+def select_files(
+    files: Iterable[str], include: Sequence[str] = (), exclude: Sequence[str] = ()
+) -> list[str]:
+    """The files to download: essentials always; otherwise --include/--exclude, and no
+    duplicate weight formats when safetensors exist."""
+    files = sorted(files)
+    skip = list(exclude)
+    if any(f.endswith(".safetensors") for f in files):
+        skip += DUPLICATE_WEIGHTS
+    chosen = []
+    for name in files:
+        if _matches(name, ESSENTIAL):
+            chosen.append(name)
+        elif (not include or _matches(name, include)) and not _matches(name, skip):
+            chosen.append(name)
+    return chosen
+
+
+def _matches(name: str, patterns: Iterable[str]) -> bool:
+    base = name.rsplit("/", 1)[-1]
+    return any(fnmatch.fnmatch(name, p) or fnmatch.fnmatch(base, p) for p in patterns)
+
+
+def resolve(repo_id: str, revision: str | None) -> tuple[str, list[str]]:
+    """(commit sha, file names) of `repo_id` at `revision` (default branch if None)."""
+    from huggingface_hub import HfApi
+
+    with hub_errors(repo_id, revision):
+        info = HfApi(endpoint=endpoint()).model_info(repo_id, revision=revision)
+    if not info.sha:
+        raise CheckpointError(f"the Hub did not return a commit for {repo_id}")
+    return info.sha, [s.rfilename for s in info.siblings or []]
+
+
+def download(
+    repo_id: str,
+    revision: str | None = None,
+    *,
+    local_dir: Path | None = None,
+    include: Sequence[str] = (),
+    exclude: Sequence[str] = (),
+    show_progress: bool = False,
+) -> Download:
+    """Download (or find in the cache) `repo_id` at `revision`; see the module docstring."""
+    from huggingface_hub import snapshot_download
+
+    if offline():
+        return _from_cache(repo_id, revision, local_dir)
+    sha, files = resolve(repo_id, revision)
+    chosen = select_files(files, include, exclude)
+    with hub_errors(repo_id, revision), _progress(show_progress) as tqdm_class:
+        path = snapshot_download(
+            repo_id,
+            revision=sha,
+            allow_patterns=chosen,
+            local_dir=local_dir,
+            cache_dir=cache_dir(),
+            endpoint=endpoint(),
+            tqdm_class=tqdm_class,
+            max_workers=4,
+        )
+    if local_dir is None:
+        remember_ref(repo_id, revision or "main", sha)
+    return Download(repo_id, revision, sha, Path(path), chosen)
+
+
+def remember_ref(repo_id: str, revision: str, sha: str) -> None:
+    """Record branch/tag -> sha in the cache (snapshot_download skips it when given a sha), so
+    an offline run can still resolve the name."""
+    if SHA_RE.match(revision):
+        return
+    from huggingface_hub.file_download import repo_folder_name
+
+    ref = cache_dir() / repo_folder_name(repo_id=repo_id, repo_type="model") / "refs" / revision
+    ref.parent.mkdir(parents=True, exist_ok=True)
+    if not ref.is_file() or ref.read_text() != sha:
+        tmp = ref.with_name(f".{ref.name}.{os.getpid()}.tmp")
+        tmp.write_text(sha)
+        os.replace(tmp, ref)
+
+
+def _from_cache(repo_id: str, revision: str | None, local_dir: Path | None) -> Download:
+    from huggingface_hub import snapshot_download
+
+    with hub_errors(repo_id, revision):
+        path = Path(
+            snapshot_download(
+                repo_id,
+                revision=revision,
+                local_dir=local_dir,
+                cache_dir=cache_dir(),
+                local_files_only=True,
+            )
+        )
+    sha = path.name if SHA_RE.match(path.name) else (revision or "")
+    files = sorted(p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file())
+    files = [f for f in files if not f.startswith(".cache/")]
+    return Download(repo_id, revision, sha, path, files)
+
+
+def snapshot(repo_id: str, revision: str | None, cache_only: bool = False) -> tuple[Path, str]:
+    """(local directory, commit sha) for a Hub id: downloaded, or the cache only."""
+    if cache_only:
+        result = _from_cache(repo_id, revision, None)
+    else:
+        result = download(repo_id, revision)
+    return result.path, result.sha
+
+
+class hub_errors:
+    """Turn huggingface_hub exceptions into one-line neuronctl errors."""
+
+    def __init__(self, repo_id: str, revision: str | None) -> None:
+        self.repo_id = repo_id
+        self.revision = revision
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
+        if exc is None or isinstance(exc, NeuronctlError):
+            return False
+        mapped = map_hub_error(exc, self.repo_id, self.revision)
+        if mapped is None:
+            return False
+        raise mapped from None
+
+
+def map_hub_error(exc: BaseException, repo_id: str, revision: str | None) -> NeuronctlError | None:
+    import httpx2
+    from huggingface_hub import errors
+
+    rev = f" at revision {revision}" if revision else ""
+    status = getattr(getattr(exc, "response", None), "status_code", None)
+    if isinstance(exc, errors.GatedRepoError) or status in (401, 403):
+        return CheckpointError(
+            f"{repo_id}: {GATED}",
+            "if it is private, set HF_TOKEN to a token with read access to it",
+        )
+    if isinstance(exc, errors.RevisionNotFoundError):
+        return NotFoundError(f"{repo_id} has no revision {revision!r} on the Hub")
+    if isinstance(exc, errors.RepositoryNotFoundError):
+        return NotFoundError(f"no model {repo_id!r} on the Hub", "check the id (owner/name)")
+    if isinstance(exc, errors.LocalEntryNotFoundError | errors.OfflineModeIsEnabled):
+        return CheckpointError(
+            f"{repo_id}{rev} is not in the local Hugging Face cache ({cache_dir()}) "
+            "and downloads are off (HF_HUB_OFFLINE=1)",
+            f"run `neuronctl download {repo_id}` with network access first",
+        )
+    if isinstance(exc, httpx2.HTTPError | errors.HfHubHTTPError | ConnectionError):
+        return CheckpointError(
+            f"cannot download {repo_id}{rev} from {endpoint()}: {str(exc).splitlines()[0]}",
+            "check the network, or set HF_HUB_OFFLINE=1 to use the local cache",
+        )
+    return None
+
+
+class _progress:
+    """A rich progress bar fed by huggingface_hub's tqdm hooks (or nothing when off)."""
+
+    def __init__(self, enabled: bool) -> None:
+        self.enabled = enabled
+        self.bars: Any = None
+
+    def __enter__(self) -> Any:
+        if not self.enabled:
+            return _silent_bar_class()
+        from rich.progress import (
+            BarColumn,
+            DownloadColumn,
+            Progress,
+            TextColumn,
+            TransferSpeedColumn,
+        )
+
+        from neuronctl.cli._common import err_console
+
+        self.bars = Progress(
+            TextColumn("{task.description}"),
+            BarColumn(),
+            DownloadColumn(),
+            TransferSpeedColumn(),
+            console=err_console,
+            transient=False,
+        )
+        self.bars.start()
+        return _rich_bar_class(self.bars)
+
+    def __exit__(self, *exc: Any) -> None:
+        if self.bars is not None:
+            self.bars.stop()
+
+
+class _BarBase:
+    """Just enough of tqdm's interface for what snapshot_download calls."""
+
+    def __init__(self, *args: Any, total: float | None = None, initial: float = 0, **kw: Any):
+        self.n = initial
+        self._total = total
+        self.desc = str(kw.get("desc") or "")
+        self.unit = kw.get("unit", "it")
+        self.format_dict: dict[str, Any] = {}
+
+    @property
+    def total(self) -> float | None:
+        return self._total
+
+    @total.setter
+    def total(self, value: float | None) -> None:
+        self._total = value
+
+    def update(self, n: float | None = 1) -> None:
+        self.n += n or 0
+
+    def __enter__(self) -> _BarBase:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.close()
+
+    def close(self) -> None:
+        pass
+
+    def __getattr__(self, name: str) -> Any:
+        # refresh, set_description, set_postfix_str, ...: nothing to do for us.
+        return lambda *args, **kwargs: None
+
+
+def _silent_bar_class() -> type[_BarBase]:
+    return _BarBase
+
+
+def _rich_bar_class(bars: Any) -> type[_BarBase]:
+    class RichBar(_BarBase):
+        def __init__(self, *args: Any, **kw: Any) -> None:
+            super().__init__(*args, **kw)
+            # Show one bar, the bytes written; hide the file count and the network-transfer twin.
+            visible = self.unit == "B" and not self.desc.startswith("Downloading bytes")
+            self.task = bars.add_task("downloading", total=self._total or None, visible=visible)
+            bars.update(self.task, completed=self.n)
+
+        @_BarBase.total.setter  # type: ignore[attr-defined,untyped-decorator]
+        def total(self, value: float | None) -> None:
+            self._total = value
+            bars.update(self.task, total=value or None)
+
+        def update(self, n: float | None = 1) -> None:
+            super().update(n)
+            bars.update(self.task, completed=self.n)
+
+    return RichBar

@@ -1,0 +1,201 @@
+"""Hub downloads against a local stand-in server (tests/hubserver.py); nothing goes online."""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from neuronctl.checkpoints import digest as digest_mod
+from neuronctl.checkpoints import hub, open_checkpoint
+from neuronctl.errors import CheckpointError, NotFoundError
+from tests.helpers import cli, make_checkpoint
+from tests.hubserver import HubServer
+
+REPO = "acme/tiny-llama"
+GATED = "gated: accept its license on the Hub and set HF_TOKEN"
+
+
+@pytest.fixture(scope="module")
+def tiny_files(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    return make_checkpoint(tmp_path_factory.mktemp("hub-src") / "tiny", "llama")
+
+
+@pytest.fixture
+def server(monkeypatch: pytest.MonkeyPatch) -> Iterator[HubServer]:
+    from huggingface_hub import constants
+
+    with HubServer() as srv:
+        monkeypatch.setenv("HF_ENDPOINT", srv.url)
+        monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+        monkeypatch.delenv("TRANSFORMERS_OFFLINE", raising=False)
+        monkeypatch.delenv("HF_TOKEN", raising=False)
+        # huggingface_hub reads these once at import: point them at the stand-in too.
+        monkeypatch.setattr(constants, "ENDPOINT", srv.url)
+        template = srv.url + "/{repo_id}/resolve/{revision}/{filename}"
+        monkeypatch.setattr(constants, "HUGGINGFACE_CO_URL_TEMPLATE", template)
+        monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+        yield srv
+
+
+def go_offline(monkeypatch: pytest.MonkeyPatch) -> None:
+    from huggingface_hub import constants
+
+    monkeypatch.setenv("HF_HUB_OFFLINE", "1")
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", True)
+
+
+def test_branch_resolves_to_a_commit_sha_and_sha_pins_old_content(server: HubServer) -> None:
+    old = server.add_commit(REPO, {"config.json": b'{"v": 1}', "model.safetensors": b"old"})
+    new = server.add_commit(REPO, {"config.json": b'{"v": 2}', "model.safetensors": b"new"})
+    server.repos[REPO].refs["v1.0"] = old
+    latest = hub.download(REPO, "main")
+    assert latest.sha == new
+    assert (latest.path / "config.json").read_bytes() == b'{"v": 2}'
+    assert hub.download(REPO).sha == new  # default branch
+    tagged = hub.download(REPO, "v1.0")
+    assert tagged.sha == old
+    assert (tagged.path / "model.safetensors").read_bytes() == b"old"
+    pinned = hub.download(REPO, old)
+    assert pinned.path == tagged.path
+
+
+def test_safetensors_preferred_and_essentials_always(server: HubServer) -> None:
+    files = {
+        "config.json": b"{}",
+        "generation_config.json": b"{}",
+        "tokenizer.json": b"{}",
+        "tokenizer_config.json": b"{}",
+        "model-00001-of-00002.safetensors": b"a",
+        "model-00002-of-00002.safetensors": b"b",
+        "model.safetensors.index.json": b"{}",
+        "pytorch_model.bin": b"pickle",
+        "original/consolidated.00.pth": b"pickle",
+        "consolidated.safetensors": b"dup",
+        "README.md": b"hi",
+    }
+    server.add_commit(REPO, files)
+    got = hub.download(REPO)
+    assert set(got.files) == set(files) - {
+        "pytorch_model.bin",
+        "original/consolidated.00.pth",
+        "consolidated.safetensors",
+    }
+    on_disk = {p.relative_to(got.path).as_posix() for p in got.path.rglob("*") if p.is_file()}
+    assert on_disk == set(got.files)
+    body_paths = " ".join(server.body_gets())
+    assert "pytorch_model.bin" not in body_paths and "original" not in body_paths
+
+
+def test_pickle_only_repository_still_downloads_its_weights(server: HubServer) -> None:
+    server.add_commit(REPO, {"config.json": b"{}", "pytorch_model.bin": b"pickle"})
+    assert hub.download(REPO).files == ["config.json", "pytorch_model.bin"]
+
+
+def test_include_and_exclude_never_drop_config_or_tokenizer(server: HubServer) -> None:
+    files = {
+        "config.json": b"{}",
+        "tokenizer.json": b"{}",
+        "model.safetensors": b"w",
+        "extra/notes.txt": b"n",
+        "model.gguf": b"g",
+    }
+    server.add_commit(REPO, files)
+    only = hub.download(REPO, include=["*.safetensors"])
+    assert only.files == ["config.json", "model.safetensors", "tokenizer.json"]
+    skipped = hub.download(REPO, exclude=["*.gguf", "extra/*", "tokenizer.json", "config.json"])
+    assert skipped.files == ["config.json", "model.safetensors", "tokenizer.json"]
+
+
+def test_rerun_downloads_nothing(server: HubServer, tiny_files: Path) -> None:
+    server.add_directory(REPO, tiny_files)
+    first = hub.download(REPO)
+    assert len(server.body_gets()) == len(first.files) > 3
+    before = len(server.body_gets())
+    again = hub.download(REPO)
+    assert again.path == first.path
+    assert len(server.body_gets()) == before  # no file body fetched twice
+
+
+def test_gated_repository_needs_a_token(server: HubServer, monkeypatch: pytest.MonkeyPatch) -> None:
+    server.add_commit(REPO, {"config.json": b"{}", "model.safetensors": b"w"}, token="hf_secret")
+    with pytest.raises(CheckpointError, match=GATED):
+        hub.download(REPO)
+    monkeypatch.setenv("HF_TOKEN", "hf_secret")
+    assert hub.download(REPO).files == ["config.json", "model.safetensors"]
+
+
+def test_unknown_revision_and_repository(server: HubServer) -> None:
+    server.add_commit(REPO, {"config.json": b"{}"})
+    with pytest.raises(NotFoundError, match="no revision 'nope'"):
+        hub.download(REPO, "nope")
+    with pytest.raises(CheckpointError):  # the Hub answers 401 for a repo it does not show
+        hub.download("acme/missing")
+
+
+def test_offline_uses_the_cache_or_fails_clearly(
+    server: HubServer, tiny_files: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sha = server.add_directory(REPO, tiny_files)
+    online = hub.download(REPO)
+    go_offline(monkeypatch)
+    requests_before = len(server.requests)
+    cached = hub.download(REPO)
+    assert (cached.path, cached.sha) == (online.path, sha)
+    ckpt = open_checkpoint(REPO, download=False)
+    assert ckpt.revision == sha
+    assert len(server.requests) == requests_before  # offline means no request at all
+    with pytest.raises(CheckpointError, match="not in the local Hugging Face cache"):
+        hub.download("acme/never-downloaded")
+
+
+def test_open_checkpoint_accepts_a_hub_id_and_reuses_blob_hashes(
+    server: HubServer, tiny_files: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    sha = server.add_directory(REPO, tiny_files)
+    ckpt = open_checkpoint(REPO)
+    assert ckpt.revision == sha
+    assert ckpt.architecture == "LlamaForCausalLM"
+    hashed: list[str] = []
+    real = digest_mod.sha256_file
+    monkeypatch.setattr(
+        digest_mod, "sha256_file", lambda p, *a: hashed.append(Path(p).name) or real(p, *a)
+    )
+    hub_digest = ckpt.digest()
+    # The weights are named by their sha256 in the cache: only config.json (a git blob) is read.
+    assert hashed == ["config.json"]
+    assert hub_digest == open_checkpoint(str(tiny_files)).digest()
+
+
+def test_local_dir_download(server: HubServer, tiny_files: Path, tmp_path: Path) -> None:
+    server.add_directory(REPO, tiny_files)
+    got = hub.download(REPO, local_dir=tmp_path / "here")
+    assert got.path == (tmp_path / "here").resolve()
+    assert open_checkpoint(str(got.path)).digest() == open_checkpoint(str(tiny_files)).digest()
+
+
+def test_cli_download_json_and_gated_exit_code(server: HubServer, tmp_path: Path) -> None:
+    sha = server.add_commit(REPO, {"config.json": b"{}", "model.safetensors": b"w"})
+    server.add_commit("acme/gated", {"config.json": b"{}"}, token="t")
+    env = {"HF_ENDPOINT": server.url, "HF_HUB_OFFLINE": "0", "HF_HOME": str(tmp_path / "hf")}
+    ok = cli("download", REPO, "--json", env=env)
+    assert ok.returncode == 0, ok.stderr
+    assert f'"sha": "{sha}"' in ok.stdout
+    gated = cli("download", "acme/gated", env=env)
+    assert gated.returncode == 1
+    assert GATED in gated.stderr
+    assert "Traceback" not in gated.stderr
+
+
+@pytest.mark.hub
+@pytest.mark.skipif(os.environ.get("NEURONCTL_TEST_HUB") != "1", reason="NEURONCTL_TEST_HUB=1")
+def test_real_hub_download(monkeypatch: pytest.MonkeyPatch) -> None:
+    from huggingface_hub import constants
+
+    monkeypatch.delenv("HF_HUB_OFFLINE", raising=False)
+    monkeypatch.setattr(constants, "HF_HUB_OFFLINE", False)
+    got = hub.download("hf-internal-testing/tiny-random-LlamaForCausalLM")
+    assert len(got.sha) == 40
+    assert (got.path / "config.json").is_file()
