@@ -29,8 +29,8 @@ from __future__ import annotations
 
 import copy
 import itertools
-import shlex
 import json
+import shlex
 import tomllib
 from dataclasses import dataclass, field
 from pathlib import Path
