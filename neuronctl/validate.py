@@ -45,6 +45,12 @@ from neuronctl.store.manifest import MANIFEST, Manifest, sha256_file
 # Stray files with these suffixes could be picked up by a loader (a graph, a weight shard,
 # a config), so an unlisted one makes the artifact untrustworthy. Anything else is noted only.
 LOADER_SUFFIXES = (".safetensors", ".pt", ".pt2", ".neff", ".json", ".bin", ".so", ".ntff")
+# Recorded "versions" that describe the build host rather than software (the CPU ISA inductor
+# compiled for). Equality is the wrong test for them (an AVX-512 host runs AVX2 code; export
+# graphs run anywhere): the backend's host_checks judge them.
+HOST_FACT_VERSIONS = frozenset({"cpu_isa"})
+# Host checks by these names already answer check 5; ours would only repeat them.
+CAPACITY_CHECKS = frozenset({"cores", "devices", "capacity"})
 HASH_THREADS = 4  # hashlib releases the GIL: a few threads keep the disk and the cores busy
 
 
@@ -116,7 +122,7 @@ def validate_artifact(
     report.checks.extend(check_versions(manifest))
     if spec is not None:
         report.checks.extend(check_spec(manifest, spec, sources))
-    report.checks.extend(check_capacity(manifest))
+    report.checks.extend(_capacity_unless_done(report.checks, manifest))
     if model is not None:
         report.checks.append(check_checkpoint(manifest, model, revision))
     return report
@@ -129,7 +135,7 @@ def quick_validate(path: Path) -> Report:
         return report
     report.checks.extend(check_files(report.path, manifest))
     report.checks.extend(check_versions(manifest))
-    report.checks.extend(check_capacity(manifest))
+    report.checks.extend(_capacity_unless_done(report.checks, manifest))
     return report
 
 
@@ -319,7 +325,7 @@ def _backend(name: str) -> Any:
 
 def _versions_check(recorded: Mapping[str, str], current: Mapping[str, str]) -> Check:
     diffs = []
-    for name in sorted(set(recorded) | set(current)):
+    for name in sorted((set(recorded) | set(current)) - HOST_FACT_VERSIONS):
         was, now = recorded.get(name, "absent"), current.get(name, "absent")
         if was != now:
             diffs.append(f"{name} compiled with {was}, this host has {now}")
@@ -334,7 +340,7 @@ def _install_hint(recorded: Mapping[str, str], current: Mapping[str, str]) -> st
     pins = [
         f"{name}=={version}"
         for name, version in sorted(recorded.items())
-        if current.get(name) != version and _is_package(name)
+        if name not in HOST_FACT_VERSIONS and current.get(name) != version and _is_package(name)
     ]
     return f", or install {' '.join(pins)}" if pins else ""
 
@@ -506,6 +512,12 @@ def _setting(name: str, value: Any) -> str:
 
 
 # --- 5. capacity ----------------------------------------------------------------------------
+
+
+def _capacity_unless_done(done: list[Check], manifest: Manifest) -> list[Check]:
+    if any(c.kind == "host" and c.name in CAPACITY_CHECKS for c in done):
+        return []
+    return check_capacity(manifest)
 
 
 def check_capacity(manifest: Manifest) -> list[Check]:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 from pathlib import Path
 from typing import Any
@@ -12,85 +11,33 @@ import pytest
 from typer.testing import CliRunner
 
 import neuronctl.validate as validate_mod
-from neuronctl.backends.base import HostCheck
 from neuronctl.cli.main import app
 from neuronctl.errors import BackendUnavailableError, NeuronctlError
-from neuronctl.keys import FORMAT_VERSION, compute_keys
-from neuronctl.spec import finalize, resolve_spec, spec_to_dict
-from neuronctl.store.local import Store
-from neuronctl.store.manifest import MANIFEST, Manifest, Source, read_manifest
+from neuronctl.keys import FORMAT_VERSION
+from neuronctl.spec import resolve_spec
+from neuronctl.store.manifest import MANIFEST, read_manifest
 from neuronctl.validate import Report, quick_validate, validate_artifact
 from tests.helpers import cli
 
 runner = CliRunner()
 
-# The spec the test artifact is compiled with; every flag test changes one field of it.
-COMPILED = {"compiler": "export", "seq_len": 64, "batch_size": 2}
 WEIGHT = "weights/tp0_sharded_checkpoint.safetensors"
+GRAPH = "graphs/context_encoding_32.pt2"
 
 
-class FakeTorchBackend:
-    """Stands in for the torch backend's version/host facts in the synthetic artifact."""
+class FakeBackend:
+    """Only for the cases a real backend cannot produce here (a missing SDK, a Neuron host)."""
 
-    name = "torch"
-
-    def __init__(self, versions: dict[str, str] | None = None) -> None:
-        self._versions = versions or {"torch": "2.13.0+cpu", "cpu_isa": "x86_64-avx2"}
-        self.host: list[HostCheck] = [HostCheck("cpu isa", True, "x86_64-avx2")]
+    name = "nxdi"
 
     def versions(self) -> dict[str, str]:
-        return dict(self._versions)
-
-    def host_checks(self, manifest: Manifest) -> list[HostCheck]:
-        return list(self.host)
-
-
-def _synthetic_artifact(store_root: Path, checkpoint: Path) -> Path:
-    """An artifact laid out as the torch backend's, with random bytes for graphs and weights."""
-    from neuronctl.checkpoints import open_checkpoint
-
-    ckpt = open_checkpoint(str(checkpoint))
-    spec, _ = resolve_spec({**COMPILED, "model": str(checkpoint)}, env={})
-    spec = finalize(spec, ckpt.shape())
-    versions = FakeTorchBackend().versions()
-    keys = compute_keys(spec, ckpt.config, versions, ckpt.digest())
-
-    def build(staging: Path) -> Manifest:
-        (staging / "weights").mkdir()
-        (staging / "graphs").mkdir()
-        (staging / WEIGHT).write_bytes(os.urandom(256 * 1024))
-        (staging / "graphs" / "context_64.pt2").write_bytes(os.urandom(64 * 1024))
-        (staging / "graphs" / "token_gen_64.pt2").write_bytes(os.urandom(64 * 1024))
-        shutil.copyfile(checkpoint / "config.json", staging / "config.json")
-        return Manifest(
-            backend="torch",
-            backend_versions=versions,
-            spec=spec_to_dict(spec),
-            keys=keys.as_dict(),
-            source=Source(model=str(checkpoint), path=str(checkpoint), digest=ckpt.digest()),
-            architecture=ckpt.config,
-            graphs=["graphs/context_64.pt2", "graphs/token_gen_64.pt2"],
-        )
-
-    return Store(store_root).publish(keys.dirname, build).path
-
-
-@pytest.fixture(scope="session")
-def source_artifact(tmp_path_factory: pytest.TempPathFactory, tiny_llama: Path) -> Path:
-    return _synthetic_artifact(tmp_path_factory.mktemp("store"), tiny_llama)
-
-
-@pytest.fixture(autouse=True)
-def fake_backend(monkeypatch: pytest.MonkeyPatch) -> FakeTorchBackend:
-    backend = FakeTorchBackend()
-    monkeypatch.setattr(validate_mod, "_backend", lambda name: backend)
-    return backend
+        raise BackendUnavailableError("neuronx-distributed-inference is not installed")
 
 
 @pytest.fixture
-def artifact(source_artifact: Path, tmp_path: Path) -> Path:
-    """A private copy: tests damage it."""
-    return Path(shutil.copytree(source_artifact, tmp_path / "copy" / source_artifact.name))
+def artifact(compiled_artifact: Path, tmp_path: Path) -> Path:
+    """A private copy of the real compiled artifact (conftest.TINY_SPEC): tests damage it."""
+    return Path(shutil.copytree(compiled_artifact, tmp_path / "copy" / compiled_artifact.name))
 
 
 def _cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:
@@ -128,7 +75,7 @@ def test_intact_artifact_is_reusable_quick_and_deep(artifact: Path) -> None:
     report = validate_artifact(artifact, deep=True)
     assert report.reusable, _failed(report)
     names = [c.name for c in report.checks]
-    assert names[:2] == ["artifact", "files"] and "sha256" in names and "capacity" in names
+    assert names[:2] == ["artifact", "files"] and "sha256" in names and "cores" in names
 
 
 def test_cli_exit_0_and_json_shape(artifact: Path) -> None:
@@ -138,14 +85,35 @@ def test_cli_exit_0_and_json_shape(artifact: Path) -> None:
     assert all({"name", "ok", "reason"} <= set(c) for c in data["checks"])
 
 
-def test_moved_and_copied_artifact_stays_reusable(artifact: Path, tmp_path: Path) -> None:
+def test_moved_and_copied_artifact_is_reusable_and_generates(
+    artifact: Path, compiled_artifact: Path, tmp_path: Path
+) -> None:
     moved = tmp_path / "elsewhere" / "renamed"
     moved.parent.mkdir()
     artifact.rename(moved)
     copied = Path(shutil.copytree(moved, tmp_path / "second-copy"))
+    prompt = [256, *b"Hello"]
+    expected = _greedy(compiled_artifact, prompt)
     for path in (moved, copied):
         report = validate_artifact(path, deep=True)
         assert report.reusable, _failed(report)
+        assert _greedy(path, prompt) == expected
+
+
+def _greedy(path: Path, prompt: list[int], steps: int = 4) -> list[int]:
+    """Load through the backend named in the manifest; prefill, then greedy decode."""
+    from neuronctl.backends import get_backend
+
+    manifest = read_manifest(path)
+    runner = get_backend(manifest.backend).load(path, manifest)
+    token = int(runner.prefill(0, prompt).argmax())
+    out = [token]
+    for i in range(steps - 1):
+        ids = [token] + [0] * (runner.batch_size - 1)
+        positions = [len(prompt) + i] + [-1] * (runner.batch_size - 1)
+        token = int(runner.decode(ids, positions)[0].argmax())
+        out.append(token)
+    return out
 
 
 def test_path_defaults_to_neuron_compiled_artifacts(artifact: Path) -> None:
@@ -159,10 +127,10 @@ def test_no_path_and_no_env_is_a_usage_error() -> None:
     assert "NEURON_COMPILED_ARTIFACTS" in result.stderr and "Traceback" not in result.stderr
 
 
-def test_artifact_key_is_looked_up_in_the_store(source_artifact: Path) -> None:
-    store_root = source_artifact.parent.parent
-    code, data = _cli(source_artifact.name[:8], "--store", str(store_root))
-    assert code == 0 and data["path"] == str(source_artifact)
+def test_artifact_key_is_looked_up_in_the_store(compiled_artifact: Path) -> None:
+    store_root = compiled_artifact.parent.parent
+    code, data = _cli(compiled_artifact.name[:8], "--store", str(store_root))
+    assert code == 0 and data["path"] == str(compiled_artifact)
 
 
 # --- not an artifact ------------------------------------------------------------------------
@@ -209,11 +177,10 @@ def test_flipped_byte_passes_quick_and_fails_deep_naming_the_file(artifact: Path
 
 
 def test_truncated_file_is_named(artifact: Path) -> None:
-    graph = artifact / "graphs" / "context_64.pt2"
-    with open(graph, "r+b") as f:
+    with open(artifact / GRAPH, "r+b") as f:
         f.truncate(100)
     reason = _failed(quick_validate(artifact))["files"]
-    assert "truncated" in reason and "graphs/context_64.pt2 (100 bytes" in reason
+    assert "truncated" in reason and f"{GRAPH} (100 bytes" in reason
 
 
 def test_missing_shard_is_named(artifact: Path) -> None:
@@ -243,27 +210,32 @@ def test_manifest_path_outside_the_artifact_is_refused(artifact: Path) -> None:
 
 
 def test_older_torch_version_in_manifest_fails(artifact: Path) -> None:
+    import torch
+
     _edit_manifest(artifact, backend_versions__torch="2.5.1")
-    reason = _failed(quick_validate(artifact))["versions"]
-    assert "torch compiled with 2.5.1, this host has 2.13.0+cpu" in reason
-    assert "torch==2.5.1" in reason  # how to get the matching version back
+    failed = _failed(quick_validate(artifact))
+    assert f"torch compiled with 2.5.1, this host has {torch.__version__}" in failed["versions"]
+    assert "torch==2.5.1" in failed["versions"]  # how to get the matching version back
+    assert "torch version" in failed  # the backend's own host check agrees
 
 
 def test_backend_sdk_missing_fails_with_its_message(
     artifact: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    def unavailable(name: str) -> Any:
-        raise BackendUnavailableError("neuronx-distributed-inference is not installed")
-
-    monkeypatch.setattr(validate_mod, "_backend", unavailable)
+    monkeypatch.setattr(validate_mod, "_backend", lambda name: FakeBackend())
     assert "not installed" in _failed(quick_validate(artifact))["versions"]
 
 
-def test_failed_host_check_becomes_a_failed_check(
-    artifact: Path, fake_backend: FakeTorchBackend
-) -> None:
-    fake_backend.host = [HostCheck("cpu isa", False, "compiled for avx512, host has avx2")]
-    assert _failed(quick_validate(artifact)) == {"cpu isa": "compiled for avx512, host has avx2"}
+def test_export_artifact_from_another_cpu_is_reusable(artifact: Path) -> None:
+    # cpu_isa is a fact about the build host, judged by the backend, not by equality.
+    _edit_manifest(artifact, backend_versions__cpu_isa="neon")
+    assert quick_validate(artifact).reusable
+
+
+def test_inductor_artifact_for_an_unsupported_isa_fails_the_host_check(artifact: Path) -> None:
+    _edit_manifest(artifact, backend_versions__cpu_isa="neon", spec__compiler="inductor")
+    failed = _failed(quick_validate(artifact))
+    assert set(failed) == {"cpu isa"} and "compiled for neon" in failed["cpu isa"]
 
 
 def test_neuron_cc_flags_must_match(artifact: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -274,25 +246,41 @@ def test_neuron_cc_flags_must_match(artifact: Path, monkeypatch: pytest.MonkeyPa
     assert quick_validate(artifact).reusable
 
 
-def test_tp_degree_over_available_cores_fails(
+def test_tp_degree_over_available_cores_fails(artifact: Path) -> None:
+    _edit_manifest(artifact, spec__tp_degree=4096)
+    failed = _failed(quick_validate(artifact))
+    assert "4096" in failed["cores"]
+    assert "capacity" not in {c.name for c in quick_validate(artifact).checks}  # not twice
+
+
+def test_capacity_check_for_cpu_and_neuron_hosts(
     artifact: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
+    import neuronctl.doctor as doctor
+
+    manifest = read_manifest(artifact)
     monkeypatch.setattr(validate_mod, "available_cpus", lambda: 1)
-    _edit_manifest(artifact, spec__tp_degree=2)
-    assert "needs 2 CPU cores, this host has 1" in _failed(quick_validate(artifact))["capacity"]
+    assert validate_mod.check_capacity(manifest)[0].ok
+    manifest.spec["tp_degree"] = 2
+    assert "this host has 1" in validate_mod.check_capacity(manifest)[0].reason
+    manifest.backend = "nxdi"
+    monkeypatch.setattr(doctor, "neuron_cores", lambda: (0, "no /dev/neuron* devices"))
+    assert "no NeuronCores" in validate_mod.check_capacity(manifest)[0].reason
+    monkeypatch.setattr(doctor, "neuron_cores", lambda: (2, "neuron-ls: 1 devices"))
+    assert validate_mod.check_capacity(manifest)[0].ok
 
 
 # --- requested spec -------------------------------------------------------------------------
 
 # One changed flag per compile-relevant field that has a flag: (flags, field that must fail).
 CHANGED = [
-    (["--seq-len", "128"], "seq_len"),
-    (["--batch-size", "4"], "batch_size"),
+    (["--seq-len", "256"], "seq_len"),
+    (["--batch-size", "2"], "batch_size"),
     (["--tp-degree", "2"], "tp_degree"),
     (["--max-context-length", "32"], "max_context_length"),
     (["--dtype", "bfloat16"], "dtype"),
-    (["--context-buckets", "32,64"], "context_buckets"),
-    (["--token-gen-buckets", "32,64"], "token_gen_buckets"),
+    (["--context-buckets", "64"], "context_buckets"),
+    (["--token-gen-buckets", "128"], "token_gen_buckets"),
     (["--compiler", "inductor"], "compiler"),
     (["--override-neuron-config", '{"fused_qkv": true}'], "override_neuron_config"),
     (["--on-device-sampling", '{"top_k": 5}'], "on_device_sampling"),
@@ -330,24 +318,25 @@ def test_every_graph_field_with_a_flag_is_covered() -> None:
 
 
 def test_reason_names_both_values_and_both_fixes(artifact: Path) -> None:
-    _, data = _cli(str(artifact), "--seq-len", "128")
+    _, data = _cli(str(artifact), "--seq-len", "256")
     reason = _failed(data)["spec.seq_len"]
-    assert reason.startswith("requested 128 (flag), compiled 64")
-    assert "recompile with --seq-len 128, or use --seq-len 64" in reason
+    assert reason.startswith("requested 256 (flag), compiled 128")
+    assert "recompile with --seq-len 256, or use --seq-len 128" in reason
 
 
 def test_same_values_as_compiled_are_reusable(artifact: Path) -> None:
     code, data = _cli(
-        str(artifact), "--seq-len", "64", "--batch-size", "2", "--compiler", "export",
-        "--dtype", "auto", "--token-gen-buckets", "auto",
+        str(artifact), "--seq-len", "128", "--batch-size", "4", "--compiler", "export",
+        "--dtype", "auto", "--context-buckets", "32,64", "--max-context-length", "64",
     )
     assert code == 0, _failed(data)
     assert "seq_len" in {c["name"]: c["reason"] for c in data["checks"]}["spec"]
 
 
 def test_defaults_the_user_did_not_set_are_not_compared(artifact: Path) -> None:
-    # The artifact's seq_len is 64; the default (128) must not count as a request.
-    code, data = _cli(str(artifact), "--batch-size", "2")
+    # Compiled: batch 4, max context 64. Neither the default batch size (1) nor the default
+    # max context length (= seq len, 128) may count as a request.
+    code, data = _cli(str(artifact), "--seq-len", "128")
     assert code == 0, _failed(data)
 
 
@@ -355,18 +344,18 @@ def test_spec_from_config_file_and_environment(
     artifact: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     config = tmp_path / "neuronctl.toml"
-    config.write_text("seq_len = 64\nbatch_size = 8\n")
+    config.write_text("seq_len = 128\nbatch_size = 8\n")
     code, data = _cli(str(artifact), "-c", str(config))
     assert code == 1
     assert "from " + str(config) in _failed(data)["spec.batch_size"]
     monkeypatch.setenv("NEURON_TOKEN_GEN_BUCKETS", "32,64")
-    code, data = _cli(str(artifact), "--batch-size", "2")
+    code, data = _cli(str(artifact), "--batch-size", "4")
     assert "(environment)" in _failed(data)["spec.token_gen_buckets"]
 
 
 def test_runtime_only_field_changed_is_still_reusable(artifact: Path, tmp_path: Path) -> None:
     config = tmp_path / "neuronctl.toml"
-    config.write_text('model = "some-org/another-name"\nseq_len = 64\n')
+    config.write_text('model = "some-org/another-name"\nseq_len = 128\n')
     code, data = _cli(str(artifact), "-c", str(config))
     assert code == 0
     notes = [c for c in data["checks"] if c["kind"] == "runtime-only"]
@@ -375,7 +364,7 @@ def test_runtime_only_field_changed_is_still_reusable(artifact: Path, tmp_path: 
 
 
 def test_api_without_sources_compares_only_non_default_fields(artifact: Path) -> None:
-    spec, _ = resolve_spec({"batch_size": 2}, env={})
+    spec, _ = resolve_spec({"batch_size": 4}, env={})
     assert validate_artifact(artifact, spec).reusable
     spec, _ = resolve_spec({"batch_size": 3}, env={})
     assert set(_failed(validate_artifact(artifact, spec))) == {"spec.batch_size"}
