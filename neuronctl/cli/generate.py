@@ -1,0 +1,283 @@
+"""`neuronctl generate`: offline generation from an artifact, all prompts batched together."""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+import time
+from dataclasses import dataclass, replace
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from neuronctl.cli._common import ArtifactsOpt, JsonOpt, console, err_console
+from neuronctl.engine.sampling import SamplingParams
+from neuronctl.errors import UsageError
+
+ORDER = 35
+ENGINES = ("builtin", "vllm")
+# Per-line sampling fields a --jsonl line may set, over the flags.
+JSONL_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "ignore_eos")
+
+
+@dataclass
+class Prompt:
+    text: str | None = None
+    messages: list[dict[str, Any]] | None = None
+    overrides: dict[str, Any] | None = None
+
+    def label(self) -> str:
+        if self.text is not None:
+            return self.text
+        return str((self.messages or [{}])[-1].get("content", ""))
+
+
+def generate_command(
+    artifacts: ArtifactsOpt = None,
+    prompt: list[str] | None = typer.Option(
+        None, "--prompt", "-p", help="A prompt; repeat for several.", show_default=False
+    ),
+    file: Path | None = typer.Option(
+        None, "--file", help="Prompts, one per line ('-': stdin).", show_default=False
+    ),
+    jsonl: Path | None = typer.Option(
+        None,
+        "--jsonl",
+        help='JSON lines: {"prompt": ...} or {"messages": [...]}, optionally with '
+        "max_tokens, temperature, top_k, top_p, seed, stop, ignore_eos.",
+        show_default=False,
+    ),
+    max_tokens: int | None = typer.Option(
+        64, "--max-tokens", min=1, help="Most new tokens per prompt."
+    ),
+    temperature: float = typer.Option(0.0, "--temperature", min=0, help="0 = greedy."),
+    top_k: int = typer.Option(-1, "--top-k", help="-1 = the artifact's global top_k (256)."),
+    top_p: float = typer.Option(1.0, "--top-p", help="Nucleus sampling mass, (0, 1]."),
+    seed: int | None = typer.Option(
+        None, "--seed", help="Sampling seed (same seed, same output).", show_default=False
+    ),
+    stop: list[str] | None = typer.Option(
+        None, "--stop", help="Stop string; repeat for several.", show_default=False
+    ),
+    ignore_eos: bool = typer.Option(False, "--ignore-eos", help="Keep going past EOS."),
+    chat: bool = typer.Option(False, "--chat", help="Wrap prompts in the chat template."),
+    stream: bool = typer.Option(False, "--stream", help="Print tokens as they come."),
+    engine: str = typer.Option("builtin", "--engine", help="builtin | vllm."),
+    dry_run: bool = typer.Option(
+        False, "--dry-run", help="With --engine vllm: print the command instead of running it."
+    ),
+    json_out: JsonOpt = False,
+) -> None:
+    """Generate text from an artifact; every prompt goes through the engine together
+    (continuous batching over the artifact's slots).
+
+    With --json: one JSON object per prompt per line (text, token_ids, finish_reason,
+    timings); with --stream too, one line per token as it comes, then those objects.
+
+    Examples:
+
+      neuronctl generate --artifacts $DIR -p "The capital of France is" --max-tokens 16
+
+      neuronctl generate --file prompts.txt --temperature 0.8 --top-p 0.95 --seed 1 --json
+
+      neuronctl generate --chat -p "Say hi" --stream
+
+    Exit codes: 0 ok, 1 artifact missing / not reusable / generation failed, 2 usage error.
+    """
+    if engine not in ENGINES:
+        raise UsageError(f"--engine: unknown engine {engine!r}", "use builtin or vllm")
+    prompts = collect_prompts(prompt or [], file, jsonl, chat)
+    params = SamplingParams(
+        temperature=temperature,
+        top_k=top_k,
+        top_p=top_p,
+        seed=seed,
+        max_tokens=max_tokens,
+        stop=tuple(stop or ()),
+        ignore_eos=ignore_eos,
+    )
+    if engine == "vllm":
+        _generate_vllm(artifacts, prompts, params, dry_run, json_out)
+        return
+    if dry_run:
+        raise UsageError("--dry-run only applies to --engine vllm")
+    _generate_builtin(artifacts, prompts, params, stream, json_out)
+
+
+def collect_prompts(
+    texts: list[str], file: Path | None, jsonl: Path | None, chat: bool
+) -> list[Prompt]:
+    if file is not None and jsonl is not None:
+        raise UsageError("give --file or --jsonl, not both")
+    prompts = [Prompt(text=t) for t in texts]
+    if file is not None:
+        lines = _read(file).splitlines()
+        prompts += [Prompt(text=line) for line in lines if line.strip()]
+    if jsonl is not None:
+        prompts += _read_jsonl(jsonl)
+    if not prompts:
+        raise UsageError("no prompts", "pass --prompt TEXT, --file FILE or --jsonl FILE")
+    if chat:
+        prompts = [
+            Prompt(messages=[{"role": "user", "content": p.text}], overrides=p.overrides)
+            if p.text is not None
+            else p
+            for p in prompts
+        ]
+    return prompts
+
+
+def _read(path: Path) -> str:
+    if str(path) == "-":
+        return sys.stdin.read()
+    try:
+        return path.read_text()
+    except OSError as exc:
+        raise UsageError(f"cannot read {path}: {exc.strerror}") from None
+
+
+def _read_jsonl(path: Path) -> list[Prompt]:
+    prompts = []
+    for number, line in enumerate(_read(path).splitlines(), 1):
+        if not line.strip():
+            continue
+        try:
+            obj = json.loads(line)
+        except json.JSONDecodeError as exc:
+            raise UsageError(f"{path}:{number}: not JSON: {exc.msg}") from None
+        if not isinstance(obj, dict) or not (
+            isinstance(obj.get("prompt"), str) or isinstance(obj.get("messages"), list)
+        ):
+            raise UsageError(
+                f'{path}:{number}: expected {{"prompt": "..."}} or {{"messages": [...]}}'
+            )
+        overrides = {k: obj[k] for k in JSONL_FIELDS if k in obj}
+        if isinstance(overrides.get("stop"), str):
+            overrides["stop"] = [overrides["stop"]]
+        if "stop" in overrides:
+            overrides["stop"] = tuple(overrides["stop"])
+        prompts.append(Prompt(obj.get("prompt"), obj.get("messages"), overrides or None))
+    return prompts
+
+
+def _params_for(prompt: Prompt, params: SamplingParams) -> SamplingParams:
+    if not prompt.overrides:
+        return params
+    try:
+        return replace(params, **prompt.overrides)
+    except TypeError as exc:
+        raise UsageError(f"bad sampling field in --jsonl: {exc}") from None
+
+
+def _generate_builtin(
+    artifacts: str | None,
+    prompts: list[Prompt],
+    params: SamplingParams,
+    stream: bool,
+    json_out: bool,
+) -> None:
+    from neuronctl.engine.loader import make_engine, open_artifact
+
+    loaded = open_artifact(artifacts)
+    engine = make_engine(loaded).start()
+    try:
+        ids = [
+            loaded.encode_chat(p.messages) if p.messages is not None else loaded.encode(p.text)
+            for p in prompts
+        ]
+        started = time.perf_counter()
+        handles = [
+            engine.submit(i, _params_for(p, params)) for i, p in zip(ids, prompts, strict=True)
+        ]
+        outputs = []
+        for index, (prompt, handle) in enumerate(zip(prompts, handles, strict=True)):
+            outputs.append(_consume(index, prompt, handle, stream, json_out))
+        elapsed = time.perf_counter() - started
+    finally:
+        engine.stop(drain=False)
+    failed = [o for o in outputs if o.finish_reason == "error"]
+    if not json_out:
+        tokens = sum(len(o.token_ids) for o in outputs)
+        err_console.print(
+            f"[dim]{len(outputs)} prompts, {tokens} tokens in {elapsed:.2f} s "
+            f"({tokens / elapsed if elapsed else 0:.1f} tokens/s)[/dim]"
+        )
+    if failed:
+        from neuronctl.errors import NeuronctlError
+
+        raise NeuronctlError(f"generation failed for {len(failed)} prompt(s): {failed[0].error}")
+
+
+def _consume(index: int, prompt: Prompt, handle: Any, stream: bool, json_out: bool) -> Any:
+    """Prompts print in order; later ones keep generating in the batch meanwhile."""
+    if stream and not json_out:
+        console.rule(f"[bold]{_short(prompt.label())}[/bold]", align="left")
+    output = None
+    for event in handle:
+        if stream and json_out:
+            line = {"index": index, "token_id": event.token_id, "text": event.text}
+            sys.stdout.write(json.dumps(line) + "\n")
+        elif stream and event.text:
+            sys.stdout.write(event.text)
+        sys.stdout.flush()
+        output = event.output or output
+    assert output is not None
+    if json_out:
+        sys.stdout.write(
+            json.dumps({"index": index, "prompt": prompt.label(), **output.as_dict()}) + "\n"
+        )
+    elif stream:
+        sys.stdout.write("\n")
+    else:
+        console.rule(f"[bold]{_short(prompt.label())}[/bold]", align="left")
+        console.print(output.text, markup=False, highlight=False)
+    sys.stdout.flush()
+    return output
+
+
+def _short(text: str, width: int = 60) -> str:
+    flat = " ".join(text.split())
+    return flat if len(flat) <= width else flat[: width - 1] + "…"
+
+
+def _generate_vllm(
+    artifacts: str | None,
+    prompts: list[Prompt],
+    params: SamplingParams,
+    dry_run: bool,
+    json_out: bool,
+) -> None:
+    import os
+
+    from neuronctl.cli.serve import print_launch
+    from neuronctl.engine.loader import check_reusable, resolve_artifact_path
+    from neuronctl.store.manifest import read_manifest
+    from neuronctl.vllm import generate_launch
+
+    if any(p.messages is not None for p in prompts):
+        raise UsageError("--engine vllm takes plain prompts (no --chat / messages)")
+    path = resolve_artifact_path(artifacts)
+    check_reusable(path)
+    prompts_file = Path(tempfile.mkstemp(prefix="neuronctl-prompts-", suffix=".jsonl")[1])
+    prompts_file.write_text("".join(json.dumps({"prompt": p.text}) + "\n" for p in prompts))
+    sampling = {
+        "temperature": params.temperature,
+        "top_k": params.top_k,
+        "top_p": params.top_p,
+        "max_tokens": params.max_tokens,
+        "seed": params.seed,
+        "stop": list(params.stop) or None,
+        "ignore_eos": params.ignore_eos,
+    }
+    sampling = {k: v for k, v in sampling.items() if v is not None}
+    launch = generate_launch(path, read_manifest(path), prompts_file, sampling=sampling)
+    if dry_run:
+        print_launch(launch.argv, launch.env, json_out)
+        return
+    os.execvpe(launch.argv[0], launch.argv, {**os.environ, **launch.env})
+
+
+def register(app: typer.Typer) -> None:
+    app.command("generate")(generate_command)

@@ -1,0 +1,217 @@
+"""`neuronctl serve`: an OpenAI-compatible server over an artifact (built-in engine or vLLM)."""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import typer
+
+from neuronctl.cli._common import (
+    ArtifactsOpt,
+    ConfigOpt,
+    JsonOpt,
+    StoreOpt,
+    console,
+    err_console,
+    print_json,
+    with_spec_options,
+)
+from neuronctl.errors import NeuronctlError, UsageError
+
+ORDER = 40
+ENGINES = ("builtin", "vllm")
+
+
+@with_spec_options
+def serve_command(
+    spec_flags: dict[str, Any],
+    artifacts: ArtifactsOpt = None,
+    host: str = typer.Option("127.0.0.1", "--host", help="Interface to bind (0.0.0.0: all)."),
+    port: int = typer.Option(8000, "--port", help="TCP port."),
+    api_key: str | None = typer.Option(
+        None,
+        "--api-key",
+        envvar="NEURONCTL_API_KEY",
+        help="Require 'Authorization: Bearer KEY' on /v1 (default: $NEURONCTL_API_KEY).",
+        show_default=False,
+    ),
+    served_model_name: str | None = typer.Option(
+        None,
+        "--served-model-name",
+        help="Model id clients send (default: the model the artifact was compiled from).",
+        show_default=False,
+    ),
+    max_queue: int = typer.Option(
+        256, "--max-queue", min=0, help="Requests allowed to wait for a slot; beyond it, 429."
+    ),
+    engine: str = typer.Option("builtin", "--engine", help="builtin | vllm."),
+    dry_run: bool = typer.Option(
+        False, "--dry-run", help="Validate and print what would run, without serving."
+    ),
+    compile_if_missing: bool = typer.Option(
+        False,
+        "--compile-if-missing",
+        help="If the artifact is missing or not reusable, compile --model first (opt-in).",
+    ),
+    model: str | None = typer.Option(
+        None,
+        "--model",
+        help="Checkpoint to compile with --compile-if-missing (spec from the flags / -c).",
+        show_default=False,
+    ),
+    config: ConfigOpt = None,
+    store: StoreOpt = None,
+    log_level: str = typer.Option("info", "--log-level", help="uvicorn log level."),
+    json_out: JsonOpt = False,
+) -> None:
+    """Serve an artifact over the OpenAI API: /v1/models, /v1/completions,
+    /v1/chat/completions (streaming with stream=true), /health, /metrics.
+
+    serve never compiles unless --compile-if-missing is given: a missing or non-reusable
+    artifact exits 1 with the reasons. SIGTERM stops accepting, finishes in-flight requests
+    and exits 0. A full queue answers 429.
+
+    Examples:
+
+      neuronctl serve --artifacts ./neuron-compiled-artifacts/3f2a... --port 8000
+
+      NEURONCTL_API_KEY=secret neuronctl serve --host 0.0.0.0
+
+      neuronctl serve --engine vllm --dry-run --json
+
+    Exit codes: 0 stopped cleanly, 1 artifact missing / not reusable / server failed,
+    2 usage error.
+    """
+    if engine not in ENGINES:
+        raise UsageError(f"--engine: unknown engine {engine!r}", "use builtin or vllm")
+    path = _artifact_path(artifacts, compile_if_missing, model, spec_flags, config, store)
+    if engine == "vllm":
+        _serve_vllm(path, host, port, served_model_name, dry_run, json_out)
+        return
+    _serve_builtin(
+        path, host, port, api_key, served_model_name, max_queue, dry_run, json_out, log_level
+    )
+
+
+def _artifact_path(
+    artifacts: str | None,
+    compile_if_missing: bool,
+    model: str | None,
+    spec_flags: dict[str, Any],
+    config: Path | None,
+    store: Path | None,
+) -> Path:
+    from neuronctl.engine.loader import check_reusable, resolve_artifact_path
+
+    if not compile_if_missing:
+        if model:
+            raise UsageError("--model is only used with --compile-if-missing")
+        path = resolve_artifact_path(artifacts)
+        check_reusable(path)
+        return path
+    try:
+        path = resolve_artifact_path(artifacts)
+        check_reusable(path)
+        return path
+    except NeuronctlError as exc:
+        if not model:
+            raise UsageError("--compile-if-missing needs --model MODEL to compile") from None
+        err_console.print(f"[yellow]compiling:[/yellow] {exc.message}")
+    return _compile(model, spec_flags, config, store)
+
+
+def _compile(
+    model: str, spec_flags: dict[str, Any], config: Path | None, store: Path | None
+) -> Path:
+    # LEAD: --compile-if-missing goes through the one compile entry point.
+    from neuronctl.build import compile_model, resolve_build
+
+    build = resolve_build(model, spec_flags, config, store_dir=store)
+    return compile_model(build).path
+
+
+def _serve_vllm(
+    path: Path,
+    host: str,
+    port: int,
+    served_model_name: str | None,
+    dry_run: bool,
+    json_out: bool,
+) -> None:
+    from neuronctl.store.manifest import read_manifest
+    from neuronctl.vllm import serve_launch
+
+    manifest = read_manifest(path)
+    launch = serve_launch(path, manifest, host=host, port=port, served_model_name=served_model_name)
+    if dry_run:
+        print_launch(launch.argv, launch.env, json_out)
+        return
+    # exec, so that signals (SIGTERM from an orchestrator) reach vLLM directly.
+    os.execvpe(launch.argv[0], launch.argv, {**os.environ, **launch.env})
+
+
+def print_launch(argv: list[str], env: dict[str, str], json_out: bool) -> None:
+    import shlex
+
+    if json_out:
+        print_json({"argv": argv, "env": env})
+        return
+    for name, value in sorted(env.items()):
+        console.print(f"export {name}={shlex.quote(value)}", soft_wrap=True)
+    console.print(shlex.join(argv), soft_wrap=True)
+
+
+def _serve_builtin(
+    path: Path,
+    host: str,
+    port: int,
+    api_key: str | None,
+    served_model_name: str | None,
+    max_queue: int,
+    dry_run: bool,
+    json_out: bool,
+    log_level: str,
+) -> None:
+    from neuronctl.engine.loader import make_engine, open_artifact
+    from neuronctl.server.run import run_server
+
+    loaded = open_artifact(path, validate=False)  # validated just before
+    name = served_model_name or loaded.model_name
+    runner = loaded.runner
+    plan = {
+        "artifact": str(path),
+        "served_model_name": name,
+        "url": f"http://{host}:{port}/v1",
+        "batch_size": runner.batch_size,
+        "seq_len": runner.seq_len,
+        "max_prompt_tokens": min(runner.max_context_length, max(runner.context_buckets)),
+        "max_queue": max_queue,
+        "auth": api_key is not None,
+    }
+    if dry_run:
+        if json_out:
+            print_json(plan)
+        else:
+            console.print(" ".join(f"{k}={v}" for k, v in plan.items()), soft_wrap=True)
+        return
+    err_console.print(
+        f"serving [bold]{name}[/bold] from {path} on {plan['url']} "
+        f"({runner.batch_size} slots x {runner.seq_len} tokens)",
+        soft_wrap=True,
+    )
+    run_server(
+        make_engine(loaded, max_queue),
+        loaded,
+        served_model_name=name,
+        host=host,
+        port=port,
+        api_key=api_key,
+        max_model_len=runner.seq_len,
+        log_level=log_level,
+    )
+
+
+def register(app: typer.Typer) -> None:
+    app.command("serve")(serve_command)

@@ -1,0 +1,140 @@
+"""Open a published artifact for running: validate, load the backend's runner, the tokenizer.
+
+Everything comes from the artifact directory (manifest, tokenizer, generation config copied in
+at compile time), never from flags, so what runs is what was compiled.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from neuronctl.backends import get_backend
+from neuronctl.backends.base import Runner
+from neuronctl.engine.engine import Engine
+from neuronctl.engine.sampling import DEFAULT_GLOBAL_TOPK
+from neuronctl.errors import NeuronctlError, NotFoundError, UsageError
+from neuronctl.store.manifest import Manifest, read_manifest
+
+
+class NotReusableError(NeuronctlError):
+    """The artifact failed the quick validation checks; nothing was loaded."""
+
+
+@dataclass
+class LoadedArtifact:
+    path: Path
+    manifest: Manifest
+    runner: Runner
+    tokenizer: Any  # a transformers PreTrainedTokenizerBase
+    eos_ids: list[int]
+    global_topk: int = DEFAULT_GLOBAL_TOPK
+
+    @property
+    def model_name(self) -> str:
+        """The default served model name: what the user compiled (a Hub id or a path)."""
+        return self.manifest.source.model or self.path.name
+
+    def detokenize(self, token_ids: Any) -> str:
+        return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise UsageError(
+                "this model's tokenizer has no chat template",
+                "use plain completions (no --chat, /v1/completions)",
+            )
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
+        # The template writes any BOS itself.
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def resolve_artifact_path(path: str | Path | None) -> Path:
+    if not path:
+        raise UsageError(
+            "no artifact given",
+            "pass --artifacts PATH or set NEURON_COMPILED_ARTIFACTS",
+        )
+    resolved = Path(path).expanduser()
+    if not resolved.is_dir():
+        raise NotFoundError(
+            f"artifact directory {resolved} does not exist",
+            "compile one with `neuronctl compile MODEL` and pass the path it prints",
+        )
+    return resolved
+
+
+def open_artifact(path: str | Path | None, validate: bool = True) -> LoadedArtifact:
+    root = resolve_artifact_path(path)
+    if validate:
+        check_reusable(root)
+    manifest = read_manifest(root)
+    runner = get_backend(manifest.backend).load(root, manifest)
+    tokenizer = load_tokenizer(root)
+    eos = eos_token_ids(root)
+    if not eos and tokenizer.eos_token_id is not None:
+        eos = [tokenizer.eos_token_id]
+    return LoadedArtifact(root, manifest, runner, tokenizer, eos, global_topk(manifest))
+
+
+def check_reusable(path: Path) -> None:
+    # LEAD: the single call site of the reuse checks before any load (generate, serve, bench).
+    try:
+        from neuronctl.validate import quick_validate
+    except ImportError:  # validate.py not there yet
+        return
+    report = quick_validate(path)
+    if not report.reusable:
+        reasons = "; ".join(f"{c.name}: {c.reason}" for c in report.failed)
+        raise NotReusableError(
+            f"{path} cannot be used as-is: {reasons}",
+            f"run `neuronctl validate {path}` for details; serve and generate never compile",
+        )
+
+
+def make_engine(loaded: LoadedArtifact, max_queue: int | None = None) -> Engine:
+    return Engine(
+        loaded.runner,
+        loaded.detokenize,
+        eos_ids=loaded.eos_ids,
+        global_topk=loaded.global_topk,
+        max_queue=max_queue,
+    )
+
+
+def load_tokenizer(path: Path) -> Any:
+    from transformers import AutoTokenizer
+
+    try:
+        return AutoTokenizer.from_pretrained(str(path))
+    except (OSError, ValueError) as exc:
+        raise NotFoundError(
+            f"{path} has no usable tokenizer: {exc}",
+            "the artifact should contain the tokenizer files copied at compile time; recompile",
+        ) from None
+
+
+def eos_token_ids(path: Path) -> list[int]:
+    """EOS ids from generation_config.json, else config.json (an int or a list in either)."""
+    for name in ("generation_config.json", "config.json"):
+        try:
+            value = json.loads((path / name).read_text()).get("eos_token_id")
+        except (OSError, json.JSONDecodeError):
+            continue
+        if isinstance(value, int):
+            return [value]
+        if isinstance(value, list) and value:
+            return [int(v) for v in value]
+    return []
+
+
+def global_topk(manifest: Manifest) -> int:
+    sampling = manifest.spec.get("on_device_sampling") or {}
+    return int(sampling.get("global_topk", DEFAULT_GLOBAL_TOPK))
