@@ -25,13 +25,10 @@ SPEC_OWNED = {
     "on_device_sampling_config": "--on-device-sampling",
     "quantized": "--quantized",
     "quantization_dtype": "--quantization-dtype",
-    "quantization_type": "--quantization-type",
+    "quantization_type": "the quantization_type spec field",
     "speculation_length": "--num-speculative-tokens",
     "save_sharded_checkpoint": "(always true: the artifact carries its weights)",
 }
-
-# HF model_type -> the NeuronConfig class (MoE models take MoENeuronConfig).
-MOE_MODEL_TYPES = frozenset({"mixtral", "dbrx", "qwen3_moe"})
 
 
 def check_override(override: Mapping[str, Any]) -> None:

@@ -1,0 +1,72 @@
+"""A loaded NxD Inference model behind the Runner protocol (backends/base.py).
+
+NxDI's `forward(input_ids, attention_mask, position_ids, seq_ids, ...)` picks the context
+encoding model when input_ids has more than one position and the token generation model
+otherwise, padding to its buckets itself. seq_ids name the KV cache slots (continuous
+batching). How outputs are shaped is taken from NEURON_FACTS and the public examples; it is
+NOT confirmed on a Neuron host (see the `neuron` marked tests).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+PAD_ID = 0
+
+
+class NxdiRunner:
+    def __init__(self, model: Any, spec: dict[str, Any], vocab_size: int) -> None:
+        self.model = model
+        self.batch_size = int(spec["batch_size"])
+        self.seq_len = int(spec["seq_len"])
+        self.max_context_length = int(spec["max_context_length"] or spec["seq_len"])
+        self.context_buckets = list(spec["context_buckets"])
+        self.token_gen_buckets = list(spec["token_gen_buckets"])
+        self.vocab_size = vocab_size
+        # With on-device sampling the model returns token ids, not logits.
+        self.on_device_sampling = spec.get("on_device_sampling") is not None
+
+    def prefill(self, slot: int, token_ids: Sequence[int]) -> torch.Tensor:
+        n = len(token_ids)
+        out = self.model.forward(
+            input_ids=torch.tensor([list(token_ids)], dtype=torch.int64),
+            attention_mask=torch.ones(1, n, dtype=torch.int64),
+            position_ids=torch.arange(n, dtype=torch.int64).unsqueeze(0),
+            seq_ids=torch.tensor([slot], dtype=torch.int64),
+        )
+        return self._logits(out, 1)[0]
+
+    def decode(self, token_ids: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
+        # Idle slots (position -1) still take part: the compiled token generation batch is
+        # fixed. They write a pad token at position 0 of their own slot, which the next
+        # prefill of that slot overwrites.
+        pos = [max(p, 0) for p in positions]
+        ids = [t if p >= 0 else PAD_ID for t, p in zip(token_ids, positions, strict=True)]
+        width = max(pos) + 1
+        mask = (torch.arange(width).unsqueeze(0) <= torch.tensor(pos).unsqueeze(1)).long()
+        out = self.model.forward(
+            input_ids=torch.tensor(ids, dtype=torch.int64).unsqueeze(1),
+            attention_mask=mask,
+            position_ids=torch.tensor(pos, dtype=torch.int64).unsqueeze(1),
+            seq_ids=torch.arange(self.batch_size, dtype=torch.int64),
+        )
+        return self._logits(out, self.batch_size)
+
+    def _logits(self, out: Any, rows: int) -> torch.Tensor:
+        value = getattr(out, "logits", None)
+        if value is None and isinstance(out, tuple | list):
+            value = out[0]
+        value = torch.as_tensor(value)
+        if self.on_device_sampling:
+            # Token ids: a one-hot row makes the engine's greedy pick the device's choice.
+            tokens = value.reshape(rows, -1)[:, -1].long()
+            logits = torch.full((rows, self.vocab_size), float("-inf"))
+            logits[torch.arange(rows), tokens] = 0.0
+            return logits
+        # [rows, positions, vocab] or [rows, vocab]: keep the last position.
+        if value.dim() == 3:
+            value = value[:, -1, :]
+        return value.reshape(rows, -1)[:, : self.vocab_size].float()

@@ -1,0 +1,120 @@
+"""Lazy access to the NxD Inference SDK (neuronx_distributed_inference).
+
+Nothing here imports the SDK at module import: it is only on Neuron hosts (and CPU build hosts
+with the Neuron pip repository configured).
+"""
+
+from __future__ import annotations
+
+import importlib
+import json
+from collections.abc import Mapping
+from importlib import metadata
+from types import ModuleType
+from typing import Any
+
+from neuronctl.errors import BackendUnavailableError
+
+NEURON_REPO = "https://pip.repos.neuron.amazonaws.com"
+PACKAGES = ("neuronx-cc", "neuronx-distributed-inference", "torch-neuronx")
+INSTALL = f"pip install --extra-index-url {NEURON_REPO} " + " ".join(PACKAGES)
+ROOT = "neuronx_distributed_inference"
+
+# HF model_type -> candidate (module, model class, InferenceConfig class), first importable
+# wins. Mistral tries the Llama classes first because vLLM loads MistralForCausalLM with them,
+# so the compiled artifact is what vLLM's loader expects (NEURON_FACTS).
+MODEL_CLASSES: dict[str, list[tuple[str, str, str]]] = {
+    "llama": [("models.llama.modeling_llama", "NeuronLlamaForCausalLM", "LlamaInferenceConfig")],
+    "mistral": [
+        ("models.llama.modeling_llama", "NeuronLlamaForCausalLM", "LlamaInferenceConfig"),
+        ("models.mistral.modeling_mistral", "NeuronMistralForCausalLM", "MistralInferenceConfig"),
+    ],
+    "mixtral": [
+        ("models.mixtral.modeling_mixtral", "NeuronMixtralForCausalLM", "MixtralInferenceConfig")
+    ],
+    "dbrx": [("models.dbrx.modeling_dbrx", "NeuronDbrxForCausalLM", "DbrxInferenceConfig")],
+    "qwen2": [("models.qwen2.modeling_qwen2", "NeuronQwen2ForCausalLM", "Qwen2InferenceConfig")],
+    "qwen3": [("models.qwen3.modeling_qwen3", "NeuronQwen3ForCausalLM", "Qwen3InferenceConfig")],
+    "qwen3_moe": [
+        ("models.qwen3_moe.modeling_qwen3_moe", "NeuronQwen3MoeForCausalLM",
+         "Qwen3MoeInferenceConfig")
+    ],
+    "gemma3": [
+        ("models.gemma3.modeling_gemma3", "NeuronGemma3ForCausalLM", "Gemma3InferenceConfig")
+    ],
+}
+MOE_MODEL_TYPES = frozenset({"mixtral", "dbrx", "qwen3_moe"})
+
+
+def unavailable(what: str) -> BackendUnavailableError:
+    return BackendUnavailableError(
+        f"{what} is not installed: the nxdi backend needs the Neuron SDK", INSTALL
+    )
+
+
+def versions() -> dict[str, str]:
+    out = {}
+    for name in PACKAGES:
+        try:
+            out[name] = metadata.version(name)
+        except metadata.PackageNotFoundError:
+            raise unavailable(name) from None
+    return out
+
+
+def module(name: str = "") -> ModuleType:
+    full = f"{ROOT}.{name}" if name else ROOT
+    try:
+        return importlib.import_module(full)
+    except ImportError as exc:
+        if exc.name and (exc.name == ROOT or exc.name.startswith(ROOT + ".")):
+            raise unavailable(exc.name) from None
+        raise
+
+
+def model_classes(model_type: str) -> tuple[Any, Any]:
+    """(model class, InferenceConfig class) for an HF model_type."""
+    module("")  # a clear BackendUnavailableError when the SDK is missing
+    for mod_name, model_cls, config_cls in MODEL_CLASSES.get(model_type, []):
+        try:
+            mod = importlib.import_module(f"{ROOT}.{mod_name}")
+        except ImportError:
+            continue
+        if hasattr(mod, model_cls) and hasattr(mod, config_cls):
+            return getattr(mod, model_cls), getattr(mod, config_cls)
+    raise BackendUnavailableError(
+        f"this NxD Inference has no model class for model_type {model_type!r}",
+        "supported: " + ", ".join(MODEL_CLASSES) + "; upgrade neuronx-distributed-inference",
+    )
+
+
+def neuron_config(model_type: str, kwargs: Mapping[str, Any]) -> Any:
+    config_mod = module("models.config")
+    cls_name = "MoENeuronConfig" if model_type in MOE_MODEL_TYPES else "NeuronConfig"
+    return getattr(config_mod, cls_name)(**kwargs)
+
+
+def inference_config(model_type: str, kwargs: Mapping[str, Any], model_path: str) -> Any:
+    """`XInferenceConfig(NeuronConfig(**kwargs), load_config=load_pretrained_config(path))`."""
+    _model_cls, config_cls = model_classes(model_type)
+    load_pretrained_config = module("utils.hf_adapter").load_pretrained_config
+    load_config = load_pretrained_config(model_path)
+    return config_cls(neuron_config(model_type, kwargs), load_config=load_config)
+
+
+def inference_config_json(kwargs: Mapping[str, Any], config: Mapping[str, Any]) -> str:
+    """InferenceConfig.to_json_string() for an HF config dict (used for vLLM's md5 name).
+
+    Raises ImportError when the SDK is missing (callers fall back to an approximation).
+    """
+    import tempfile
+    from pathlib import Path
+
+    try:
+        module("")
+    except BackendUnavailableError as exc:
+        raise ImportError(str(exc)) from None
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "config.json").write_text(json.dumps(dict(config)))
+        ic = inference_config(str(config.get("model_type")), kwargs, tmp)
+        return str(ic.to_json_string())
