@@ -1,0 +1,217 @@
+"""`doctor`: every branch, with package lookups, devices and neuron-ls monkeypatched."""
+
+from __future__ import annotations
+
+import json
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+from typer.testing import CliRunner
+
+import neuronctl.doctor as doctor
+from neuronctl.cli.main import app
+
+runner = CliRunner()
+
+CORE = {"torch": "2.13.0", "transformers": "5.23.0", "huggingface_hub": "2.4.0",
+        "safetensors": "0.5.0"}
+NEURON = {"neuronx-cc": "2.16.372.0", "torch-neuronx": "2.5.1.2.4.0",
+          "neuronx-distributed-inference": "0.1.1", "transformers-neuronx": "0.13.322"}
+
+
+@pytest.fixture
+def host(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, Any]:
+    """A fake host: installed dists, importable modules, vLLM's directory, devices."""
+    state: dict[str, Any] = {
+        "dists": dict(CORE),
+        "modules": {"torch", "transformers", "huggingface_hub", "safetensors"},
+        "vllm_dir": None,
+        "neuron_ls": None,
+        "devices": [],
+    }
+    monkeypatch.setattr(doctor, "dist_version", lambda name: state["dists"].get(name))
+    monkeypatch.setattr(doctor, "module_found", lambda name: name in state["modules"])
+    monkeypatch.setattr(doctor, "vllm_dir", lambda: state["vllm_dir"])
+    monkeypatch.setattr(doctor, "neuron_ls", lambda: state["neuron_ls"])
+    monkeypatch.setattr(doctor, "neuron_device_paths", lambda: state["devices"])
+    monkeypatch.setenv("NEURONCTL_STORE", str(tmp_path / "store"))
+    return state
+
+
+def _install_neuron(state: dict[str, Any]) -> None:
+    state["dists"].update(NEURON)
+    state["modules"] |= {"neuronxcc", "torch_neuronx", "neuronx_distributed_inference",
+                         "transformers_neuronx"}
+
+
+def _by_name(report: doctor.DoctorReport) -> dict[str, doctor.Finding]:
+    return {f.name: f for f in report.findings}
+
+
+def test_cpu_host_is_ready_for_torch_and_says_how_to_install_neuron(host: dict) -> None:
+    report = doctor.diagnose("torch")
+    assert report.healthy
+    found = _by_name(report)
+    assert found["torch"].ok and found["torch"].detail == "2.13.0"
+    cc = found["neuronx-cc"]
+    assert not cc.ok and not cc.required and "not installed" in cc.detail
+    assert "--extra-index-url https://pip.repos.neuron.amazonaws.com neuronx-cc" in cc.fix
+    assert found["neuron devices"].ok  # the torch backend runs without devices
+
+
+@pytest.mark.parametrize(
+    ("backend", "missing"),
+    [
+        ("nxdi", {"neuronx-cc", "torch-neuronx", "neuronx-distributed-inference"}),
+        ("tnx", {"neuronx-cc", "torch-neuronx", "transformers-neuronx"}),
+    ],
+)
+def test_neuron_backends_require_their_packages(host: dict, backend: str, missing: set) -> None:
+    report = doctor.diagnose(backend)
+    assert not report.healthy
+    assert {f.name for f in report.missing} == missing
+
+
+def test_neuron_backend_ready_when_sdk_installed(host: dict) -> None:
+    _install_neuron(host)
+    host["neuron_ls"] = [{"neuron_device": 0, "nc_count": 2}, {"neuron_device": 1, "nc_count": 2}]
+    report = doctor.diagnose("nxdi")
+    assert report.healthy, [f.as_dict() for f in report.missing]
+    devices = _by_name(report)["neuron devices"]
+    assert devices.ok and devices.detail.startswith("4 NeuronCores (neuron-ls: 2 devices")
+
+
+def test_missing_torch_fails_the_torch_backend(host: dict) -> None:
+    del host["dists"]["torch"]
+    report = doctor.diagnose("torch")
+    assert [f.name for f in report.missing] == ["torch"]
+    assert _by_name(report)["torch"].fix == "pip install torch"
+
+
+def test_pypi_placeholder_is_detected(host: dict) -> None:
+    host["dists"]["neuronx-cc"] = "0.0.0"  # installed, but no neuronxcc module to import
+    cc = _by_name(doctor.diagnose("nxdi"))["neuronx-cc"]
+    assert not cc.ok and "placeholder" in cc.detail
+    assert cc.fix.startswith("pip uninstall -y neuronx-cc && pip install --extra-index-url")
+
+
+def test_devices_without_neuron_ls_are_counted_from_dev(host: dict) -> None:
+    host["devices"] = ["/dev/neuron0", "/dev/neuron1", "/dev/neuron2"]
+    assert doctor.neuron_cores() == (6, "3 /dev/neuron* devices, no neuron-ls")
+
+
+def test_no_devices_is_a_warning_for_neuron_backends(host: dict) -> None:
+    _install_neuron(host)
+    report = doctor.diagnose("tnx")
+    devices = _by_name(report)["neuron devices"]
+    assert not devices.ok and not devices.required and "compile works" in devices.detail
+    assert report.healthy
+
+
+def test_vllm_absent_is_fine(host: dict) -> None:
+    vllm = _by_name(doctor.diagnose())["vllm"]
+    assert vllm.ok and "not installed" in vllm.detail
+
+
+def test_vllm_pypi_build_is_flagged(host: dict) -> None:
+    host["dists"]["vllm"] = "0.6.3"
+    vllm = _by_name(doctor.diagnose())["vllm"]
+    assert not vllm.ok and "not a Neuron build" in vllm.detail
+    assert "VLLM_TARGET_DEVICE=neuron" in vllm.fix
+
+
+@pytest.mark.parametrize(
+    ("dists", "how"),
+    [({"vllm": "0.6.dev0+neuron215"}, "Neuron build"),
+     ({"vllm": "0.10.2", "vllm-neuron": "0.1.0"}, "vllm-neuron plugin 0.1.0")],
+)
+def test_vllm_neuron_builds_are_recognised(host: dict, dists: dict, how: str) -> None:
+    host["dists"].update(dists)
+    vllm = _by_name(doctor.diagnose())["vllm"]
+    assert vllm.ok and how in vllm.detail
+
+
+@pytest.mark.parametrize(
+    ("vllm", "triton", "bad"),
+    [("0.6.dev0+neuron215", "2.1.0", True), ("0.5.3", "2.1.0", True),
+     ("0.5.2", "2.1.0", False), ("0.6.2", "3.0.0", False)],
+)
+def test_triton_2_1_0_with_vllm_0_5_3_or_newer(
+    host: dict, vllm: str, triton: str, bad: bool
+) -> None:
+    host["dists"].update({"vllm": vllm, "triton": triton})
+    found = _by_name(doctor.diagnose())
+    assert ("triton" in found) is bad
+    if bad:
+        assert "default_dump_dir" in found["triton"].detail
+        assert found["triton"].fix.startswith("pip install --upgrade triton==3.0.0")
+
+
+def test_missing_vllm_neuron_models_module(host: dict, tmp_path: Path) -> None:
+    root = tmp_path / "site-packages" / "vllm"
+    (root / "model_executor" / "models").mkdir(parents=True)
+    host["dists"]["vllm"] = "0.3.3+neuron"
+    host["vllm_dir"] = root
+    bad = _by_name(doctor.diagnose())["vllm.model_executor.models.neuron"]
+    assert not bad.ok and "ModuleNotFoundError" in bad.detail
+    assert "touch vllm/model_executor/models/neuron/__init__.py" in bad.fix
+    (root / "model_executor" / "models" / "neuron").mkdir()
+    assert "vllm.model_executor.models.neuron" not in _by_name(doctor.diagnose())
+
+
+def test_version_tuple() -> None:
+    assert doctor.version_tuple("0.6.dev0+neuron215") == (0, 6)
+    assert doctor.version_tuple("2.1.0") == (2, 1, 0)
+    assert doctor.version_tuple("0.5.3rc1") == (0, 5, 3)
+
+
+def test_disk_finding_for_a_store_that_does_not_exist_yet(tmp_path: Path) -> None:
+    found = doctor.disk_finding(tmp_path / "not" / "yet")
+    assert "GiB free at" in found.detail and str(tmp_path / "not" / "yet") in found.detail
+
+
+def test_neuron_ls_output_is_parsed(monkeypatch: pytest.MonkeyPatch) -> None:
+    out = json.dumps([{"neuron_device": 0, "nc_count": 8}])
+    monkeypatch.setattr(doctor.shutil, "which", lambda name: "/opt/aws/neuron/bin/neuron-ls")
+    monkeypatch.setattr(
+        doctor.subprocess, "run",
+        lambda *a, **k: subprocess.CompletedProcess(a, 0, stdout=out, stderr=""),
+    )
+    assert doctor.neuron_cores() == (8, "neuron-ls: 1 devices")
+
+
+def test_neuron_ls_failure_falls_back_to_dev(monkeypatch: pytest.MonkeyPatch) -> None:
+    def broken(*a: Any, **k: Any) -> Any:
+        raise subprocess.CalledProcessError(1, "neuron-ls")
+
+    monkeypatch.setattr(doctor.shutil, "which", lambda name: "/usr/bin/neuron-ls")
+    monkeypatch.setattr(doctor.subprocess, "run", broken)
+    monkeypatch.setattr(doctor, "neuron_device_paths", lambda: [])
+    assert doctor.neuron_cores() == (0, "no /dev/neuron* devices")
+
+
+def test_real_lookups_on_this_host() -> None:
+    # No monkeypatching: this host has torch and transformers, and no Neuron SDK.
+    found = _by_name(doctor.diagnose("torch"))
+    assert found["torch"].ok and found["transformers"].ok
+    assert doctor.dist_version("surely-not-a-real-package-xyz") is None
+
+
+def test_cli_json_and_exit_codes(host: dict) -> None:
+    result = runner.invoke(app, ["doctor", "--json"])
+    assert result.exit_code == 0
+    data = json.loads(result.stdout)
+    assert data["healthy"] is True and data["backend"] == "torch"
+    assert {"name", "ok", "detail", "fix", "required"} <= set(data["checks"][0])
+    result = runner.invoke(app, ["doctor", "--backend", "nxdi"])
+    assert result.exit_code == 1
+    assert "missing for the nxdi backend" in " ".join(result.stdout.split())
+
+
+def test_cli_unknown_backend_is_a_usage_error() -> None:
+    from tests.helpers import cli
+
+    result = cli("doctor", "--backend", "cuda")
+    assert result.returncode == 2 and "unknown backend" in result.stderr
