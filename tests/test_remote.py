@@ -348,3 +348,18 @@ def test_split_artifact_url() -> None:
     assert split_artifact_url("s3://b/neuron-compiled-artifacts/KEY/") == ("s3://b", "KEY")
     with pytest.raises(Exception, match="does not name"):
         split_artifact_url("s3://bucket")
+
+
+def test_real_compiled_artifact_round_trip_validates(
+    tmp_path: Path, bucket: str, compiled_artifact: Path
+) -> None:
+    from neuronctl.validate import validate_artifact
+
+    url = f"s3://{bucket}/fleet"
+    open_remote(url).push(compiled_artifact)
+
+    pulled = resolve_artifacts_arg(f"{url}/{compiled_artifact.name}", Store(tmp_path / "host"))
+
+    assert tree_bytes(pulled) == tree_bytes(compiled_artifact)
+    report = validate_artifact(pulled, deep=True)
+    assert report.reusable, report.summary()
