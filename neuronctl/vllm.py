@@ -42,7 +42,7 @@ FRAMEWORK_BACKENDS = {NXDI: "nxdi", TNX: "tnx"}
 FRAMEWORK_ALIASES = {"nxdi": NXDI, "tnx": TNX, NXDI: NXDI, TNX: TNX}
 # neuronctl's quantization dtype -> vLLM's NEURON_QUANT_DTYPE spelling.
 QUANT_ENV = {"int8": "s8", "f8e4m3fn": "f8e4m3fn"}
-TNX_COMPILE_CACHE = "neuron-compile-cache"  # inside a tnx artifact, filled by the tnx backend
+TNX_COMPILE_CACHE = "neuron-compile-cache"  # inside a tnx artifact (backends/tnx COMPILE_CACHE)
 
 
 @dataclass

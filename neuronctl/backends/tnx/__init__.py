@@ -1,1 +1,199 @@
-"""Transformers NeuronX backend (transformers-neuronx); the SDK imports lazily."""
+"""Transformers NeuronX backend (transformers-neuronx); the SDK imports lazily.
+
+build: XForSampling.from_pretrained(ckpt, batch_size, tp_degree, n_positions=token-gen buckets,
+       context_length_estimate=context buckets, amp, neuron_config=NeuronConfig(
+       continuous_batching=ContinuousBatchingConfig(max_num_seqs, max_model_len),
+       on_device_embedding=True, ...)).to_neuron(), then .save(staging, sharded_weights=True):
+       one <hlo hash>.neff per compiled kernel, pre-sharded weights and a config.json with
+       is_presharded_checkpoint. to_neuron() runs with NEURON_COMPILE_CACHE_URL pointing into
+       the artifact, so vLLM's TNx path (which never saves artifacts and relies on the persistent
+       cache) finds the same NEFFs there (see neuronctl/vllm.py; not confirmed on a host).
+load:  from_pretrained(path, same arguments) + .load(path) + .to_neuron(); TNx raises
+       FileNotFoundError ("Could not find a matching NEFF...") if anything differs.
+"""
+
+from __future__ import annotations
+
+import importlib
+import os
+from collections.abc import Iterator, Mapping, Sequence
+from contextlib import contextmanager
+from importlib import metadata
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from neuronctl.backends.base import BuildRequest, BuildResult, HostCheck
+from neuronctl.backends.nxdi import NxdiBackend, cc_flags_env
+from neuronctl.backends.nxdi.sdk import NEURON_REPO
+from neuronctl.backends.tnx import config as tnx_config
+from neuronctl.errors import BackendUnavailableError, BuildError, NeuronctlError
+
+if TYPE_CHECKING:
+    from neuronctl.spec import BuildSpec
+    from neuronctl.store.manifest import Manifest
+
+PACKAGES = ("neuronx-cc", "transformers-neuronx", "torch-neuronx")
+INSTALL = f"pip install --extra-index-url {NEURON_REPO} " + " ".join(PACKAGES)
+COMPILE_CACHE = "neuron-compile-cache"  # the same name neuronctl.vllm exports
+
+
+def unavailable(what: str) -> BackendUnavailableError:
+    return BackendUnavailableError(
+        f"{what} is not installed: the tnx backend needs the Neuron SDK", INSTALL
+    )
+
+
+def sdk() -> Any:
+    try:
+        return importlib.import_module("transformers_neuronx")
+    except ImportError as exc:
+        if exc.name and exc.name.startswith("transformers_neuronx"):
+            raise unavailable("transformers-neuronx") from None
+        raise
+
+
+@contextmanager
+def compile_cache_env(path: Path) -> Iterator[None]:
+    old = os.environ.get("NEURON_COMPILE_CACHE_URL")
+    os.environ["NEURON_COMPILE_CACHE_URL"] = str(path)
+    try:
+        yield
+    finally:
+        if old is None:
+            os.environ.pop("NEURON_COMPILE_CACHE_URL", None)
+        else:
+            os.environ["NEURON_COMPILE_CACHE_URL"] = old
+
+
+def make_neuron_config(tnx: Any, spec: BuildSpec) -> Any:
+    kwargs = tnx_config.neuron_config_kwargs(spec)
+    sub = {
+        "continuous_batching": "ContinuousBatchingConfig",
+        "quant": "QuantizationConfig",
+        "on_device_generation": "GenerationConfig",
+    }
+    for key, cls_name in sub.items():
+        if isinstance(kwargs.get(key), dict):
+            kwargs[key] = getattr(tnx, cls_name)(**kwargs[key])
+    return tnx.NeuronConfig(**kwargs)
+
+
+def model_class(tnx: Any, model_type: str) -> Any:
+    return getattr(tnx, tnx_config.MODEL_TYPES[model_type])
+
+
+class TnxBackend:
+    name = "tnx"
+
+    def versions(self) -> dict[str, str]:
+        out = {}
+        for name in PACKAGES:
+            try:
+                out[name] = metadata.version(name)
+            except metadata.PackageNotFoundError:
+                raise unavailable(name) from None
+        return out
+
+    def architectures(self) -> Mapping[str, str]:
+        return {
+            "LlamaForCausalLM": "LlamaForSampling (continuous batching, vLLM)",
+            "MistralForCausalLM": "MistralForSampling (continuous batching, vLLM)",
+        }
+
+    def check(self, spec: BuildSpec, config: Mapping[str, Any]) -> None:
+        tnx_config.check(spec, config)
+
+    def _model(self, path: Path, spec: BuildSpec, model_type: str) -> Any:
+        tnx = sdk()
+        return model_class(tnx, model_type).from_pretrained(
+            str(path),
+            neuron_config=make_neuron_config(tnx, spec),
+            **tnx_config.from_pretrained_kwargs(spec),
+        )
+
+    def build(self, request: BuildRequest) -> BuildResult:
+        spec, staging = request.spec, request.staging
+        model_path = Path(request.checkpoint.path)
+        self.check(spec, request.checkpoint.config)
+        tick = request.progress.task("Transformers NeuronX compile", total=None)
+        try:
+            model = self._model(model_path, spec, str(request.checkpoint.config["model_type"]))
+            with cc_flags_env(spec.cc_flags), compile_cache_env(staging / COMPILE_CACHE):
+                model.to_neuron()
+            model.save(str(staging), sharded_weights=True)
+        except NeuronctlError:
+            raise
+        except Exception as exc:  # the SDK's own failure: nothing gets published
+            raise BuildError(
+                f"Transformers NeuronX compile failed: {type(exc).__name__}: {exc}",
+                "run again with --debug for the SDK's traceback",
+            ) from exc
+        tick(1)
+        graphs = sorted(p.name for p in staging.glob("*.neff"))
+        if not graphs:
+            raise BuildError("Transformers NeuronX saved no .neff files")
+        from neuronctl.build import copy_model_files  # tokenizer; keeps TNx's config.json
+
+        copy_model_files(model_path, staging)
+        return BuildResult(graphs=graphs, extra={"NEURON_CC_FLAGS": spec.cc_flags})
+
+    def load(self, path: Path, manifest: Manifest) -> TnxRunner:
+        from neuronctl.spec import BuildSpec
+
+        spec = BuildSpec.model_validate(manifest.spec)
+        model = self._model(path, spec, str(manifest.architecture.get("model_type")))
+        model.load(str(path))
+        try:
+            with cc_flags_env(spec.cc_flags), compile_cache_env(path / COMPILE_CACHE):
+                model.to_neuron()
+        except FileNotFoundError as exc:
+            raise NeuronctlError(
+                f"Transformers NeuronX found no matching NEFF in {path}: {exc}",
+                "the SDK version or a setting differs from the build; run `neuronctl validate`",
+            ) from None
+        return TnxRunner(model, spec, int(manifest.architecture.get("vocab_size") or 0))
+
+    def host_checks(self, manifest: Manifest) -> list[HostCheck]:
+        return NxdiBackend().host_checks(manifest)
+
+
+class TnxRunner:
+    """TNx continuous batching: forward(input_ids, cache_ids=positions, start_ids=slots), as
+    vLLM's TNx integration calls it; returns the last position's logits (not confirmed)."""
+
+    def __init__(self, model: Any, spec: BuildSpec, vocab_size: int) -> None:
+        self.model = model
+        self.batch_size = spec.batch_size
+        self.seq_len = spec.seq_len
+        self.max_context_length = spec.effective_max_context_length()
+        self.context_buckets = list(spec.context_buckets)  # type: ignore[arg-type]
+        self.token_gen_buckets = list(spec.token_gen_buckets)  # type: ignore[arg-type]
+        self.vocab_size = vocab_size
+
+    def prefill(self, slot: int, token_ids: Sequence[int]) -> torch.Tensor:
+        n = len(token_ids)
+        out = self.model.forward(
+            torch.tensor([list(token_ids)], dtype=torch.int64),
+            cache_ids=torch.arange(n, dtype=torch.int64).unsqueeze(0),
+            start_ids=torch.tensor([slot], dtype=torch.int64),
+        )
+        return self._logits(out, 1)[0]
+
+    def decode(self, token_ids: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
+        # Idle slots (-1) write at position 0 of their own slot; the next prefill overwrites.
+        pos = [max(p, 0) for p in positions]
+        out = self.model.forward(
+            torch.tensor(list(token_ids), dtype=torch.int64).unsqueeze(1),
+            cache_ids=torch.tensor(pos, dtype=torch.int64).unsqueeze(1),
+            start_ids=torch.arange(self.batch_size, dtype=torch.int64),
+        )
+        return self._logits(out, self.batch_size)
+
+    def _logits(self, out: Any, rows: int) -> torch.Tensor:
+        value = torch.as_tensor(out)
+        if value.dim() == 3:
+            value = value[:, -1, :]
+        return value.reshape(rows, -1)[:, : self.vocab_size].float()
+
