@@ -161,7 +161,7 @@ class RemoteStore:
                 sizes[rel] = int(info["size"])
         return sizes
 
-    def list(self) -> list[str]:
+    def list_keys(self) -> list[str]:
         """Directory names of complete remote artifacts."""
         try:
             entries = self.fs.ls(self.artifacts, detail=False)
@@ -177,7 +177,7 @@ class RemoteStore:
             raise UsageError(f"{key_or_prefix!r} is not an artifact key")
         if len(key) >= KEY_LENGTH:
             return key[:KEY_LENGTH]
-        matches = [name for name in self.list() if name.startswith(key)]
+        matches = [name for name in self.list_keys() if name.startswith(key)]
         if len(matches) == 1:
             return matches[0]
         if not matches:
