@@ -11,7 +11,8 @@ from __future__ import annotations
 import fnmatch
 import os
 import re
-from collections.abc import Iterable, Sequence
+from collections.abc import Iterable, Iterator, Sequence
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -190,22 +191,17 @@ def snapshot(repo_id: str, revision: str | None, cache_only: bool = False) -> tu
     return result.path, result.sha
 
 
-class hub_errors:
+@contextmanager
+def hub_errors(repo_id: str, revision: str | None) -> Iterator[None]:
     """Turn huggingface_hub exceptions into one-line neuronctl errors."""
-
-    def __init__(self, repo_id: str, revision: str | None) -> None:
-        self.repo_id = repo_id
-        self.revision = revision
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, exc_type: Any, exc: BaseException | None, tb: Any) -> bool:
-        if exc is None or isinstance(exc, NeuronctlError):
-            return False
-        mapped = map_hub_error(exc, self.repo_id, self.revision)
+    try:
+        yield
+    except NeuronctlError:
+        raise
+    except Exception as exc:
+        mapped = map_hub_error(exc, repo_id, revision)
         if mapped is None:
-            return False
+            raise
         raise mapped from None
 
 
@@ -246,8 +242,10 @@ class _progress:
         self.bars: Any = None
 
     def __enter__(self) -> Any:
-        if not self.enabled:
-            return _silent_bar_class()
+        from neuronctl.cli._common import err_console
+
+        if not self.enabled or not err_console.is_terminal:
+            return _BarBase
         from rich.progress import (
             BarColumn,
             DownloadColumn,
@@ -255,8 +253,6 @@ class _progress:
             TextColumn,
             TransferSpeedColumn,
         )
-
-        from neuronctl.cli._common import err_console
 
         self.bars = Progress(
             TextColumn("{task.description}"),
@@ -307,10 +303,6 @@ class _BarBase:
     def __getattr__(self, name: str) -> Any:
         # refresh, set_description, set_postfix_str, ...: nothing to do for us.
         return lambda *args, **kwargs: None
-
-
-def _silent_bar_class() -> type[_BarBase]:
-    return _BarBase
 
 
 def _rich_bar_class(bars: Any) -> type[_BarBase]:
