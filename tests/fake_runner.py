@@ -96,3 +96,55 @@ class FakeRunner:
 def byte_detokenize(token_ids: Sequence[int]) -> str:
     """Bytes as Latin-1 characters; specials vanish (as with skip_special_tokens)."""
     return "".join(chr(t) for t in token_ids if t < BYTE_TOKENS)
+
+
+class FakeTextModel:
+    """The TextModel the server needs, over a tokenizer directory (e.g. a tiny checkpoint)."""
+
+    def __init__(self, tokenizer_dir: str) -> None:
+        from transformers import AutoTokenizer
+
+        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+
+    def encode(self, text: str) -> list[int]:
+        return list(self.tokenizer(text)["input_ids"])
+
+    def encode_chat(self, messages: list[dict]) -> list[int]:
+        text = self.tokenizer.apply_chat_template(
+            messages, add_generation_prompt=True, tokenize=False
+        )
+        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+
+
+def main(argv: Sequence[str]) -> None:
+    """`python -m tests.fake_runner --tokenizer DIR --port N ...`: the real server over a
+    FakeRunner, for tests that need slow, predictable steps (queue limits, SIGTERM drain)."""
+    import argparse
+
+    from neuronctl.engine.engine import Engine
+    from neuronctl.server.run import run_server
+
+    parser = argparse.ArgumentParser()
+    parser.add_argument("--tokenizer", required=True)
+    parser.add_argument("--port", type=int, required=True)
+    parser.add_argument("--batch-size", type=int, default=1)
+    parser.add_argument("--seq-len", type=int, default=128)
+    parser.add_argument("--step-delay", type=float, default=0.05)
+    parser.add_argument("--max-queue", type=int, default=1)
+    args = parser.parse_args(argv)
+    runner = FakeRunner(args.batch_size, args.seq_len, step_delay=args.step_delay)
+    engine = Engine(runner, byte_detokenize, eos_ids=[EOS_ID], max_queue=args.max_queue)
+    run_server(
+        engine,
+        FakeTextModel(args.tokenizer),
+        served_model_name="fake",
+        port=args.port,
+        max_model_len=args.seq_len,
+        log_level="warning",
+    )
+
+
+if __name__ == "__main__":
+    import sys
+
+    main(sys.argv[1:])

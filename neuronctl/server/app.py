@@ -102,7 +102,7 @@ def create_app(
         params = body.sampling(body.max_tokens)
         prompts = [model.encode(p) if isinstance(p, str) else p for p in body.prompts()]
         run = Run(engine, prompts, params, metrics)
-        stream = CompletionStream(run, served_model_name, "text_completion", body.include_usage)
+        stream = CompletionStream(run, served_model_name, "text_completion", body)
         if body.stream:
             return sse(stream.chunks())
         return await stream.whole()
@@ -113,7 +113,7 @@ def create_app(
         params = body.sampling(body.max_new_tokens())
         prompt = model.encode_chat([m.as_template_message() for m in body.messages])
         run = Run(engine, [prompt], params, metrics)
-        stream = CompletionStream(run, served_model_name, "chat.completion", body.include_usage)
+        stream = CompletionStream(run, served_model_name, "chat.completion", body)
         if body.stream:
             return sse(stream.chunks())
         return await stream.whole()
@@ -247,8 +247,10 @@ class Run:
 class CompletionStream:
     """Shapes engine events as OpenAI completion or chat-completion objects."""
 
-    def __init__(self, run: Run, model: str, kind: str, include_usage: bool) -> None:
-        self.run, self.model, self.kind, self.include_usage = run, model, kind, include_usage
+    def __init__(self, run: Run, model: str, kind: str, body: CompletionRequest | ChatRequest):
+        self.run, self.model, self.kind = run, model, kind
+        self.include_usage = body.include_usage
+        self.token_ids = body.return_token_ids
         prefix = "chatcmpl" if kind == "chat.completion" else "cmpl"
         self.id = f"{prefix}-{uuid.uuid4().hex}"
         self.created = int(time.time())
@@ -283,6 +285,8 @@ class CompletionStream:
             choice["message"] = {"role": "assistant", "content": out.text}
         else:
             choice["text"] = out.text
+        if self.token_ids:
+            choice["token_ids"] = out.token_ids
         return {**choice, "logprobs": None}
 
     def _head(self, obj: str) -> dict[str, Any]:
@@ -301,8 +305,10 @@ class CompletionStream:
             if event.finish_reason == "error":
                 yield error_body(f"generation failed: {event.error}", "internal_error")
                 return
-            if event.text or event.finish_reason:
+            if event.text or event.finish_reason or self.token_ids:
                 choice = self._delta(index, event.text, event.finish_reason, False)
+                if self.token_ids:
+                    choice["token_ids"] = [] if event.token_id is None else [event.token_id]
                 yield {**self._head(obj), "choices": [choice], **extra}
         if self.include_usage:
             yield {**self._head(obj), "choices": [], "usage": self.usage(completion)}

@@ -32,6 +32,7 @@ class _Sampling(BaseModel):
     stop: str | list[str] | None = None
     seed: int | None = None
     ignore_eos: bool = False
+    return_token_ids: bool = False  # extra, as in vLLM: output token ids in each choice
     logprobs: Any = None
 
     def sampling(self, max_tokens: int | None) -> SamplingParams:
