@@ -147,13 +147,13 @@ def shard_checkpoint(
     files: list[IO[bytes]] = []
     try:
         for rank, path in enumerate(paths):
-            f = open(path, "wb")
-            files.append(f)
+            out = open(path, "wb")
+            files.append(out)
             infos = [
                 (name, TensorInfo(info.dtype, split.piece_shape(info.shape, tp)))
                 for name, split, info in items
             ]
-            f.write(header_bytes(infos, _metadata(checkpoint, tp, rank, dtype, splits)))
+            out.write(header_bytes(infos, _metadata(checkpoint, tp, rank, dtype, splits)))
         for name, split, info in items:
             tensor = checkpoint.tensor(name).to(info.dtype)
             for rank, f in enumerate(files):

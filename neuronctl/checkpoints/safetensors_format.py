@@ -120,4 +120,4 @@ def write_tensor_bytes(f: IO[bytes], tensor: torch.Tensor) -> None:
     """Write a tensor's raw bytes (row-major, little-endian) without an extra full copy."""
     flat = tensor.contiguous().reshape(-1)
     if flat.numel():
-        f.write(memoryview(flat.view(torch.uint8).numpy()))
+        f.write(flat.view(torch.uint8).numpy().data)
