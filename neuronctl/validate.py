@@ -402,6 +402,8 @@ def check_spec(
         wanted = _requested_values(manifest, requested, user_set)
     except SpecError as exc:
         return [Check("spec", False, f"the requested spec does not fit this model: {exc}")]
+    except ValueError as exc:  # the recorded spec itself does not parse (pydantic)
+        return [Check("spec", False, f"the compiled spec in {MANIFEST} is unreadable: {exc}")]
     compiled = manifest.spec
     checks, matched = [], []
     for name in user_set:
@@ -432,7 +434,7 @@ def _user_set(requested: BuildSpec, sources: Mapping[str, str] | None) -> list[s
     compared = [f for f in FIELDS if f in known]
     if sources is not None:
         return [f for f in compared if not sources.get(f, "default").startswith("default")]
-    defaults = spec_to_dict(normalize(BuildSpec()))
+    defaults = spec_to_dict(normalize(BuildSpec.model_validate({})))
     values = spec_to_dict(requested)
     return [f for f in compared if canonical_json(values[f]) != canonical_json(defaults[f])]
 

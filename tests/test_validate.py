@@ -370,6 +370,11 @@ def test_api_without_sources_compares_only_non_default_fields(artifact: Path) ->
     assert set(_failed(validate_artifact(artifact, spec))) == {"spec.batch_size"}
 
 
+def test_spec_that_does_not_fit_the_model_fails_the_spec_check(artifact: Path) -> None:
+    code, data = _cli(str(artifact), "--tp-degree", "3")  # 4 heads
+    assert code == 1 and "does not fit this model" in _failed(data)["spec"]
+
+
 def test_invalid_spec_flag_is_a_usage_error(artifact: Path) -> None:
     code, data = _cli(str(artifact), "--context-buckets", "64,x")
     assert code == 2 and "64,x" in data["error"]
