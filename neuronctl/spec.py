@@ -15,7 +15,14 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    ValidationInfo,
+    field_validator,
+)
 
 from neuronctl.errors import SpecError
 
@@ -68,9 +75,9 @@ class BuildSpec(BaseModel):
 
     @field_validator("context_buckets", "token_gen_buckets", mode="before")
     @classmethod
-    def _parse_buckets(cls, value: Any) -> Any:
+    def _parse_buckets(cls, value: Any, info: ValidationInfo) -> Any:
         if isinstance(value, str) and value != "auto":
-            return parse_int_list(value, "buckets")
+            return parse_int_list(value, info.field_name or "buckets")
         return value
 
     @field_validator("override_neuron_config", mode="before")
