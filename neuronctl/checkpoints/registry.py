@@ -1,6 +1,7 @@
 """Which Hugging Face architectures each backend can build, with a note on each.
 
 `torch` lists what neuronctl's embedded backend really implements (the Llama family).
+This is the one list: each backend's `architectures()` returns its entry here.
 `nxdi` and `tnx` follow the model support table of the AWS "Migrating from Transformers NeuronX
 to NxD Inference" guide (shared seed 004) and NEURON_FACTS.md (NxDI model classes by HF
 model_type).
@@ -30,11 +31,8 @@ ARCHITECTURES: dict[str, dict[str, str]] = {
     "tnx": {
         "LlamaForCausalLM": "LlamaForSampling: Llama 2, 3, 3.1, 3.2 (1B, 3B); vLLM supported",
         "MistralForCausalLM": "MistralForSampling: Mistral-V2; vLLM supported",
-        "MixtralForCausalLM": "MixtralForSampling; not through vLLM",
-        "BloomForCausalLM": "BloomForSampling; not through vLLM",
-        "GPT2LMHeadModel": "GPT2ForSampling; not through vLLM",
-        "GPTJForCausalLM": "GPTJForSampling; not through vLLM",
-        "GPTNeoXForCausalLM": "GPTNeoXForSampling; not through vLLM",
+        # Transformers NeuronX also has Mixtral, Bloom, GPT2, GPT-J and GPT-NeoX classes, but
+        # without continuous batching or vLLM support, which neuronctl's tnx artifacts need.
     },
 }
 

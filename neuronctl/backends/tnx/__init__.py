@@ -97,10 +97,9 @@ class TnxBackend:
         return out
 
     def architectures(self) -> Mapping[str, str]:
-        return {
-            "LlamaForCausalLM": "LlamaForSampling (continuous batching, vLLM)",
-            "MistralForCausalLM": "MistralForSampling (continuous batching, vLLM)",
-        }
+        from neuronctl.checkpoints.registry import ARCHITECTURES
+
+        return ARCHITECTURES["tnx"]
 
     def check(self, spec: BuildSpec, config: Mapping[str, Any]) -> None:
         tnx_config.check(spec, config)
