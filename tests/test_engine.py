@@ -180,3 +180,28 @@ def test_submit_is_thread_safe() -> None:
     engine.stop()
     for i in range(16):
         assert results[i] == run_alone([i, i + 1], SamplingParams(temperature=0, max_tokens=6))
+
+
+def test_latency_stats_use_nxdi_field_names_and_interpolate() -> None:
+    from neuronctl.engine.bench import latency_stats
+
+    stats = latency_stats([float(v) for v in range(1, 101)])
+    assert stats["latency_ms_p50"] == 50.5 and stats["latency_ms_p100"] == 100
+    assert stats["latency_ms_p90"] == 90.1 and stats["latency_ms_avg"] == 50.5
+    assert set(stats) == {f"latency_ms_p{p}" for p in (50, 90, 95, 99, 100)} | {"latency_ms_avg"}
+
+
+def test_bench_keeps_concurrency_in_flight_and_counts_tokens() -> None:
+    from neuronctl.engine.bench import bench_engine
+
+    runner = FakeRunner(batch_size=4)
+    engine = make_engine(runner)
+    result = bench_engine(
+        engine, 320, concurrency=3, requests=9, prompt_len=5, max_tokens=4, warmup=1
+    )
+    engine.stop()
+    assert result["requests"] == 9 and result["failed"] == 0
+    assert result["output_tokens"] == 36  # ignore_eos: exactly max_tokens each
+    assert runner.max_live == 3  # never more than the concurrency, though 4 slots exist
+    assert result["ttft"]["latency_ms_p50"] > 0 and result["tpot"]["latency_ms_p50"] > 0
+    assert result["e2e_model"]["throughput"] == result["output_tokens_per_s"]

@@ -144,3 +144,15 @@ def test_serve_dry_run_prints_the_plan(compiled_artifact: Path, capsys, monkeypa
     assert plan["max_prompt_tokens"] == 64 and plan["url"] == "http://127.0.0.1:9/v1"
     code, _, err = run([*args[:3], "--engine", "vllm", "--dry-run"], capsys, monkeypatch)
     assert code == 2 and "vLLM cannot load" in err
+
+
+def test_bench_json_report(compiled_artifact: Path, capsys, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    args = ["bench", "--artifacts", str(compiled_artifact), "--requests", "6", "--prompt-len",
+            "8", "--max-tokens", "4", "--concurrency", "3", "--json"]  # fmt: skip
+    code, out, _ = run(args, capsys, monkeypatch)
+    report = json.loads(out)
+    assert code == 0 and report["output_tokens"] == 24 and report["requests"] == 6
+    assert report["config"]["batch_size"] == 4
+    assert report["ttft"]["latency_ms_p99"] >= report["ttft"]["latency_ms_p50"] > 0
+    code, _, err = run([*args[:3], "--prompt-len", "100"], capsys, monkeypatch)
+    assert code == 2 and "limit 64" in err
