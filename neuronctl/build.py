@@ -62,6 +62,8 @@ class CompileOutcome:
     cache_hit: bool
     graphs_reused: bool
     compile_seconds: float
+    pulled: bool = False  # came from the remote store instead of being compiled
+    pushed: bool | None = None  # None: no remote store; False: it already had the artifact
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -70,6 +72,8 @@ class CompileOutcome:
             "cache_hit": self.cache_hit,
             "graphs_reused": self.graphs_reused,
             "compile_seconds": round(self.compile_seconds, 3),
+            "pulled": self.pulled,
+            "pushed": self.pushed,
         }
 
 
@@ -137,6 +141,30 @@ def compile_model(
         graphs_reused=bool(reused and reused[0]),
         compile_seconds=time.monotonic() - started,
     )
+
+
+def compile_with_remote(
+    build: ResolvedBuild, remote_url: str, progress: Progress | None = None, jobs: int | None = None
+) -> CompileOutcome:
+    """A remote hit is pulled, not compiled; a fresh compile is pushed."""
+    from neuronctl.store.remote import open_remote
+
+    started = time.monotonic()
+    remote = open_remote(remote_url)
+    dirname = build.keys.dirname
+    if not is_intact(build.path) and remote.has(dirname):
+        published = remote.pull(dirname, build.store, progress)
+        return CompileOutcome(
+            path=published.path,
+            keys=build.keys,
+            cache_hit=True,
+            graphs_reused=False,
+            compile_seconds=time.monotonic() - started,
+            pulled=not published.cache_hit,
+        )
+    outcome = compile_model(build, progress, jobs)
+    outcome.pushed = not remote.push(outcome.path, progress).noop
+    return outcome
 
 
 def new_manifest(build: ResolvedBuild, graphs: list[str], extra: Mapping[str, Any]) -> Manifest:

@@ -132,6 +132,17 @@ def load_plan(path: Path) -> list[PlanEntry]:
     return entries
 
 
+def plan_entry(path: Path, index: int) -> PlanEntry:
+    """Entry `index` of a plan file (what `compile --plan FILE --entry N` builds)."""
+    entries = load_plan(path)
+    if not 0 <= index < len(entries):
+        raise UsageError(
+            f"--entry {index}: {path} has entries 0..{len(entries) - 1}",
+            "see `neuronctl plan -c FILE` for the list",
+        )
+    return entries[index]
+
+
 def _spec_table(raw: Any, where: str, allowed: frozenset[str]) -> dict[str, Any]:
     if not isinstance(raw, dict):
         raise SpecError(where, "must be a table")

@@ -2,11 +2,12 @@
 
 from __future__ import annotations
 
+from pathlib import Path
 from typing import Any
 
 import typer
 
-from neuronctl.build import compile_model, resolve_build
+from neuronctl.build import compile_model, compile_with_remote, resolve_build
 from neuronctl.cli._common import (
     ConfigOpt,
     JsonOpt,
@@ -47,6 +48,20 @@ def compile_command(
         help="After compiling, compare with transformers: token-matching | logit-matching.",
         show_default=False,
     ),
+    remote: str | None = typer.Option(
+        None,
+        "--remote",
+        envvar="NEURONCTL_REMOTE",
+        help="Remote store (s3://, file://): pull a hit instead of compiling; push after.",
+        show_default=False,
+    ),
+    plan: Path | None = typer.Option(
+        None,
+        "--plan",
+        help="Build one entry of a plan file (see `neuronctl plan`).",
+        show_default=False,
+    ),
+    entry: int | None = typer.Option(None, "--entry", help="With --plan: the entry number."),
     json_out: JsonOpt = False,
 ) -> None:
     """Compile a model into a content-addressed artifact, or reuse the one that exists.
@@ -56,12 +71,16 @@ def compile_command(
       neuronctl compile ./tiny-llama --compiler export --seq-len 128 --batch-size 4
 
       neuronctl compile meta-llama/Llama-3.2-1B -c neuronctl.toml --json
+
+      neuronctl compile --plan builds.toml --entry 0 --remote s3://bucket/artifacts
     """
     if check_accuracy is not None and check_accuracy not in ACCURACY_MODES:
         raise UsageError(
             f"--check-accuracy: unknown mode {check_accuracy!r}",
             "use " + " or ".join(ACCURACY_MODES),
         )
+    if plan is not None or entry is not None:
+        model, revision, spec_flags = _from_plan(plan, entry, model, config, spec_flags, revision)
     build = resolve_build(
         model,
         spec_flags,
@@ -72,20 +91,42 @@ def compile_command(
         allow_pickle=allow_pickle,
     )
     with progress_for(quiet=json_out) as progress:
-        outcome = compile_model(build, progress, jobs)
+        if remote:
+            outcome = compile_with_remote(build, remote, progress, jobs)
+        else:
+            outcome = compile_model(build, progress, jobs)
     data = outcome.as_dict()
     if check_accuracy:
         data["accuracy"] = _check_accuracy(build, outcome.path, check_accuracy)
     if json_out:
         print_json(data)
         return
-    verb = "reused" if outcome.cache_hit else "compiled"
+    verb = "pulled" if outcome.pulled else "reused" if outcome.cache_hit else "compiled"
     extra = " (graphs reused, weights re-sharded)" if outcome.graphs_reused else ""
     console.print(f"[green]{verb}[/green] {outcome.path}{extra}")
     console.print(f"artifact key {outcome.keys.artifact}  ({outcome.compile_seconds:.1f} s)")
     if "accuracy" in data:
         console.print(f"accuracy: {data['accuracy']}")
     console.print(f"[dim]export NEURON_COMPILED_ARTIFACTS={outcome.path}[/dim]")
+
+
+def _from_plan(
+    plan: Path | None,
+    entry: int | None,
+    model: str | None,
+    config: Path | None,
+    spec_flags: dict[str, Any],
+    revision: str | None,
+) -> tuple[str, str | None, dict[str, Any]]:
+    if plan is None or entry is None:
+        raise UsageError("--plan and --entry go together", "e.g. --plan builds.toml --entry 0")
+    if model or config:
+        raise UsageError("--plan names the model and spec; drop MODEL and -c")
+    from neuronctl.plan import plan_entry
+
+    chosen = plan_entry(plan, entry)
+    flags = {**chosen.spec_flags, **{k: v for k, v in spec_flags.items() if v is not None}}
+    return chosen.model, revision or chosen.revision, flags
 
 
 def _check_accuracy(build: Any, path: Any, mode: str) -> dict[str, Any]:
