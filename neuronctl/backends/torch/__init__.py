@@ -77,7 +77,7 @@ class TorchBackend:
                             "use inductor or export")
 
     def build(self, request: BuildRequest) -> BuildResult:
-        from neuronctl.backends.torch.graphs import GraphJob, build_graphs
+        from neuronctl.backends.torch.graphs import DTYPES, build_graphs
         from neuronctl.sharding import shard_checkpoint
 
         spec, staging = request.spec, request.staging
@@ -91,8 +91,6 @@ class TorchBackend:
         else:
             graphs = build_graphs(jobs, request.jobs, request.progress)
         write_neuron_config(staging, spec, config, jobs)
-        from neuronctl.backends.torch.graphs import DTYPES
-
         shard_checkpoint(
             request.checkpoint, spec.tp_degree, DTYPES[str(spec.dtype)], staging / "weights",
             request.progress,

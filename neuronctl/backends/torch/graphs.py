@@ -95,6 +95,8 @@ def build_graph(job: GraphJob) -> str:
     try:
         with torch.no_grad():
             program = torch.export.export(module_for(job), example_inputs(job), strict=False)
+        # The example inputs are empty weight-sized tensors: never store them with the graph.
+        program.example_inputs = None
         if job.compiler == "inductor":
             torch._inductor.aoti_compile_and_package(program, package_path=str(out))
         else:
@@ -151,4 +153,5 @@ def _result(future: Future[str], job: GraphJob) -> str:
     except BuildError:
         raise
     except Exception as exc:  # the worker died (out of memory, killed): name the bucket
-        raise BuildError(f"compiling graph {job.name} failed: {type(exc).__name__}: {exc}") from None
+        why = f"{type(exc).__name__}: {exc}"
+        raise BuildError(f"compiling graph {job.name} failed: {why}") from None
