@@ -1,0 +1,156 @@
+"""`neuronctl compile` end to end on tiny checkpoints: artifact contents, cache hits, graph
+reuse for fine-tunes, remote hits, plans, and bad inputs that publish nothing."""
+
+from __future__ import annotations
+
+import json
+import shutil
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from neuronctl.store.local import Store
+from neuronctl.store.manifest import read_manifest
+from tests.conftest import TINY_SPEC
+from tests.helpers import cli, make_checkpoint
+
+FLAGS = [
+    "--compiler", "export", "--dtype", "float32", "--seq-len", "128",
+    "--max-context-length", "64", "--batch-size", "4",
+    "--context-buckets", "32,64", "--token-gen-buckets", "64,128",
+]  # fmt: skip
+
+
+def compile_json(model: Path, store: Path, *extra: str, env: dict[str, str] | None = None) -> Any:
+    result = cli("compile", str(model), *FLAGS, "--store", str(store), "--json", *extra, env=env)
+    assert result.returncode == 0, result.stderr
+    return json.loads(result.stdout)
+
+
+def test_artifact_is_complete_and_self_contained(compiled_artifact: Path) -> None:
+    manifest = read_manifest(compiled_artifact)
+    names = set(manifest.files)
+    assert "neuron_config.json" in names
+    assert "weights/tp0_sharded_checkpoint.safetensors" in names
+    for name in (
+        "config.json",
+        "generation_config.json",
+        "tokenizer.json",
+        "tokenizer_config.json",
+    ):
+        assert name in names
+    assert manifest.graphs and all(g in names for g in manifest.graphs)
+    assert len(manifest.graphs) == 4  # 2 context buckets + 2 token-generation buckets
+    assert manifest.spec["context_buckets"] == [32, 64]
+    assert manifest.source.digest and manifest.keys["artifact_key"].startswith(
+        compiled_artifact.name
+    )
+    # Nothing in the artifact points back at where it was built.
+    for name in manifest.files:
+        if name.endswith(".json"):
+            assert str(compiled_artifact) not in (compiled_artifact / name).read_text()
+
+
+def test_second_compile_is_a_cache_hit_and_hash_agrees(tiny_llama: Path, tmp_path: Path) -> None:
+    first = compile_json(tiny_llama, tmp_path)
+    assert first["cache_hit"] is False and first["graphs_reused"] is False
+    mtimes = {p: p.stat().st_mtime_ns for p in Path(first["path"]).rglob("*")}
+    second = compile_json(tiny_llama, tmp_path)
+    assert second["cache_hit"] is True and second["path"] == first["path"]
+    assert {p: p.stat().st_mtime_ns for p in Path(first["path"]).rglob("*")} == mtimes
+    hashed = json.loads(cli("hash", str(tiny_llama), *FLAGS, "--json").stdout)
+    for key in ("graph_key", "weights_key", "artifact_key"):
+        assert hashed[key] == first[key]
+
+
+def test_fine_tune_reuses_graphs_and_only_reshards(tiny_llama: Path, tmp_path: Path) -> None:
+    tuned = make_checkpoint(tmp_path / "tuned", "llama", seed=7)
+    base = compile_json(tiny_llama, tmp_path / "store")
+    result = compile_json(tuned, tmp_path / "store")
+    assert result["graph_key"] == base["graph_key"]
+    assert result["weights_key"] != base["weights_key"]
+    assert result["cache_hit"] is False and result["graphs_reused"] is True
+    a, b = read_manifest(Path(base["path"])), read_manifest(Path(result["path"]))
+    for graph in a.graphs:
+        assert a.files[graph].sha256 == b.files[graph].sha256
+    shard = "weights/tp0_sharded_checkpoint.safetensors"
+    assert a.files[shard].sha256 != b.files[shard].sha256
+
+
+def test_compile_remote_pulls_a_hit_instead_of_compiling(tiny_llama: Path, tmp_path: Path) -> None:
+    remote = (tmp_path / "shared").as_uri()
+    built = compile_json(tiny_llama, tmp_path / "ci", "--remote", remote)
+    assert built["pushed"] is True and built["pulled"] is False
+    again = compile_json(tiny_llama, tmp_path / "ci", "--remote", remote)
+    assert again["cache_hit"] is True and again["pushed"] is False
+    # A fresh host: the remote has it, so it is pulled, bit for bit, and nothing compiles.
+    pulled = compile_json(tiny_llama, tmp_path / "host", "--remote", remote)
+    assert pulled["pulled"] is True and pulled["cache_hit"] is True
+    assert read_manifest(Path(pulled["path"])).files == read_manifest(Path(built["path"])).files
+
+
+def test_compile_plan_entry(tiny_llama: Path, tmp_path: Path) -> None:
+    plan = tmp_path / "builds.toml"
+    spec = "\n".join(f"{k} = {json.dumps(_toml_value(v))}" for k, v in TINY_SPEC.items())
+    plan.write_text(
+        f'[defaults]\n{spec}\n\n[[build]]\nmodel = "{tiny_llama}"\nmatrix = {{ tp_degree = [1, 2] }}\n'
+    )
+    listed = json.loads(cli("plan", "-c", str(plan), "--format", "json").stdout)
+    entries = listed if isinstance(listed, list) else listed.get("builds", listed.get("include"))
+    result = cli("compile", "--plan", str(plan), "--entry", "1", "--store", str(tmp_path), "--json")
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert read_manifest(Path(data["path"])).spec["tp_degree"] == 2
+    assert data["artifact_key"] in json.dumps(entries)
+    out_of_range = cli("compile", "--plan", str(plan), "--entry", "5", "--store", str(tmp_path))
+    assert out_of_range.returncode == 2 and "entries 0..1" in out_of_range.stderr
+
+
+def _toml_value(value: Any) -> Any:
+    if isinstance(value, str) and "," in value:
+        return [int(v) for v in value.split(",")]
+    return value
+
+
+@pytest.mark.parametrize(
+    ("extra", "message"),
+    [
+        (["--token-gen-buckets", "64,256"], "larger than seq_len"),
+        (["--seq-len", "1024", "--token-gen-buckets", "1024"], "max_position_embeddings"),
+        (["--tp-degree", "3"], "tp degree 3"),
+    ],
+)
+def test_bad_spec_publishes_nothing(
+    tiny_llama: Path, tmp_path: Path, extra: list[str], message: str
+) -> None:
+    result = cli("compile", str(tiny_llama), *FLAGS, *extra, "--store", str(tmp_path))
+    assert result.returncode == 2
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert list(Store(tmp_path).iter_artifacts()) == []
+
+
+def test_unsupported_architecture_lists_what_is_supported(tiny_llama: Path, tmp_path: Path) -> None:
+    model = tmp_path / "odd"
+    shutil.copytree(tiny_llama, model)
+    config = json.loads((model / "config.json").read_text())
+    config["architectures"] = ["FancyNewForCausalLM"]
+    (model / "config.json").write_text(json.dumps(config))
+    result = cli("compile", str(model), *FLAGS, "--store", str(tmp_path / "s"))
+    assert result.returncode in (1, 2)
+    assert "LlamaForCausalLM" in result.stderr
+    assert not (tmp_path / "s").exists() or list(Store(tmp_path / "s").iter_artifacts()) == []
+
+
+def test_tensors_that_do_not_match_the_config_publish_nothing(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    model = tmp_path / "lying"
+    shutil.copytree(tiny_llama, model)
+    config = json.loads((model / "config.json").read_text())
+    config["intermediate_size"] = 96  # the tensors have 128
+    (model / "config.json").write_text(json.dumps(config))
+    result = cli("compile", str(model), *FLAGS, "--store", str(tmp_path / "s"))
+    assert result.returncode != 0
+    assert "Traceback" not in result.stderr
+    assert list(Store(tmp_path / "s").iter_artifacts()) == []
