@@ -1,7 +1,7 @@
 PYTHON ?= python3
 PYTEST = $(PYTHON) -m pytest
 
-.PHONY: install test test-slow test-all lint bench
+.PHONY: install test test-slow test-all lint bench docs
 
 # torch is pinned to the local CPU build: an unpinned torch pulls several GB of CUDA packages.
 install:
@@ -27,3 +27,7 @@ bench:
 	$(PYTHON) bench/decode.py
 	$(PYTHON) bench/validate.py
 	$(PYTHON) bench/serve.py
+
+# docs/cli.md is generated from the commands' own --help text.
+docs:
+	$(PYTHON) -m typer neuronctl.cli.main utils docs --name neuronctl --title "neuronctl command reference" --output docs/cli.md
