@@ -156,3 +156,22 @@ def test_bench_json_report(compiled_artifact: Path, capsys, monkeypatch) -> None
     assert report["ttft"]["latency_ms_p99"] >= report["ttft"]["latency_ms_p50"] > 0
     code, _, err = run([*args[:3], "--prompt-len", "100"], capsys, monkeypatch)
     assert code == 2 and "limit 64" in err
+
+
+def test_serve_compile_if_missing_is_opt_in(
+    compiled_artifact: Path,
+    tiny_llama: Path,
+    tmp_path: Path,
+    capsys,
+    monkeypatch,  # type: ignore[no-untyped-def]
+) -> None:
+    from tests.conftest import TINY_SPEC
+
+    missing = ["serve", "--artifacts", str(tmp_path / "none"), "--dry-run", "--json"]
+    code, _, err = run(missing, capsys, monkeypatch)
+    assert code == 1 and "does not exist" in err
+    store = compiled_artifact.parent.parent  # <store>/neuron-compiled-artifacts/<key>
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in TINY_SPEC.items()]
+    args = [*missing, "--compile-if-missing", "--model", str(tiny_llama), "--store", str(store)]
+    code, out, _ = run([*args, *flags], capsys, monkeypatch)
+    assert code == 0 and json.loads(out)["artifact"] == str(compiled_artifact)  # a cache hit

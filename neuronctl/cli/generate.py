@@ -184,7 +184,9 @@ def _generate_builtin(
     engine = make_engine(loaded).start()
     try:
         ids = [
-            loaded.encode_chat(p.messages) if p.messages is not None else loaded.encode(p.text)
+            loaded.encode_chat(p.messages)
+            if p.messages is not None
+            else loaded.encode(p.text or "")
             for p in prompts
         ]
         started = time.perf_counter()
