@@ -1,0 +1,151 @@
+"""TorchBackend contract: what it refuses, how a failed graph is reported, how a runner behaves."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+
+from neuronctl.backends import get_backend
+from neuronctl.backends.torch import TorchBackend, modeling
+from neuronctl.backends.torch.graphs import TOKEN_GEN, GraphJob, build_graph
+from neuronctl.build import compile_model, resolve_build
+from neuronctl.errors import BuildError, CheckpointError, SpecError, UsageError
+from neuronctl.spec import resolve_spec
+from neuronctl.store.manifest import read_manifest
+from tests.conftest import TINY_SPEC
+from tests.helpers import make_checkpoint, read_config
+
+
+def compile_tiny(ckpt: Path, store: Path, **overrides: Any) -> Any:
+    return compile_model(resolve_build(str(ckpt), {**TINY_SPEC, **overrides}, store_dir=store))
+
+
+def published(store: Path) -> list[Path]:
+    root = store / "neuron-compiled-artifacts"
+    return [p for p in root.iterdir() if not p.name.startswith(".")] if root.exists() else []
+
+
+def edit_config(ckpt: Path, **changes: Any) -> None:
+    config = read_config(ckpt)
+    config.update(changes)
+    (ckpt / "config.json").write_text(json.dumps(config))
+
+
+def test_old_and_new_rope_spellings_give_the_same_frequencies() -> None:
+    base = {"architectures": ["LlamaForCausalLM"], "vocab_size": 8, "hidden_size": 64,
+            "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 4}
+    scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+               "original_max_position_embeddings": 8192}
+    new = {**base, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, **scaling}}
+    old = {**base, "rope_theta": 5e5, "rope_scaling": {"type": "llama3", **scaling}}
+    plain = {**base, "rope_theta": 5e5}
+    f_new, f_old = modeling.inv_freq(modeling.args_from_config(new)), modeling.inv_freq(
+        modeling.args_from_config(old))
+    assert torch.equal(f_new, f_old)
+    assert not torch.equal(f_new, modeling.inv_freq(modeling.args_from_config(plain)))
+
+
+@pytest.mark.parametrize(
+    ("changes", "error", "words"),
+    [
+        ({"architectures": ["GPT2LMHeadModel"]}, CheckpointError, "not supported"),
+        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}},
+         CheckpointError, "yarn"),
+        ({"mlp_bias": True}, CheckpointError, "mlp_bias"),
+        ({"hidden_act": "gelu"}, CheckpointError, "gelu"),
+    ],
+)
+def test_check_refuses_configs_it_cannot_compute_exactly(
+    changes: dict[str, Any], error: type[Exception], words: str
+) -> None:
+    config = {"architectures": ["LlamaForCausalLM"], "vocab_size": 8, "hidden_size": 64,
+              "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 4,
+              **changes}
+    spec = resolve_spec({"seq_len": 64})[0]
+    with pytest.raises(error, match=words):
+        TorchBackend().check(spec, config)
+
+
+def test_sliding_window_shorter_than_seq_len_is_refused_and_nothing_published(
+    tmp_path: Path,
+) -> None:
+    ckpt = make_checkpoint(tmp_path / "ckpt", "mistral", sliding_window=64)
+    with pytest.raises(SpecError, match="sliding window of 64"):
+        compile_tiny(ckpt, tmp_path / "store", seq_len=128)
+    assert published(tmp_path / "store") == []
+    # A window that covers the whole sequence changes nothing and is accepted.
+    assert compile_tiny(ckpt, tmp_path / "store", seq_len=64, token_gen_buckets="64").path
+
+
+def test_qwen2_sliding_layers_are_refused(tmp_path: Path) -> None:
+    ckpt = make_checkpoint(tmp_path / "ckpt", "qwen2", use_sliding_window=True,
+                           sliding_window=32, max_window_layers=1)
+    with pytest.raises(SpecError, match="sliding window"):
+        compile_tiny(ckpt, tmp_path / "store")
+
+
+def test_tensors_that_do_not_match_config_are_refused_before_any_work(tmp_path: Path) -> None:
+    ckpt = make_checkpoint(tmp_path / "ckpt", "llama")
+    edit_config(ckpt, intermediate_size=96)
+    with pytest.raises(CheckpointError, match="mlp.*shape"):
+        compile_tiny(ckpt, tmp_path / "store")
+    assert published(tmp_path / "store") == []
+
+
+def test_a_failing_graph_names_its_bucket_and_keeps_a_log(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    def broken(*_args: Any, **_kwargs: Any) -> None:
+        raise RuntimeError("lowering exploded")
+
+    monkeypatch.setattr(modeling.TokenGeneration, "forward", broken)
+    ckpt = make_checkpoint(tmp_path / "ckpt", "llama")
+    job = GraphJob(TOKEN_GEN, 64, read_config(ckpt), 2, 128, "float32", "export",
+                   str(tmp_path / "staging"))
+    with pytest.raises(BuildError, match="token_generation_64.*lowering exploded"):
+        build_graph(job)
+    log = (tmp_path / "staging" / "report" / "token_generation_64.log").read_text()
+    assert "lowering exploded" in log
+
+
+def test_runner_refuses_prompts_and_positions_beyond_its_buckets(
+    compiled_artifact: Path,
+) -> None:
+    runner = get_backend("torch").load(compiled_artifact, read_manifest(compiled_artifact))
+    assert runner.context_buckets == [32, 64] and runner.token_gen_buckets == [64, 128]
+    with pytest.raises(UsageError, match="largest context bucket 64"):
+        runner.prefill(0, [1] * 65)
+    with pytest.raises(UsageError, match="slot 4"):
+        runner.prefill(4, [1, 2])
+    with pytest.raises(UsageError, match="token-generation bucket 128"):
+        runner.decode([1] * 4, [128, -1, -1, -1])
+    with pytest.raises(UsageError, match="one token and one position per slot"):
+        runner.decode([1], [3])
+
+
+def test_manifest_records_versions_and_host_checks_pass_here(compiled_artifact: Path) -> None:
+    manifest = read_manifest(compiled_artifact)
+    versions = TorchBackend().versions()
+    assert manifest.backend_versions == versions
+    assert versions["torch"] == torch.__version__
+    assert manifest.host["cpu_isa"] == versions["cpu_isa"]
+    assert all(check.ok for check in TorchBackend().host_checks(manifest))
+    config = json.loads((compiled_artifact / "neuron_config.json").read_text())
+    assert config["graphs"]["token_generation_128"] == "graphs/token_generation_128.pt2"
+    assert sorted(manifest.graphs) == sorted(config["graphs"].values())
+
+
+def test_host_checks_explain_a_foreign_artifact(compiled_artifact: Path) -> None:
+    manifest = read_manifest(compiled_artifact)
+    foreign = manifest.model_copy(update={
+        "backend_versions": {**manifest.backend_versions, "torch": "1.0.0", "cpu_isa": "sve256"},
+        "spec": {**manifest.spec, "compiler": "inductor", "tp_degree": 4096},
+    })
+    failed = {c.name: c.reason for c in TorchBackend().host_checks(foreign) if not c.ok}
+    assert set(failed) == {"torch version", "cpu isa", "cores"}
+    assert "torch 1.0.0" in failed["torch version"]
+    assert "--tp-degree" in failed["cores"]
