@@ -95,11 +95,11 @@ def build_graph(job: GraphJob) -> str:
     try:
         with torch.no_grad():
             program = torch.export.export(module_for(job), example_inputs(job), strict=False)
-        # The example inputs are empty weight-sized tensors: never store them with the graph.
-        program.example_inputs = None
         if job.compiler == "inductor":
             torch._inductor.aoti_compile_and_package(program, package_path=str(out))
         else:
+            # The example inputs are empty weight-sized tensors: never store them.
+            program.example_inputs = None
             torch.export.save(program, str(out))
     except Exception as exc:
         handler.stream.write(traceback.format_exc())
