@@ -1,0 +1,37 @@
+"""compile --check-accuracy's core: an artifact against transformers on the same prompt."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+
+from neuronctl.backends.torch.accuracy import check_accuracy
+from neuronctl.errors import UsageError
+from tests.helpers import make_checkpoint
+
+
+@pytest.mark.parametrize("mode", ["token-matching", "logit-matching"])
+def test_a_faithful_artifact_passes(compiled_artifact: Path, tiny_llama: Path, mode: str) -> None:
+    report = check_accuracy(compiled_artifact, tiny_llama, mode, max_new_tokens=16)
+    assert report["passed"], report
+    assert report["tokens_matched"] == report["new_tokens"] == 16
+    assert report["artifact_tokens"] == report["reference_tokens"]
+    assert report["max_logit_diff"] < 1e-4
+
+
+def test_other_weights_fail_both_modes(compiled_artifact: Path, tmp_path: Path) -> None:
+    other = make_checkpoint(tmp_path / "other", "llama", seed=3)
+    tokens = check_accuracy(compiled_artifact, other, "token-matching", max_new_tokens=16)
+    logits = check_accuracy(compiled_artifact, other, "logit-matching", max_new_tokens=16)
+    assert not tokens["passed"] and tokens["first_divergence"] is not None
+    assert not logits["passed"] and logits["max_logit_diff"] > logits["tolerance"]
+
+
+def test_unknown_mode_and_overlong_prompt_are_usage_errors(
+    compiled_artifact: Path, tiny_llama: Path
+) -> None:
+    with pytest.raises(UsageError, match="accuracy mode"):
+        check_accuracy(compiled_artifact, tiny_llama, "vibes")
+    with pytest.raises(UsageError, match="largest context bucket"):
+        check_accuracy(compiled_artifact, tiny_llama, prompt="x" * 100)
