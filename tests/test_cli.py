@@ -104,3 +104,12 @@ def test_artifacts_gc_dry_run_then_for_real(tmp_path: Path) -> None:
     assert len(list(store.iter_artifacts())) == 1
     bad = cli("artifacts", "gc", "--older-than", "soon", "--store", str(tmp_path))
     assert bad.returncode == 2
+
+
+def test_cli_start_up_does_not_import_torch() -> None:
+    import subprocess
+    import sys
+
+    code = "import sys, neuronctl.cli.main; print('torch' in sys.modules)"
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.stdout.strip() == "False"

@@ -8,13 +8,15 @@ import tempfile
 import time
 from dataclasses import dataclass, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
 from neuronctl.cli._common import ArtifactsOpt, JsonOpt, console, err_console
-from neuronctl.engine.sampling import SamplingParams
 from neuronctl.errors import UsageError
+
+if TYPE_CHECKING:  # the engine imports torch: keep it off every command's start-up
+    from neuronctl.engine.sampling import SamplingParams
 
 ORDER = 35
 ENGINES = ("builtin", "vllm")
@@ -89,6 +91,8 @@ def generate_command(
     if engine not in ENGINES:
         raise UsageError(f"--engine: unknown engine {engine!r}", "use builtin or vllm")
     prompts = collect_prompts(prompt or [], file, jsonl, chat)
+    from neuronctl.engine.sampling import SamplingParams
+
     params = SamplingParams(
         temperature=temperature,
         top_k=top_k,

@@ -62,6 +62,11 @@ def resolve_artifact_path(path: str | Path | None) -> Path:
             "no artifact given",
             "pass --artifacts PATH or set NEURON_COMPILED_ARTIFACTS",
         )
+    if "://" in str(path):  # s3://bucket/prefix/KEY: pull (verified) into the local store first
+        from neuronctl.store.local import Store, default_store_root
+        from neuronctl.store.remote import resolve_artifacts_arg
+
+        return resolve_artifacts_arg(str(path), Store(default_store_root()))
     resolved = Path(path).expanduser()
     if not resolved.is_dir():
         raise NotFoundError(
@@ -85,11 +90,9 @@ def open_artifact(path: str | Path | None, validate: bool = True) -> LoadedArtif
 
 
 def check_reusable(path: Path) -> None:
-    # LEAD: the single call site of the reuse checks before any load (generate, serve, bench).
-    try:
-        from neuronctl.validate import quick_validate
-    except ImportError:  # validate.py not there yet
-        return
+    """The single call site of the reuse checks before any load (generate, serve, bench)."""
+    from neuronctl.validate import quick_validate
+
     report = quick_validate(path)
     if not report.reusable:
         reasons = "; ".join(f"{c.name}: {c.reason}" for c in report.failed)
