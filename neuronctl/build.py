@@ -25,20 +25,6 @@ from neuronctl.store.manifest import Manifest, Source, host_facts, read_manifest
 if TYPE_CHECKING:
     from neuronctl.checkpoints import Checkpoint
 
-# Copied from the checkpoint so an artifact is self-contained: serve/generate need nothing else.
-MODEL_FILES = (
-    "config.json",
-    "generation_config.json",
-    "tokenizer.json",
-    "tokenizer_config.json",
-    "tokenizer.model",
-    "special_tokens_map.json",
-    "added_tokens.json",
-    "vocab.json",
-    "merges.txt",
-    "chat_template.jinja",
-    "chat_template.json",
-)
 
 
 @dataclass
@@ -187,7 +173,11 @@ def new_manifest(build: ResolvedBuild, graphs: list[str], extra: Mapping[str, An
 
 
 def copy_model_files(model_dir: Path, staging: Path) -> None:
-    for name in MODEL_FILES:
+    """Config and tokenizer files, so an artifact is self-contained: serve/generate need
+    nothing else. They are the files a download always fetches."""
+    from neuronctl.checkpoints.hub import ESSENTIAL
+
+    for name in ESSENTIAL:
         src = model_dir / name
         if src.is_file() and not (staging / name).exists():
             shutil.copyfile(src, staging / name)

@@ -21,7 +21,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-NEURON_REPO = "https://pip.repos.neuron.amazonaws.com"
+from neuronctl.backends.neuron import NEURON_REPO
+
 NEURON_INSTALL = f"pip install --extra-index-url {NEURON_REPO} {{package}}"
 LOW_DISK_BYTES = 20 * 2**30  # a compiled 8B model with sharded weights is ~16 GB
 CORES_PER_DEVICE = 2  # NeuronCore-v2 devices (Inf2, Trn1); used only when neuron-ls is absent
@@ -196,7 +197,7 @@ def known_bad(vllm_version: str) -> list[Finding]:
             Finding(
                 "triton",
                 False,
-                f"triton {triton} with vllm {vllm_version}: fails with \"cannot import name "
+                f'triton {triton} with vllm {vllm_version}: fails with "cannot import name '
                 "'default_dump_dir'\" (the Neuron torch pins triton 2.1.0, vllm >= 0.5.3 needs "
                 "newer)",
                 "pip install --upgrade triton==3.0.0 (after installing vLLM)",

@@ -9,14 +9,13 @@ load:  NeuronXForCausalLM(path).load(path) -> NxdiRunner.
 
 from __future__ import annotations
 
-import os
 import shutil
-from collections.abc import Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from neuronctl.backends.base import BuildRequest, BuildResult, HostCheck
+from neuronctl.backends.neuron import cc_flags_env, sdk_failure
 from neuronctl.backends.nxdi import sdk
 from neuronctl.backends.nxdi.config import check_override, neuron_config_kwargs
 from neuronctl.errors import BuildError, NeuronctlError, SpecError
@@ -36,23 +35,6 @@ def shard_name(rank: int) -> str:
 
 def expected_files(tp_degree: int) -> list[str]:
     return [NEURON_CONFIG, GRAPH, *(shard_name(r) for r in range(tp_degree))]
-
-
-@contextmanager
-def cc_flags_env(flags: str) -> Iterator[None]:
-    """NEURON_CC_FLAGS is part of the key: compile with exactly the recorded flags."""
-    old = os.environ.get("NEURON_CC_FLAGS")
-    if flags:
-        os.environ["NEURON_CC_FLAGS"] = flags
-    else:
-        os.environ.pop("NEURON_CC_FLAGS", None)
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("NEURON_CC_FLAGS", None)
-        else:
-            os.environ["NEURON_CC_FLAGS"] = old
 
 
 class NxdiBackend:
@@ -88,15 +70,8 @@ class NxdiBackend:
             kwargs["quantized_checkpoints_path"] = str(quant_dir)
         tick = request.progress.task("NxD Inference compile", total=None)
         try:
-            with cc_flags_env(spec.cc_flags):
+            with sdk_failure("NxD Inference"), cc_flags_env(spec.cc_flags):
                 self._compile(model_type, model_path, kwargs, spec, staging)
-        except NeuronctlError:
-            raise
-        except Exception as exc:  # the SDK's own failure: nothing gets published
-            raise BuildError(
-                f"NxD Inference compile failed: {type(exc).__name__}: {exc}",
-                "run again with --debug for the SDK's traceback",
-            ) from exc
         finally:
             shutil.rmtree(quant_dir, ignore_errors=True)
         tick(1)
@@ -112,7 +87,11 @@ class NxdiBackend:
         return BuildResult(graphs=[GRAPH], extra={"NEURON_CC_FLAGS": spec.cc_flags})
 
     def _compile(
-        self, model_type: str, model_path: Path, kwargs: dict[str, Any], spec: BuildSpec,
+        self,
+        model_type: str,
+        model_path: Path,
+        kwargs: dict[str, Any],
+        spec: BuildSpec,
         staging: Path,
     ) -> None:
         model_cls, _config_cls = sdk.model_classes(model_type)
@@ -129,8 +108,9 @@ class NxdiBackend:
 
         model_type = str(manifest.architecture.get("model_type"))
         model_cls, _ = sdk.model_classes(model_type)
-        missing = [f for f in expected_files(int(manifest.spec["tp_degree"]))
-                   if not (path / f).is_file()]
+        missing = [
+            f for f in expected_files(int(manifest.spec["tp_degree"])) if not (path / f).is_file()
+        ]
         if missing:
             # NxDI itself would raise FileNotFoundError / ValueError deep in load().
             raise NeuronctlError(f"{path} lacks {', '.join(missing)}", "run `neuronctl validate`")
@@ -156,8 +136,9 @@ class NxdiBackend:
         ]
 
 
-def fused_spec_config(model_cls: Any, model_type: str, kwargs: Mapping[str, Any],
-                      spec: BuildSpec) -> Any:
+def fused_spec_config(
+    model_cls: Any, model_type: str, kwargs: Mapping[str, Any], spec: BuildSpec
+) -> Any:
     """The draft model of fused speculation (NxDI's FusedSpecNeuronConfig; not confirmed)."""
     from neuronctl.checkpoints import open_checkpoint
 

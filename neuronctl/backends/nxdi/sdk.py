@@ -9,15 +9,14 @@ from __future__ import annotations
 import importlib
 import json
 from collections.abc import Mapping
-from importlib import metadata
 from types import ModuleType
 from typing import Any
 
+from neuronctl.backends.neuron import install_hint, sdk_versions
 from neuronctl.errors import BackendUnavailableError
 
-NEURON_REPO = "https://pip.repos.neuron.amazonaws.com"
 PACKAGES = ("neuronx-cc", "neuronx-distributed-inference", "torch-neuronx")
-INSTALL = f"pip install --extra-index-url {NEURON_REPO} " + " ".join(PACKAGES)
+INSTALL = install_hint(PACKAGES)
 ROOT = "neuronx_distributed_inference"
 
 # HF model_type -> candidate (module, model class, InferenceConfig class), first importable
@@ -36,8 +35,11 @@ MODEL_CLASSES: dict[str, list[tuple[str, str, str]]] = {
     "qwen2": [("models.qwen2.modeling_qwen2", "NeuronQwen2ForCausalLM", "Qwen2InferenceConfig")],
     "qwen3": [("models.qwen3.modeling_qwen3", "NeuronQwen3ForCausalLM", "Qwen3InferenceConfig")],
     "qwen3_moe": [
-        ("models.qwen3_moe.modeling_qwen3_moe", "NeuronQwen3MoeForCausalLM",
-         "Qwen3MoeInferenceConfig")
+        (
+            "models.qwen3_moe.modeling_qwen3_moe",
+            "NeuronQwen3MoeForCausalLM",
+            "Qwen3MoeInferenceConfig",
+        )
     ],
     "gemma3": [
         ("models.gemma3.modeling_gemma3", "NeuronGemma3ForCausalLM", "Gemma3InferenceConfig")
@@ -53,13 +55,7 @@ def unavailable(what: str) -> BackendUnavailableError:
 
 
 def versions() -> dict[str, str]:
-    out = {}
-    for name in PACKAGES:
-        try:
-            out[name] = metadata.version(name)
-        except metadata.PackageNotFoundError:
-            raise unavailable(name) from None
-    return out
+    return sdk_versions(PACKAGES, unavailable)
 
 
 def module(name: str = "") -> ModuleType:

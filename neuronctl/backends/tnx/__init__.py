@@ -15,18 +15,22 @@ load:  from_pretrained(path, same arguments) + .load(path) + .to_neuron(); TNx r
 from __future__ import annotations
 
 import importlib
-import os
-from collections.abc import Iterator, Mapping, Sequence
-from contextlib import contextmanager
-from importlib import metadata
+from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
 from neuronctl.backends.base import BuildRequest, BuildResult, HostCheck
-from neuronctl.backends.nxdi import NxdiBackend, cc_flags_env
-from neuronctl.backends.nxdi.sdk import NEURON_REPO
+from neuronctl.backends.neuron import (
+    cc_flags_env,
+    env_var,
+    install_hint,
+    sdk_failure,
+    sdk_versions,
+)
+from neuronctl.backends.nxdi import NxdiBackend
 from neuronctl.backends.tnx import config as tnx_config
 from neuronctl.errors import BackendUnavailableError, BuildError, NeuronctlError
 
@@ -35,7 +39,7 @@ if TYPE_CHECKING:
     from neuronctl.store.manifest import Manifest
 
 PACKAGES = ("neuronx-cc", "transformers-neuronx", "torch-neuronx")
-INSTALL = f"pip install --extra-index-url {NEURON_REPO} " + " ".join(PACKAGES)
+INSTALL = install_hint(PACKAGES)
 COMPILE_CACHE = "neuron-compile-cache"  # the same name neuronctl.vllm exports
 
 
@@ -54,17 +58,8 @@ def sdk() -> Any:
         raise
 
 
-@contextmanager
-def compile_cache_env(path: Path) -> Iterator[None]:
-    old = os.environ.get("NEURON_COMPILE_CACHE_URL")
-    os.environ["NEURON_COMPILE_CACHE_URL"] = str(path)
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop("NEURON_COMPILE_CACHE_URL", None)
-        else:
-            os.environ["NEURON_COMPILE_CACHE_URL"] = old
+def compile_cache_env(path: Path) -> AbstractContextManager[None]:
+    return env_var("NEURON_COMPILE_CACHE_URL", str(path))
 
 
 def make_neuron_config(tnx: Any, spec: BuildSpec) -> Any:
@@ -88,13 +83,7 @@ class TnxBackend:
     name = "tnx"
 
     def versions(self) -> dict[str, str]:
-        out = {}
-        for name in PACKAGES:
-            try:
-                out[name] = metadata.version(name)
-            except metadata.PackageNotFoundError:
-                raise unavailable(name) from None
-        return out
+        return sdk_versions(PACKAGES, unavailable)
 
     def architectures(self) -> Mapping[str, str]:
         from neuronctl.checkpoints.registry import ARCHITECTURES
@@ -117,18 +106,11 @@ class TnxBackend:
         model_path = Path(request.checkpoint.path)
         self.check(spec, request.checkpoint.config)
         tick = request.progress.task("Transformers NeuronX compile", total=None)
-        try:
+        with sdk_failure("Transformers NeuronX"):
             model = self._model(model_path, spec, str(request.checkpoint.config["model_type"]))
             with cc_flags_env(spec.cc_flags), compile_cache_env(staging / COMPILE_CACHE):
                 model.to_neuron()
             model.save(str(staging), sharded_weights=True)
-        except NeuronctlError:
-            raise
-        except Exception as exc:  # the SDK's own failure: nothing gets published
-            raise BuildError(
-                f"Transformers NeuronX compile failed: {type(exc).__name__}: {exc}",
-                "run again with --debug for the SDK's traceback",
-            ) from exc
         tick(1)
         graphs = sorted(p.name for p in staging.glob("*.neff"))
         if not graphs:
@@ -195,4 +177,3 @@ class TnxRunner:
         if value.dim() == 3:
             value = value[:, -1, :]
         return value.reshape(rows, -1)[:, : self.vocab_size].float()
-
