@@ -146,7 +146,7 @@ def print_json(data: Any) -> None:
 def table(title: str | None, columns: list[str], rows: list[list[Any]]) -> Table:
     t = Table(title=title, show_lines=False)
     for col in columns:
-        t.add_column(col)
+        t.add_column(col, overflow="fold")  # fold, never cut: keys and paths get copied
     for row in rows:
         t.add_row(*[str(v) for v in row])
     return t

@@ -103,11 +103,13 @@ def compile_command(
         return
     verb = "pulled" if outcome.pulled else "reused" if outcome.cache_hit else "compiled"
     extra = " (graphs reused, weights re-sharded)" if outcome.graphs_reused else ""
-    console.print(f"[green]{verb}[/green] {outcome.path}{extra}")
-    console.print(f"artifact key {outcome.keys.artifact}  ({outcome.compile_seconds:.1f} s)")
+    console.print(f"[green]{verb}[/green] {outcome.path}{extra}", soft_wrap=True)
+    console.print(
+        f"artifact key {outcome.keys.artifact}  ({outcome.compile_seconds:.1f} s)", soft_wrap=True
+    )
     if "accuracy" in data:
         console.print(f"accuracy: {data['accuracy']}")
-    console.print(f"[dim]export NEURON_COMPILED_ARTIFACTS={outcome.path}[/dim]")
+    console.print(f"[dim]export NEURON_COMPILED_ARTIFACTS={outcome.path}[/dim]", soft_wrap=True)
 
 
 def _from_plan(

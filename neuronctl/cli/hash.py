@@ -14,7 +14,6 @@ from neuronctl.cli._common import (
     StoreOpt,
     console,
     print_json,
-    table,
     with_spec_options,
 )
 
@@ -47,7 +46,9 @@ def hash_command(
     if json_out:
         print_json(data)
         return
-    console.print(table(None, ["key", "value"], [[k, v] for k, v in data.items()]))
+    width = max(len(k) for k in data)
+    for name, value in data.items():  # whole values, never cut: they are meant to be copied
+        console.print(f"{name:<{width}}  {value}", soft_wrap=True)
 
 
 def register(app: typer.Typer) -> None:
