@@ -136,11 +136,15 @@ class Store:
             exc.hint = f"build files and logs kept in {kept}; `neuronctl artifacts gc` removes them"
 
     def _move_into_place(self, staging: Path, final: Path) -> None:
+        doomed = None
         if final.exists():  # a broken or partial directory: set it aside, never merge
-            final.rename(self._private(".trash") / f"{final.name}.{uuid.uuid4().hex[:8]}")
+            doomed = self._private(".trash") / f"{final.name}.{uuid.uuid4().hex[:8]}"
+            final.rename(doomed)
         staging.rename(final)
         fsync_dir(self.artifacts)
-        shutil.rmtree(self.artifacts / ".trash", ignore_errors=True)
+        if doomed is not None:
+            # Only our own: other processes rename into .trash concurrently (remove, publish).
+            shutil.rmtree(doomed, ignore_errors=True)
 
     def iter_artifacts(self) -> Iterator[tuple[Path, Manifest | None]]:
         """Every visible entry; the manifest is None for a directory that is not an artifact."""
