@@ -20,7 +20,7 @@ from neuronctl.backends.base import Backend, BuildRequest, NullProgress, Progres
 from neuronctl.keys import Keys, compute_keys
 from neuronctl.spec import BuildSpec, finalize, resolve_spec, spec_to_dict
 from neuronctl.store.local import Published, Store, default_store_root, is_artifact
-from neuronctl.store.manifest import Manifest, Source, host_facts, read_manifest
+from neuronctl.store.manifest import Manifest, Source, host_facts, read_manifest, sha256_file
 
 if TYPE_CHECKING:
     from neuronctl.checkpoints import Checkpoint
@@ -90,7 +90,13 @@ def resolve_build(
     spec = finalize(spec, checkpoint.shape())
     backend = get_backend(spec.backend)
     backend.check(spec, checkpoint.config)
-    keys = compute_keys(spec, checkpoint.config, backend.versions(), checkpoint.digest(rehash))
+    keys = compute_keys(
+        spec,
+        checkpoint.config,
+        backend.versions(),
+        checkpoint.digest(rehash),
+        model_files=checkpoint.model_files_digest(rehash),
+    )
     local_model = checkpoint.path if checkpoint.revision is None else None
     store = Store(store_dir or default_store_root(local_model))
     return ResolvedBuild(spec, sources, checkpoint, backend, keys, store)
@@ -175,12 +181,11 @@ def new_manifest(build: ResolvedBuild, graphs: list[str], extra: Mapping[str, An
 def copy_model_files(model_dir: Path, staging: Path) -> None:
     """Config and tokenizer files, so an artifact is self-contained: serve/generate need
     nothing else. They are the files a download always fetches."""
-    from neuronctl.checkpoints.hub import ESSENTIAL
+    from neuronctl.checkpoints.hub import model_files
 
-    for name in ESSENTIAL:
-        src = model_dir / name
-        if src.is_file() and not (staging / name).exists():
-            shutil.copyfile(src, staging / name)
+    for src in model_files(model_dir):
+        if not (staging / src.name).exists():
+            shutil.copyfile(src, staging / src.name)
 
 
 def is_intact(path: Path) -> bool:
@@ -204,13 +209,30 @@ def is_intact(path: Path) -> bool:
 
 
 def find_graph_donor(store: Store, keys: Keys) -> Path | None:
-    """A published artifact with the same graph key but other weights: its graphs are ours."""
+    """A published artifact with the same graph key but other weights: its graphs are ours.
+
+    Its graphs are re-hashed first: a copied graph gets a fresh manifest entry, so a damaged
+    donor would otherwise pass its damage on under a record that vouches for it.
+    """
     for path, manifest in store.iter_artifacts():
         if (
             manifest is not None
             and manifest.keys.get("graph_key") == keys.graph
             and manifest.keys.get("artifact_key") != keys.artifact
             and is_intact(path)
+            and graphs_match(path, manifest)
         ):
             return path
     return None
+
+
+def graphs_match(path: Path, manifest: Manifest) -> bool:
+    """Every graph the manifest names has its recorded sha256."""
+    for rel in manifest.graphs:
+        entry = manifest.files.get(rel)
+        try:
+            if entry is None or sha256_file(path / rel) != entry.sha256:
+                return False
+        except OSError:
+            return False
+    return bool(manifest.graphs)

@@ -4,7 +4,8 @@
   backend and its versions, compiler flags, artifact format). Weights are not in it, so a
   fine-tune of the same architecture reuses the compiled graphs.
 - weights key: the checkpoint's content digest plus what the sharded weights depend on.
-- artifact key: both; its prefix names the artifact directory.
+- artifact key: both, plus the digest of the tokenizer/generation files the artifact carries;
+  its prefix names the artifact directory.
 """
 
 from __future__ import annotations
@@ -121,10 +122,20 @@ def compute_keys(
     config: Mapping[str, Any],
     backend_versions: Mapping[str, str],
     checkpoint_digest: str,
+    *,
+    model_files: str | None = None,
 ) -> Keys:
-    """The one place keys are computed. `spec` must be finalized (no "auto" left)."""
+    """The one place keys are computed. `spec` must be finalized (no "auto" left).
+
+    `model_files` is the digest of the tokenizer/generation files the artifact carries
+    (checkpoints.digest.model_files_digest): they change what serve does, not the graphs or
+    the weights, so only the artifact key covers them.
+    """
     if spec.dtype == "auto" or "auto" in (spec.context_buckets, spec.token_gen_buckets):
         raise ValueError("keys need a finalized spec (call spec.finalize first)")
     g = graph_key(spec, config, backend_versions)
     w = weights_key(spec, checkpoint_digest)
-    return Keys(graph=g, weights=w, artifact=digest({"graph": g, "weights": w}))
+    parts = {"graph": g, "weights": w}
+    if model_files is not None:
+        parts["model_files"] = model_files
+    return Keys(graph=g, weights=w, artifact=digest(parts))

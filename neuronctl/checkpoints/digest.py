@@ -33,6 +33,15 @@ def checkpoint_digest(checkpoint: Checkpoint, rehash: bool = False) -> str:
     return json_digest(file_hashes(checkpoint.path, files, rehash=rehash))
 
 
+def model_files_digest(checkpoint: Checkpoint, rehash: bool = False) -> str:
+    """Over the files an artifact carries beside its weights (tokenizer, generation config):
+    not weights, but what serve reads (EOS ids, chat template), so the artifact key covers it."""
+    from neuronctl.checkpoints.hub import model_files
+
+    files = model_files(checkpoint.path)
+    return json_digest(file_hashes(checkpoint.path, files, rehash=rehash))
+
+
 def file_hashes(root: Path, files: list[Path], rehash: bool = False) -> dict[str, str]:
     """{path relative to root: sha256} using the Hub blob names and the stat cache."""
     cache = DigestCache()

@@ -34,6 +34,14 @@ ESSENTIAL = (
     "merges.txt",
     "*.tiktoken",
 )
+
+def model_files(directory: Path) -> list[Path]:
+    """The ESSENTIAL files present in a checkpoint directory (globs expanded): what an artifact
+    carries beside its graphs and weights, so what its key must cover."""
+    found = {p for pattern in ESSENTIAL for p in directory.glob(pattern) if p.is_file()}
+    return sorted(found)
+
+
 # Skipped when the repository has safetensors weights: the same weights in other formats.
 DUPLICATE_WEIGHTS = (
     "*.bin",

@@ -78,6 +78,12 @@ class Checkpoint:
 
         return checkpoint_digest(self, rehash=rehash)
 
+    def model_files_digest(self, rehash: bool = False) -> str:
+        """The digest of the config, tokenizer and generation files an artifact copies."""
+        from neuronctl.checkpoints.digest import model_files_digest
+
+        return model_files_digest(self, rehash=rehash)
+
     def num_parameters(self) -> int:
         tied = bool(self.config.get("tie_word_embeddings"))
         return sum(
