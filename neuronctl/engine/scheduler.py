@@ -20,7 +20,9 @@ class Scheduler:
         self.max_queue = max_queue
 
     def add(self, request: Request) -> None:
-        if self.max_queue is not None and len(self.waiting) >= self.max_queue:
+        # Waiting requests go to free slots first: only those beyond them are queued.
+        free = sum(r is None for r in self.slots)
+        if self.max_queue is not None and len(self.waiting) - free >= self.max_queue:
             raise QueueFullError(
                 f"the request queue is full ({self.max_queue} waiting, "
                 f"{len(self.slots)} slots busy)",
