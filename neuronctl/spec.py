@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import json
 import os
+import shlex
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
@@ -125,6 +126,8 @@ ENV_VARS = {
     "NEURON_CC_FLAGS": "cc_flags",
 }
 FRAMEWORKS = {"neuronx-distributed-inference": "nxdi", "transformers-neuronx": "tnx"}
+# The backends whose compiler reads NEURON_CC_FLAGS; for the others the flags cannot matter.
+USES_CC_FLAGS = frozenset({"nxdi", "tnx"})
 QUANT_DTYPES = {"s8": "int8", "int8": "int8", "f8e4m3fn": "f8e4m3fn"}
 
 
@@ -233,11 +236,22 @@ def normalize(spec: BuildSpec) -> BuildSpec:
         updates["quantization_type"] = "per_tensor_symmetric"
     if spec.max_context_length is None:
         updates["max_context_length"] = spec.seq_len
+    cc_flags = normalize_flags(spec.cc_flags) if spec.backend in USES_CC_FLAGS else ""
+    if cc_flags != spec.cc_flags:
+        updates["cc_flags"] = cc_flags
     for name in ("context_buckets", "token_gen_buckets"):
         value = getattr(spec, name)
         if isinstance(value, list):
             updates[name] = list(value)
     return spec.model_copy(update=updates) if updates else spec
+
+
+def normalize_flags(text: str) -> str:
+    """One spelling per set of compiler flags: "-O1  -x" and "-O1 -x" are the same flags."""
+    try:
+        return shlex.join(shlex.split(text))
+    except ValueError:  # unbalanced quotes: leave the words alone
+        return " ".join(text.split())
 
 
 def check_spec(spec: BuildSpec) -> None:

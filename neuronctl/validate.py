@@ -33,6 +33,7 @@ from neuronctl.spec import (
     FIELDS,
     GRAPH_FIELDS,
     RUNTIME_FIELDS,
+    USES_CC_FLAGS,
     WEIGHTS_FIELDS,
     BuildSpec,
     ModelShape,
@@ -365,6 +366,8 @@ def _host_checks(backend: Any, manifest: Manifest) -> list[Check]:
 
 
 def check_cc_flags(manifest: Manifest, env: Mapping[str, str]) -> Check:
+    if manifest.backend not in USES_CC_FLAGS:
+        return Check("NEURON_CC_FLAGS", True, f"not read by the {manifest.backend} backend")
     recorded = str(manifest.spec.get("cc_flags") or "")
     now = env.get("NEURON_CC_FLAGS", "")
     if _flags(recorded) == _flags(now):
@@ -433,7 +436,12 @@ def _user_set(requested: BuildSpec, sources: Mapping[str, str] | None) -> list[s
     known = set(GRAPH_FIELDS) | set(WEIGHTS_FIELDS) | set(RUNTIME_FIELDS)
     compared = [f for f in FIELDS if f in known]
     if sources is not None:
-        return [f for f in compared if not sources.get(f, "default").startswith("default")]
+        chosen = [f for f in compared if not sources.get(f, "default").startswith("default")]
+        # max_context_length defaults to seq_len: asking for a seq len asks for that too, as a
+        # compile with the same flags would (an artifact with shorter prompts is another one).
+        if "seq_len" in chosen and "max_context_length" not in chosen:
+            chosen.append("max_context_length")
+        return [f for f in compared if f in chosen]
     defaults = spec_to_dict(normalize(BuildSpec.model_validate({})))
     values = spec_to_dict(requested)
     return [f for f in compared if canonical_json(values[f]) != canonical_json(defaults[f])]
@@ -445,9 +453,7 @@ def _requested_values(
     """The user's values with "auto" resolved the way a compile would resolve it here: on
     the artifact's model, with the compiled values for the fields the user did not set."""
     mine = spec_to_dict(requested)
-    compiled = BuildSpec.model_validate(
-        {k: v for k, v in manifest.spec.items() if k in FIELDS}
-    )
+    compiled = BuildSpec.model_validate({k: v for k, v in manifest.spec.items() if k in FIELDS})
     overlay = compiled.model_copy(update={name: getattr(requested, name) for name in user_set})
     resolved = spec_to_dict(finalize(overlay, model_shape(manifest.architecture)))
     return {name: resolved[name] if mine[name] == "auto" else mine[name] for name in user_set}
@@ -470,8 +476,7 @@ def model_shape(config: Mapping[str, Any]) -> ModelShape:
 def _mismatch(name: str, wanted: Any, have: Any, source: str | None) -> Check:
     where = f" ({_source(source)})" if source else ""
     fix = (
-        f"recompile with {_setting(name, wanted)}, "
-        f"or use {_setting(name, have)} to reuse this one"
+        f"recompile with {_setting(name, wanted)}, or use {_setting(name, have)} to reuse this one"
     )
     return Check(
         f"spec.{name}",

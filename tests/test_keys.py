@@ -103,7 +103,6 @@ CHANGES: dict[str, Any] = {
     "compiler": "inductor",
     "override_neuron_config": {"fused_qkv": True},
     "on_device_sampling": {"do_sample": True, "top_k": 50},
-    "cc_flags": "--optlevel=1",
 }
 
 
@@ -117,6 +116,16 @@ def test_each_compile_relevant_field_changes_the_graph_key(field: str) -> None:
     assert after.graph != before.graph
     assert after.artifact != before.artifact
     assert (after.weights != before.weights) == (field in WEIGHTS_FIELDS)
+
+
+def test_cc_flags_key_neuron_backends_only_and_by_meaning() -> None:
+    nxdi = {k: v for k, v in BASE.items() if k != "compiler"} | {"backend": "nxdi"}
+    assert keys_for(nxdi | {"cc_flags": "--optlevel=1"}).graph != keys_for(nxdi).graph
+    assert keys_for(nxdi | {"cc_flags": "-O1  --x 'a b'"}) == keys_for(
+        nxdi | {"cc_flags": "-O1 --x 'a b'"}
+    )
+    # The torch backend never reads NEURON_CC_FLAGS: they must not split its artifacts.
+    assert keys_for(BASE | {"cc_flags": "--optlevel=1"}) == keys_for(BASE)
 
 
 def test_backend_changes_the_graph_key() -> None:

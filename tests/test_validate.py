@@ -238,11 +238,24 @@ def test_inductor_artifact_for_an_unsupported_isa_fails_the_host_check(artifact:
     assert set(failed) == {"cpu isa"} and "compiled for neon" in failed["cpu isa"]
 
 
-def test_neuron_cc_flags_must_match(artifact: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+def test_neuron_cc_flags_must_match_for_neuron_backends(artifact: Path) -> None:
+    manifest = read_manifest(artifact).model_copy(update={"backend": "nxdi"})
+    env = {"NEURON_CC_FLAGS": "--model-type=transformer"}
+    reason = validate_mod.check_cc_flags(manifest, env).reason
+    assert not validate_mod.check_cc_flags(manifest, env).ok and "unset NEURON_CC_FLAGS" in reason
+    recorded = manifest.model_copy(
+        update={"spec": {**manifest.spec, "cc_flags": "--model-type=transformer"}}
+    )
+    assert validate_mod.check_cc_flags(recorded, env).ok
+    assert validate_mod.check_cc_flags(
+        recorded, {"NEURON_CC_FLAGS": " --model-type=transformer "}
+    ).ok
+
+
+def test_neuron_cc_flags_do_not_block_torch_artifacts(
+    artifact: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
     monkeypatch.setenv("NEURON_CC_FLAGS", "--model-type=transformer")
-    reason = _failed(quick_validate(artifact))["NEURON_CC_FLAGS"]
-    assert "unset NEURON_CC_FLAGS" in reason
-    _edit_manifest(artifact, spec__cc_flags="--model-type=transformer")
     assert quick_validate(artifact).reusable
 
 
@@ -326,18 +339,36 @@ def test_reason_names_both_values_and_both_fixes(artifact: Path) -> None:
 
 def test_same_values_as_compiled_are_reusable(artifact: Path) -> None:
     code, data = _cli(
-        str(artifact), "--seq-len", "128", "--batch-size", "4", "--compiler", "export",
-        "--dtype", "auto", "--context-buckets", "32,64", "--max-context-length", "64",
+        str(artifact),
+        "--seq-len",
+        "128",
+        "--batch-size",
+        "4",
+        "--compiler",
+        "export",
+        "--dtype",
+        "auto",
+        "--context-buckets",
+        "32,64",
+        "--max-context-length",
+        "64",
     )
     assert code == 0, _failed(data)
     assert "seq_len" in {c["name"]: c["reason"] for c in data["checks"]}["spec"]
 
 
 def test_defaults_the_user_did_not_set_are_not_compared(artifact: Path) -> None:
-    # Compiled: batch 4, max context 64. Neither the default batch size (1) nor the default
-    # max context length (= seq len, 128) may count as a request.
-    code, data = _cli(str(artifact), "--seq-len", "128")
+    # Compiled: batch 4, max context 64. The default batch size (1) is not a request.
+    code, data = _cli(str(artifact), "--seq-len", "128", "--max-context-length", "64")
     assert code == 0, _failed(data)
+
+
+def test_seq_len_alone_asks_for_max_context_length_equal_to_it(artifact: Path) -> None:
+    # `compile --seq-len 128` would build max context 128, not this artifact's 64: prompts
+    # of 65..128 tokens would be refused, so it is not the artifact that was asked for.
+    code, data = _cli(str(artifact), "--seq-len", "128")
+    assert code == 1
+    assert set(_failed(data)) == {"spec.max_context_length"}
 
 
 def test_spec_from_config_file_and_environment(
@@ -355,7 +386,7 @@ def test_spec_from_config_file_and_environment(
 
 def test_runtime_only_field_changed_is_still_reusable(artifact: Path, tmp_path: Path) -> None:
     config = tmp_path / "neuronctl.toml"
-    config.write_text('model = "some-org/another-name"\nseq_len = 128\n')
+    config.write_text('model = "some-org/another-name"\nseq_len = 128\nmax_context_length = 64\n')
     code, data = _cli(str(artifact), "-c", str(config))
     assert code == 0
     notes = [c for c in data["checks"] if c["kind"] == "runtime-only"]
