@@ -173,7 +173,7 @@ def main() -> None:
                     "bw_limit_tok_s": round(limit, 1) if batch == 1 else None,
                     "bw_fraction": round(ours["tok_s"] / limit, 3) if batch == 1 else None,
                     "compile_s": round(built["compile_s"], 1),
-                    "cache_hit_s": round(built["cache_hit_s"], 2),
+                    "cache_hit_s": round(built["cache_hit_s"], 3),
                     "load_s": round(ours["load_s"], 2),
                 }
                 rows.append(row)
