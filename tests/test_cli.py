@@ -106,6 +106,18 @@ def test_artifacts_gc_dry_run_then_for_real(tmp_path: Path) -> None:
     assert bad.returncode == 2
 
 
+def test_artifacts_gc_negative_keep_last_is_a_usage_error_and_removes_nothing(
+    tmp_path: Path,
+) -> None:
+    store = Store(tmp_path)
+    for key in ("k1", "k2"):
+        _publish(store, key, key)
+    result = cli("artifacts", "gc", "--keep-last", "-1", "--store", str(tmp_path))
+    assert result.returncode == 2 and "--keep-last" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert len(list(store.iter_artifacts())) == 2
+
+
 def test_cli_start_up_does_not_import_torch() -> None:
     import subprocess
     import sys

@@ -95,6 +95,9 @@ def collect(
     max_size: int | None = None,
     dry_run: bool = False,
 ) -> GcReport:
+    if keep_last is not None and keep_last < 0:
+        # A negative N would slice from the end and remove the newest artifacts.
+        raise UsageError(f"--keep-last: {keep_last} is negative", "e.g. --keep-last 5")
     report = GcReport(dry_run=dry_run)
     artifacts = [(p, m) for p, m in store.iter_artifacts() if m is not None]
     for path, manifest in doomed_artifacts(artifacts, keep_last, older_than, max_size):
