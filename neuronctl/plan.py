@@ -98,6 +98,9 @@ def read_plan_file(path: Path) -> dict[str, Any]:
         data = tomllib.loads(Path(path).read_text())
     except FileNotFoundError:
         raise UsageError(f"{path}: build plan not found") from None
+    except (OSError, UnicodeDecodeError) as exc:  # a directory, no permission, binary
+        reason = "not UTF-8 text" if isinstance(exc, UnicodeDecodeError) else exc.strerror
+        raise UsageError(f"{path}: cannot read the build plan: {reason}") from None
     except tomllib.TOMLDecodeError as exc:
         raise UsageError(f"{path}: not valid TOML: {exc}") from None
     unknown = sorted(set(data) - set(TOP_KEYS))

@@ -178,6 +178,8 @@ def values_from_file(path: Path) -> dict[str, Any]:
         data = tomllib.loads(path.read_text())
     except FileNotFoundError:
         raise SpecError(str(path), "config file not found") from None
+    except (OSError, UnicodeDecodeError) as exc:  # a directory, no permission, binary
+        raise SpecError(str(path), f"cannot read the config file: {_why(exc)}") from None
     except tomllib.TOMLDecodeError as exc:
         raise SpecError(str(path), f"not valid TOML: {exc}") from None
     data = {k.replace("-", "_"): v for k, v in data.items()}
@@ -187,6 +189,12 @@ def values_from_file(path: Path) -> dict[str, Any]:
             str(path), f"unknown key {unknown[0]!r}", "known keys: " + ", ".join(FIELDS)
         )
     return data
+
+
+def _why(exc: Exception) -> str:
+    if isinstance(exc, UnicodeDecodeError):
+        return "not UTF-8 text"
+    return getattr(exc, "strerror", None) or str(exc)
 
 
 def resolve_spec(

@@ -200,3 +200,14 @@ def test_plan_errors_name_the_entry(builds: Path) -> None:
     assert "entry 2 (qwen)" in result.stderr
     bad = neuronctl("plan", "-c", "builds.toml", "-f", "yaml", cwd=builds.parent)
     assert bad.returncode == 2 and "unknown format" in bad.stderr
+
+
+@pytest.mark.parametrize("kind", ["directory", "binary"])
+def test_unreadable_plan_file_is_a_usage_error_not_a_crash(tmp_path: Path, kind: str) -> None:
+    path = tmp_path / "builds.toml"
+    if kind == "directory":
+        path.mkdir()
+    else:
+        path.write_bytes(b"\xff\xfe\x00bad")
+    with pytest.raises(UsageError, match="cannot read the build plan"):
+        load_plan(path)

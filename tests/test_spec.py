@@ -116,3 +116,14 @@ def test_seq_len_over_max_positions_is_refused() -> None:
     spec, _ = resolve_spec({"seq_len": 8192}, None, {})
     with pytest.raises(SpecError, match="max_position_embeddings"):
         finalize(spec, SHAPE)
+
+
+@pytest.mark.parametrize("kind", ["directory", "binary"])
+def test_unreadable_config_file_is_a_spec_error_not_a_crash(tmp_path: Path, kind: str) -> None:
+    path = tmp_path / "cfg"
+    if kind == "directory":
+        path.mkdir()
+    else:
+        path.write_bytes(b"\xff\xfe\x00bad")
+    with pytest.raises(SpecError, match="cannot read the config file"):
+        resolve_spec({}, path)
