@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -187,6 +188,13 @@ def test_cli_download_json_and_gated_exit_code(server: HubServer, tmp_path: Path
     assert gated.returncode == 1
     assert GATED in gated.stderr
     assert "Traceback" not in gated.stderr
+
+
+def test_cli_download_malformed_hub_id_is_a_usage_error() -> None:
+    result = cli("download", "not a valid id!!", "--json")
+    assert result.returncode == 2
+    assert "is not a Hub model id" in result.stderr and "Traceback" not in result.stderr
+    assert json.loads(result.stdout)["exit_code"] == 2
 
 
 @pytest.mark.hub

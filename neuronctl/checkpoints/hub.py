@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from neuronctl.errors import CheckpointError, NeuronctlError, NotFoundError
+from neuronctl.errors import CheckpointError, NeuronctlError, NotFoundError, UsageError
 
 # Always downloaded, whatever --include/--exclude say: what every consumer of a model needs.
 ESSENTIAL = (
@@ -218,6 +218,8 @@ def map_hub_error(exc: BaseException, repo_id: str, revision: str | None) -> Neu
     from huggingface_hub import errors
 
     rev = f" at revision {revision}" if revision else ""
+    if isinstance(exc, errors.HFValidationError):  # a malformed id, before any request
+        return UsageError(f"{repo_id!r} is not a Hub model id", "use ORG/NAME, or a local path")
     status = getattr(getattr(exc, "response", None), "status_code", None)
     if isinstance(exc, errors.GatedRepoError) or status in (401, 403):
         return CheckpointError(
