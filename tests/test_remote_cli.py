@@ -7,6 +7,8 @@ import os
 import subprocess
 from pathlib import Path
 
+import pytest
+
 from neuronctl.store.manifest import read_manifest
 from tests.test_remote import (  # noqa: F401  (fixtures)
     _client,
@@ -84,3 +86,24 @@ def test_pull_errors_have_exit_codes(tmp_path: Path, bucket: str) -> None:  # no
     assert bad.returncode == 2 and "does not name" in bad.stderr
     unknown = neuronctl("artifacts", "push", "nope", f"s3://{bucket}", "--store", str(tmp_path))
     assert unknown.returncode == 1 and "no artifact" in unknown.stderr
+
+
+def test_unreachable_remote_is_one_line_exit_1_not_an_internal_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    artifact = make_artifact(tmp_path / "store", {"w.bin": b"w" * 10})
+    refused = neuronctl("artifacts", "push", str(artifact), "ftp://127.0.0.1:1/x", "--json")
+    assert refused.returncode == 1, refused.stderr
+    assert "internal error" not in refused.stderr
+    assert "ftp://127.0.0.1:1/x" in json.loads(refused.stdout)["error"]
+
+    for name in list(os.environ):
+        if name.startswith("AWS_"):
+            monkeypatch.delenv(name)
+    monkeypatch.setenv("AWS_EC2_METADATA_DISABLED", "true")
+    monkeypatch.setenv("AWS_SHARED_CREDENTIALS_FILE", str(tmp_path / "none"))
+    monkeypatch.setenv("AWS_CONFIG_FILE", str(tmp_path / "none"))
+    no_creds = neuronctl("artifacts", "pull", "s3://bucket/abc123", "--store", str(tmp_path))
+    assert no_creds.returncode == 1, no_creds.stderr
+    assert "internal error" not in no_creds.stderr
+    assert "credentials" in no_creds.stderr and "hint:" in no_creds.stderr

@@ -15,6 +15,7 @@ Pull re-hashes every downloaded byte before the artifact becomes visible.
 
 from __future__ import annotations
 
+import functools
 import os
 import posixpath
 import uuid
@@ -38,6 +39,59 @@ TRANSFER_THREADS = 4  # files moved at once; s3fs also splits large files into r
 
 class RemoteArtifactError(NeuronctlError):
     """A remote artifact is incomplete, corrupted or not what its name says."""
+
+
+class RemoteUnreachableError(NeuronctlError):
+    """The remote store could not be reached: network, credentials, permissions."""
+
+
+# Libraries whose exceptions mean "the remote said no or could not be reached".
+_TRANSPORT_MODULES = frozenset(
+    {
+        "botocore",
+        "aiobotocore",
+        "aiohttp",
+        "s3fs",
+        "fsspec",
+        "huggingface_hub",
+        "httpx",
+        "requests",
+        "urllib3",
+    }
+)
+
+
+def _unreachable(url: str, exc: Exception) -> RemoteUnreachableError | None:
+    module = type(exc).__module__.split(".")[0]
+    if not isinstance(exc, OSError) and module not in _TRANSPORT_MODULES:
+        return None  # a bug: let it surface as one
+    reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
+    if type(exc).__name__ in ("NoCredentialsError", "PartialCredentialsError"):
+        hint = (
+            "set AWS credentials (AWS_PROFILE, or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY); "
+            "AWS_ENDPOINT_URL selects an S3-compatible server"
+        )
+    else:
+        hint = "check the URL, the network and the credentials"
+    return RemoteUnreachableError(f"remote store {url}: {reason}", hint)
+
+
+def _remote_errors(method: Callable[..., Any]) -> Callable[..., Any]:
+    """Turn transport failures (no credentials, DNS, refused, denied) into one-line errors."""
+
+    @functools.wraps(method)
+    def wrapper(self: RemoteStore, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return method(self, *args, **kwargs)
+        except NeuronctlError:
+            raise
+        except Exception as exc:
+            mapped = _unreachable(self.url, exc)
+            if mapped is None:
+                raise
+            raise mapped from None
+
+    return wrapper
 
 
 @dataclass
@@ -107,6 +161,11 @@ def open_remote(url: str) -> RemoteStore:
         raise UsageError(f"{protocol}:// needs an extra package: {exc}") from None
     except ValueError as exc:
         raise UsageError(f"cannot open remote store {url!r}: {exc}") from None
+    except Exception as exc:  # some file systems connect at once (ftp://, sftp://)
+        mapped = _unreachable(url, exc)
+        if mapped is None:
+            raise
+        raise mapped from None
     return RemoteStore(fs, root.rstrip("/"), url)
 
 
@@ -130,10 +189,12 @@ class RemoteStore:
 
     # -- reading ------------------------------------------------------------------------------
 
+    @_remote_errors
     def has(self, dirname: str) -> bool:
         """A remote artifact is complete when its manifest.json exists."""
         return bool(self.fs.exists(self.path(dirname, MANIFEST)))
 
+    @_remote_errors
     def manifest(self, dirname: str) -> Manifest | None:
         try:
             data = self.fs.cat_file(self.path(dirname, MANIFEST))
@@ -147,6 +208,7 @@ class RemoteStore:
                 "push the artifact again with `neuronctl artifacts push`",
             ) from None
 
+    @_remote_errors
     def sizes(self, dirname: str) -> dict[str, int]:
         """Every remote file of an artifact with its size, by relative path."""
         base = self.path(dirname)
@@ -161,6 +223,7 @@ class RemoteStore:
                 sizes[rel] = int(info["size"])
         return sizes
 
+    @_remote_errors
     def list_keys(self) -> list[str]:
         """Directory names of complete remote artifacts."""
         try:
@@ -170,6 +233,7 @@ class RemoteStore:
         names = sorted(posixpath.basename(e.rstrip("/")) for e in entries)
         return [n for n in names if not n.startswith(".") and self.has(n)]
 
+    @_remote_errors
     def resolve(self, key_or_prefix: str) -> str:
         """A directory name from a full artifact key, a directory name or a unique prefix."""
         key = key_or_prefix.strip("/")
@@ -186,6 +250,7 @@ class RemoteStore:
 
     # -- push ---------------------------------------------------------------------------------
 
+    @_remote_errors
     def push(
         self, artifact: Path, progress: Progress | None = None, *, force: bool = False
     ) -> PushResult:
@@ -277,6 +342,7 @@ class RemoteStore:
 
     # -- pull ---------------------------------------------------------------------------------
 
+    @_remote_errors
     def pull(self, dirname: str, store: Store, progress: Progress | None = None) -> Published:
         """Download an artifact into `store`, verified, published atomically under its lock."""
         if "/" in dirname or dirname.startswith(".") or not dirname:
