@@ -118,6 +118,13 @@ def test_artifacts_gc_negative_keep_last_is_a_usage_error_and_removes_nothing(
     assert len(list(store.iter_artifacts())) == 2
 
 
+def test_serve_bad_port_or_log_level_is_a_usage_error_before_loading(tmp_path: Path) -> None:
+    for flags in (["--port", "99999"], ["--port", "-1"], ["--log-level", "loud"]):
+        result = cli("serve", "--artifacts", str(tmp_path), *flags)
+        assert result.returncode == 2, (flags, result.stderr)
+        assert "Traceback" not in result.stderr and "internal error" not in result.stderr
+
+
 def test_cli_start_up_does_not_import_torch() -> None:
     import subprocess
     import sys

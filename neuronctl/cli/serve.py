@@ -22,6 +22,7 @@ from neuronctl.errors import NeuronctlError, UsageError
 
 ORDER = 40
 ENGINES = ("builtin", "vllm")
+LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
 
 
 @with_spec_options
@@ -29,7 +30,7 @@ def serve_command(
     spec_flags: dict[str, Any],
     artifacts: ArtifactsOpt = None,
     host: str = typer.Option("127.0.0.1", "--host", help="Interface to bind (0.0.0.0: all)."),
-    port: int = typer.Option(8000, "--port", help="TCP port."),
+    port: int = typer.Option(8000, "--port", min=0, max=65535, help="TCP port."),
     api_key: str | None = typer.Option(
         None,
         "--api-key",
@@ -63,7 +64,9 @@ def serve_command(
     ),
     config: ConfigOpt = None,
     store: StoreOpt = None,
-    log_level: str = typer.Option("info", "--log-level", help="uvicorn log level."),
+    log_level: str = typer.Option(
+        "info", "--log-level", help="uvicorn log level: " + " | ".join(LOG_LEVELS) + "."
+    ),
     json_out: JsonOpt = False,
 ) -> None:
     """Serve an artifact over the OpenAI API: /v1/models, /v1/completions,
@@ -86,6 +89,11 @@ def serve_command(
     """
     if engine not in ENGINES:
         raise UsageError(f"--engine: unknown engine {engine!r}", "use builtin or vllm")
+    if log_level.lower() not in LOG_LEVELS:
+        raise UsageError(
+            f"--log-level: unknown level {log_level!r}", "use " + " | ".join(LOG_LEVELS)
+        )
+    log_level = log_level.lower()
     path = _artifact_path(artifacts, compile_if_missing, model, spec_flags, config, store)
     if engine == "vllm":
         _serve_vllm(path, host, port, served_model_name, dry_run, json_out)
