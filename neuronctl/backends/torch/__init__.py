@@ -28,7 +28,7 @@ if TYPE_CHECKING:
     from neuronctl.store.manifest import Manifest
 
 # Bump when modeling.py or the graph signatures change what a graph computes or takes.
-MODELING_VERSION = "2"
+MODELING_VERSION = "3"
 NEURON_CONFIG = "neuron_config.json"
 
 

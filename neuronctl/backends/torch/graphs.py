@@ -62,8 +62,8 @@ def example_inputs(job: GraphJob) -> tuple[Any, ...]:
     """Inputs with the graph's static shapes; values are never read while tracing."""
     args = modeling.args_from_config(job.config)
     dtype = DTYPES[job.dtype]
-    shapes = modeling.expected_shapes(args)
-    weights = {name: torch.empty(shape, dtype=dtype) for name, shape in shapes.items()}
+    shapes = modeling.graph_shapes(args, dtype)
+    weights = {name: torch.empty(t.shape, dtype=dtype) for name, t in shapes.items()}
     cache_shape = (job.batch_size, args.num_kv_heads, job.seq_len, args.head_dim)
     k = [torch.empty(cache_shape, dtype=dtype) for _ in range(args.num_layers)]
     v = [torch.empty(cache_shape, dtype=dtype) for _ in range(args.num_layers)]

@@ -219,6 +219,38 @@ def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     return {name: shapes[name] for name in weight_names(args)}
 
 
+def graph_weights(full: Mapping[str, Tensor], args: ModelArgs) -> dict[str, Tensor]:
+    """The tensors the graphs take, from checkpoint-named ones: q/k/v and gate/up fused.
+
+    One projection per input vector instead of three (two) means fewer, larger matmul
+    kernels per layer; the checkpoint and its shards keep Hugging Face names.
+    """
+    out: dict[str, Tensor] = {}
+    fused: set[str] = set()
+    for i in range(args.num_layers):
+        p = f"model.layers.{i}."
+        groups = {
+            "self_attn.qkv_proj.weight": [f"self_attn.{x}_proj.weight" for x in "qkv"],
+            "mlp.gate_up_proj.weight": ["mlp.gate_proj.weight", "mlp.up_proj.weight"],
+        }
+        if args.qkv_bias:
+            groups["self_attn.qkv_proj.bias"] = [f"self_attn.{x}_proj.bias" for x in "qkv"]
+        for name, parts in groups.items():
+            out[p + name] = torch.cat([full[p + part] for part in parts])
+            fused.update(p + part for part in parts)
+    for name in weight_names(args):
+        if name not in fused:
+            out[name] = full[name]
+    return {name: out[name].contiguous() for name in sorted(out)}
+
+
+def graph_shapes(args: ModelArgs, dtype: torch.dtype) -> dict[str, Tensor]:
+    """Meta tensors with the shapes and order of graph_weights (for tracing)."""
+    meta = {n: torch.empty(s, dtype=dtype, device="meta")
+            for n, s in expected_shapes(args).items()}
+    return graph_weights(meta, args)
+
+
 def new_kv_cache(
     args: ModelArgs, batch_size: int, seq_len: int, dtype: torch.dtype
 ) -> tuple[list[Tensor], list[Tensor]]:
@@ -288,10 +320,10 @@ def _project_qkv(
     w: Weights, p: str, h: Tensor, args: ModelArgs, linear: Linear = linear
 ) -> tuple[Tensor, Tensor, Tensor]:
     b, t, _ = h.shape
-    bias = args.qkv_bias
-    q = linear(h, w[p + "q_proj.weight"], w[p + "q_proj.bias"] if bias else None)
-    k = linear(h, w[p + "k_proj.weight"], w[p + "k_proj.bias"] if bias else None)
-    v = linear(h, w[p + "v_proj.weight"], w[p + "v_proj.bias"] if bias else None)
+    bias = w[p + "qkv_proj.bias"] if args.qkv_bias else None
+    kv = args.num_kv_heads * args.head_dim
+    qkv = linear(h, w[p + "qkv_proj.weight"], bias)
+    q, k, v = qkv.split([args.num_heads * args.head_dim, kv, kv], dim=-1)
     q = q.view(b, t, args.num_heads, args.head_dim).transpose(1, 2)
     k = k.view(b, t, args.num_kv_heads, args.head_dim).transpose(1, 2)
     v = v.view(b, t, args.num_kv_heads, args.head_dim).transpose(1, 2)
@@ -299,8 +331,7 @@ def _project_qkv(
 
 
 def _mlp(w: Weights, p: str, x: Tensor, linear: Linear = linear) -> Tensor:
-    gate = linear(x, w[p + "gate_proj.weight"])
-    up = linear(x, w[p + "up_proj.weight"])
+    gate, up = linear(x, w[p + "gate_up_proj.weight"]).chunk(2, dim=-1)
     return linear(torch.nn.functional.silu(gate) * up, w[p + "down_proj.weight"])
 
 

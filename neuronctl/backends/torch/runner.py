@@ -130,5 +130,5 @@ def _load_weights(
     missing = [n for n in modeling.weight_names(args) if n not in full]
     if missing:
         raise CheckpointError(f"{weights_dir} lacks {missing[0]}", "recompile the artifact")
-    # The graphs take weights in weight_names order; contiguous so kernels see plain strides.
-    return {n: full[n].to(dtype).contiguous() for n in modeling.weight_names(args)}
+    needed = {n: full.pop(n).to(dtype) for n in modeling.weight_names(args)}
+    return modeling.graph_weights(needed, args)
