@@ -175,3 +175,15 @@ def test_serve_compile_if_missing_is_opt_in(
     args = [*missing, "--compile-if-missing", "--model", str(tiny_llama), "--store", str(store)]
     code, out, _ = run([*args, *flags], capsys, monkeypatch)
     assert code == 0 and json.loads(out)["artifact"] == str(compiled_artifact)  # a cache hit
+
+
+def test_binary_prompt_file_and_mistyped_jsonl_fields_are_usage_errors(gen, tmp_path: Path) -> None:  # type: ignore[no-untyped-def]
+    binary = tmp_path / "prompts.bin"
+    binary.write_bytes(b"\xff\xfe\xba\x00")
+    code, _, err = gen("--file", str(binary))
+    assert code == 2 and "not UTF-8" in err and "internal error" not in err
+    for line in ('{"prompt": "hi", "max_tokens": "x"}', '{"prompt": "hi", "stop": 5}'):
+        jsonl = tmp_path / "p.jsonl"
+        jsonl.write_text(line + "\n")
+        code, _, err = gen("--jsonl", str(jsonl))
+        assert code == 2 and "internal error" not in err, (line, err)

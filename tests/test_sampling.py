@@ -97,3 +97,20 @@ def test_text_stream_holds_back_incomplete_characters() -> None:
     stream = TextStream(lambda ids: decoded[len(ids)])
     assert stream.update([0]) == ("a", False)
     assert stream.update([0, 0]) == ("é", False)
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(max_tokens="8"),  # type: ignore[arg-type]
+        SamplingParams(temperature="hot"),  # type: ignore[arg-type]
+        SamplingParams(top_k=2.5),  # type: ignore[arg-type]
+        SamplingParams(seed="1"),  # type: ignore[arg-type]
+        SamplingParams(max_tokens=True),
+        SamplingParams(stop=5),  # type: ignore[arg-type]
+        SamplingParams(ignore_eos="yes"),  # type: ignore[arg-type]
+    ],
+)
+def test_resolve_refuses_mistyped_fields_as_request_errors(params: SamplingParams) -> None:
+    with pytest.raises(RequestError):
+        resolve(params)

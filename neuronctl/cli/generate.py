@@ -140,6 +140,8 @@ def _read(path: Path) -> str:
         return path.read_text()
     except OSError as exc:
         raise UsageError(f"cannot read {path}: {exc.strerror}") from None
+    except UnicodeDecodeError:
+        raise UsageError(f"cannot read {path}: not UTF-8 text") from None
 
 
 def _read_jsonl(path: Path) -> list[Prompt]:
@@ -160,7 +162,7 @@ def _read_jsonl(path: Path) -> list[Prompt]:
         overrides = {k: obj[k] for k in JSONL_FIELDS if k in obj}
         if isinstance(overrides.get("stop"), str):
             overrides["stop"] = [overrides["stop"]]
-        if "stop" in overrides:
+        if isinstance(overrides.get("stop"), list):  # anything else: the engine refuses it
             overrides["stop"] = tuple(overrides["stop"])
         prompts.append(Prompt(obj.get("prompt"), obj.get("messages"), overrides or None))
     return prompts

@@ -35,6 +35,7 @@ class SamplingParams:
 
 def resolve(params: SamplingParams, global_topk: int = DEFAULT_GLOBAL_TOPK) -> SamplingParams:
     """Check a request's parameters and apply the on-device rules; raise RequestError."""
+    _check_types(params)
     if params.temperature < 0:
         raise RequestError("temperature must be >= 0", param="temperature")
     if not 0 < params.top_p <= 1:
@@ -55,6 +56,28 @@ def resolve(params: SamplingParams, global_topk: int = DEFAULT_GLOBAL_TOPK) -> S
         top_k = 1
     seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
     return replace(params, top_k=top_k, stop=stop, seed=seed)
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def _check_types(params: SamplingParams) -> None:
+    """Callers that skip the HTTP schema (generate --jsonl) can hand over any JSON value."""
+    numbers = {"temperature": params.temperature, "top_p": params.top_p}
+    for name, value in numbers.items():
+        if not (_is_int(value) or isinstance(value, float)):
+            raise RequestError(f"{name} must be a number, not {value!r}", param=name)
+    integers = {"top_k": params.top_k, "seed": params.seed, "max_tokens": params.max_tokens}
+    for name, value in integers.items():
+        if value is not None and not _is_int(value):
+            raise RequestError(f"{name} must be an integer, not {value!r}", param=name)
+    if not isinstance(params.ignore_eos, bool):
+        raise RequestError(f"ignore_eos must be true or false, not {params.ignore_eos!r}")
+    if not isinstance(params.stop, tuple | list) or not all(
+        isinstance(s, str) for s in params.stop
+    ):
+        raise RequestError("stop must be a string or a list of strings", param="stop")
 
 
 def make_generator(seed: int) -> torch.Generator:
