@@ -106,6 +106,16 @@ def test_artifacts_gc_dry_run_then_for_real(tmp_path: Path) -> None:
     assert bad.returncode == 2
 
 
+def test_artifacts_rm_accepts_a_path_and_refuses_a_non_artifact(tmp_path: Path) -> None:
+    store = Store(tmp_path / "store")
+    path = _publish(store, "aaaa", "org/model-a")
+    (tmp_path / "empty").mkdir()
+    refused = cli("artifacts", "rm", str(tmp_path / "empty"))
+    assert refused.returncode == 2 and (tmp_path / "empty").is_dir()
+    assert cli("artifacts", "rm", str(path)).returncode == 0
+    assert not path.exists() and list(store.iter_artifacts()) == []
+
+
 def test_artifacts_gc_negative_keep_last_is_a_usage_error_and_removes_nothing(
     tmp_path: Path,
 ) -> None:

@@ -110,8 +110,12 @@ def rm_command(key: str = KeyArg, store: StoreOpt = None, json_out: JsonOpt = Fa
 
     Example: neuronctl artifacts rm 3f9a2c
     """
-    s = open_store(store)
-    path = s.find(key)
+    if "/" in key:  # a path, as the KEY help says
+        path = Path(key).expanduser().absolute()
+        s = Store.containing(path)
+    else:
+        s = open_store(store)
+        path = s.find(key)
     s.remove(path)
     if json_out:
         print_json({"removed": str(path)})

@@ -73,6 +73,17 @@ class Store:
         self.root = Path(root).expanduser().absolute()
         self.artifacts = self.root / ARTIFACTS_DIR
 
+    @classmethod
+    def containing(cls, artifact: Path) -> Store:
+        """The store an artifact directory lives in (`<root>/neuron-compiled-artifacts/<key>`)."""
+        artifact = Path(artifact).expanduser().absolute()
+        if artifact.parent.name != ARTIFACTS_DIR or not is_artifact(artifact):
+            raise UsageError(
+                f"{artifact} is not an artifact in a store",
+                f"name an artifact by key, or a directory under .../{ARTIFACTS_DIR}/",
+            )
+        return cls(artifact.parent.parent)
+
     def path(self, dirname: str) -> Path:
         return self.artifacts / dirname
 
