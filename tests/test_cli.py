@@ -135,6 +135,10 @@ def test_serve_bad_port_or_log_level_is_a_usage_error_before_loading(tmp_path: P
         assert "Traceback" not in result.stderr and "internal error" not in result.stderr
 
 
+def test_help_keeps_square_brackets_that_rich_would_read_as_markup() -> None:
+    assert "[defaults] and [[build]]" in cli("plan", "--help").stdout
+
+
 def test_cli_start_up_does_not_import_torch() -> None:
     import subprocess
     import sys

@@ -16,7 +16,7 @@ ORDER = 27
 PlanFileOpt = Annotated[
     Path,
     typer.Option(
-        "--config", "-c", help="Build plan: [defaults] and [[build]] tables (see docs/ci.md)."
+        "--config", "-c", help="Build plan: \\[defaults] and \\[\\[build]] tables (see docs/ci.md)."
     ),
 ]
 FormatOpt = Annotated[
