@@ -39,6 +39,7 @@ from neuronctl.spec import (
     ModelShape,
     finalize,
     normalize,
+    resolve_spec,
     spec_to_dict,
 )
 from neuronctl.store.manifest import MANIFEST, Manifest, sha256_file
@@ -127,6 +128,15 @@ def validate_artifact(
     if model is not None:
         report.checks.append(check_checkpoint(manifest, model, revision))
     return report
+
+
+def requested_spec(
+    spec_flags: Mapping[str, Any], config: Path | None
+) -> tuple[BuildSpec | None, dict[str, str] | None]:
+    """The spec a command was asked for, when any spec flag or a file was given."""
+    if config is None and all(v is None for v in spec_flags.values()):
+        return None, None
+    return resolve_spec(spec_flags, config)
 
 
 def quick_validate(path: Path) -> Report:

@@ -187,3 +187,15 @@ def test_binary_prompt_file_and_mistyped_jsonl_fields_are_usage_errors(gen, tmp_
         jsonl.write_text(line + "\n")
         code, _, err = gen("--jsonl", str(jsonl))
         assert code == 2 and "internal error" not in err, (line, err)
+
+
+def test_serve_refuses_an_artifact_that_does_not_match_the_requested_spec(
+    compiled_artifact: Path, capsys, monkeypatch  # type: ignore[no-untyped-def]
+) -> None:
+    # Spec flags on serve are a request: an artifact compiled otherwise is refused, not
+    # served with other shapes than asked for.
+    serve = ["serve", "--artifacts", str(compiled_artifact), "--dry-run", "--json"]
+    code, _, err = run([*serve, "--seq-len", "256"], capsys, monkeypatch)
+    assert code == 1 and "seq_len" in err
+    code, _, err = run([*serve, "--batch-size", "4"], capsys, monkeypatch)
+    assert code == 0, err

@@ -112,16 +112,18 @@ def _artifact_path(
     store: Path | None,
 ) -> Path:
     from neuronctl.engine.loader import check_reusable, resolve_artifact_path
+    from neuronctl.validate import requested_spec
 
+    spec, sources = requested_spec(spec_flags, config)
     if not compile_if_missing:
         if model:
             raise UsageError("--model is only used with --compile-if-missing")
         path = resolve_artifact_path(artifacts)
-        check_reusable(path)
+        check_reusable(path, spec, sources)
         return path
     try:
         path = resolve_artifact_path(artifacts)
-        check_reusable(path)
+        check_reusable(path, spec, sources)
         return path
     except NeuronctlError as exc:
         if not model:
@@ -133,7 +135,6 @@ def _artifact_path(
 def _compile(
     model: str, spec_flags: dict[str, Any], config: Path | None, store: Path | None
 ) -> Path:
-    # LEAD: --compile-if-missing goes through the one compile entry point.
     from neuronctl.build import compile_model, resolve_build
 
     build = resolve_build(model, spec_flags, config, store_dir=store)

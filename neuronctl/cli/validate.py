@@ -20,7 +20,7 @@ from neuronctl.cli._common import (
 )
 from neuronctl.cli._progress import progress_for
 from neuronctl.errors import EXIT_FAILED, EXIT_OK, UsageError
-from neuronctl.validate import Report, validate_artifact
+from neuronctl.validate import Report, requested_spec, validate_artifact
 
 ORDER = 30
 ARTIFACTS_ENV = "NEURON_COMPILED_ARTIFACTS"
@@ -70,7 +70,12 @@ def validate_command(
     spec, sources = requested_spec(spec_flags, config)
     with progress_for(quiet=json_out or not deep, bytes_=True) as progress:
         report = validate_artifact(
-            target, spec, model=model, revision=revision, deep=deep, progress=progress,
+            target,
+            spec,
+            model=model,
+            revision=revision,
+            deep=deep,
+            progress=progress,
             sources=sources,
         )
     if json_out:
@@ -97,15 +102,6 @@ def resolve_target(path: str | None, store: Path | None) -> Path:
         return Store(store or default_store_root()).find(text)
     except NeuronctlError:
         return candidate  # reported as "does not exist" by the artifact check
-
-
-def requested_spec(spec_flags: dict[str, Any], config: Path | None) -> tuple[Any, Any]:
-    """The requested spec when any flag or a file was given; (None, None) otherwise."""
-    if config is None and all(v is None for v in spec_flags.values()):
-        return None, None
-    from neuronctl.spec import resolve_spec
-
-    return resolve_spec(spec_flags, config)
 
 
 def render(report: Report) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from neuronctl.backends import get_backend
 from neuronctl.backends.base import Runner
@@ -17,6 +17,9 @@ from neuronctl.engine.engine import Engine
 from neuronctl.engine.sampling import DEFAULT_GLOBAL_TOPK
 from neuronctl.errors import NeuronctlError, NotFoundError, UsageError
 from neuronctl.store.manifest import Manifest, read_manifest
+
+if TYPE_CHECKING:
+    from neuronctl.spec import BuildSpec
 
 
 class NotReusableError(NeuronctlError):
@@ -89,11 +92,17 @@ def open_artifact(path: str | Path | None, validate: bool = True) -> LoadedArtif
     return LoadedArtifact(root, manifest, runner, tokenizer, eos, global_topk(manifest))
 
 
-def check_reusable(path: Path) -> None:
-    """The single call site of the reuse checks before any load (generate, serve, bench)."""
-    from neuronctl.validate import quick_validate
+def check_reusable(
+    path: Path, spec: BuildSpec | None = None, sources: dict[str, str] | None = None
+) -> None:
+    """The single call site of the reuse checks before any load (generate, serve, bench).
 
-    report = quick_validate(path)
+    With a requested spec (serve's spec flags or -c), the artifact must also match it."""
+    from neuronctl.validate import quick_validate, validate_artifact
+
+    report = (
+        quick_validate(path) if spec is None else validate_artifact(path, spec, sources=sources)
+    )
     if not report.reusable:
         reasons = "; ".join(f"{c.name}: {c.reason}" for c in report.failed)
         raise NotReusableError(
