@@ -33,3 +33,8 @@ def test_ci_runs_the_readme_commands() -> None:
     ci = (ROOT / ".ci" / "run").read_text()
     for command in ("make install", "make test"):
         assert command in readme and command in ci
+
+
+def test_cli_reference_has_no_html_entities() -> None:
+    reference = (ROOT / "docs" / "cli.md").read_text()
+    assert "&#x27;" not in reference and "&quot;" not in reference
