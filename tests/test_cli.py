@@ -146,3 +146,9 @@ def test_cli_start_up_does_not_import_torch() -> None:
     code = "import sys, neuronctl.cli.main; print('torch' in sys.modules)"
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.stdout.strip() == "False"
+
+
+def test_validate_an_unknown_key_says_it_is_not_in_the_store(tmp_path: Path) -> None:
+    result = cli("validate", "abcd12", "--store", str(tmp_path))
+    assert result.returncode == 1
+    assert "no artifact 'abcd12'" in result.stderr

@@ -101,6 +101,8 @@ def resolve_target(path: str | None, store: Path | None) -> Path:
     try:
         return Store(store or default_store_root()).find(text)
     except NeuronctlError:
+        if all(c in "0123456789abcdef" for c in text):
+            raise  # it looks like a key: say it is not in the store, not "no such path"
         return candidate  # reported as "does not exist" by the artifact check
 
 
