@@ -149,3 +149,15 @@ def test_host_checks_explain_a_foreign_artifact(compiled_artifact: Path) -> None
     assert set(failed) == {"torch version", "cpu isa", "cores"}
     assert "torch 1.0.0" in failed["torch version"]
     assert "--tp-degree" in failed["cores"]
+
+
+@pytest.mark.slow
+def test_graphs_build_in_parallel_spawn_workers(tmp_path: Path) -> None:
+    ckpt = make_checkpoint(tmp_path / "ckpt", "llama")
+    build = resolve_build(str(ckpt), TINY_SPEC, store_dir=tmp_path / "store")
+    path = compile_model(build, jobs=2).path
+    names = sorted(p.name for p in (path / "graphs").iterdir())
+    assert names == ["context_encoding_32.pt2", "context_encoding_64.pt2",
+                     "token_generation_128.pt2", "token_generation_64.pt2"]
+    runner = get_backend("torch").load(path, read_manifest(path))
+    assert runner.prefill(0, [1, 2, 3]).shape == (runner.vocab_size,)
