@@ -127,13 +127,13 @@ def check_tensors(checkpoint: Checkpoint, args: modeling.ModelArgs) -> None:
 def graph_jobs(spec: BuildSpec, config: dict[str, Any], staging: Path) -> list[Any]:
     from neuronctl.backends.torch.graphs import CONTEXT, TOKEN_GEN, GraphJob
 
-    common = dict(
-        config=config, batch_size=spec.batch_size, seq_len=spec.seq_len,
-        dtype=str(spec.dtype), compiler=str(spec.compiler), staging=str(staging),
-    )
     assert isinstance(spec.context_buckets, list) and isinstance(spec.token_gen_buckets, list)
-    return [GraphJob(CONTEXT, b, **common) for b in spec.context_buckets] + [
-        GraphJob(TOKEN_GEN, b, **common) for b in spec.token_gen_buckets
+    kinds = [(CONTEXT, b) for b in spec.context_buckets]
+    kinds += [(TOKEN_GEN, b) for b in spec.token_gen_buckets]
+    return [
+        GraphJob(kind, bucket, config, spec.batch_size, spec.seq_len, str(spec.dtype),
+                 str(spec.compiler), str(staging))
+        for kind, bucket in kinds
     ]
 
 

@@ -106,7 +106,9 @@ def build_graph(job: GraphJob) -> str:
             program.example_inputs = None
             torch.export.save(program, str(out))
     except Exception as exc:
-        handler.stream.write(traceback.format_exc())
+        with open(log_path, "a") as log:
+            handler.flush()
+            log.write(traceback.format_exc())
         raise BuildError(
             f"compiling graph {job.name} failed: {type(exc).__name__}: {exc}"
             f" (compiler log: {REPORT_DIR}/{job.name}.log)"
