@@ -36,15 +36,27 @@ def edit_config(ckpt: Path, **changes: Any) -> None:
 
 
 def test_old_and_new_rope_spellings_give_the_same_frequencies() -> None:
-    base = {"architectures": ["LlamaForCausalLM"], "vocab_size": 8, "hidden_size": 64,
-            "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 4}
-    scaling = {"factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
-               "original_max_position_embeddings": 8192}
+    base = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 8,
+        "hidden_size": 64,
+        "intermediate_size": 8,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+    }
+    scaling = {
+        "factor": 8.0,
+        "low_freq_factor": 1.0,
+        "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 8192,
+    }
     new = {**base, "rope_parameters": {"rope_type": "llama3", "rope_theta": 5e5, **scaling}}
     old = {**base, "rope_theta": 5e5, "rope_scaling": {"type": "llama3", **scaling}}
     plain = {**base, "rope_theta": 5e5}
-    f_new, f_old = modeling.inv_freq(modeling.args_from_config(new)), modeling.inv_freq(
-        modeling.args_from_config(old))
+    f_new, f_old = (
+        modeling.inv_freq(modeling.args_from_config(new)),
+        modeling.inv_freq(modeling.args_from_config(old)),
+    )
     assert torch.equal(f_new, f_old)
     assert not torch.equal(f_new, modeling.inv_freq(modeling.args_from_config(plain)))
 
@@ -53,8 +65,11 @@ def test_old_and_new_rope_spellings_give_the_same_frequencies() -> None:
     ("changes", "error", "words"),
     [
         ({"architectures": ["GPT2LMHeadModel"]}, CheckpointError, "not supported"),
-        ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}},
-         CheckpointError, "yarn"),
+        (
+            {"rope_parameters": {"rope_type": "yarn", "rope_theta": 1e4, "factor": 2.0}},
+            CheckpointError,
+            "yarn",
+        ),
         ({"mlp_bias": True}, CheckpointError, "mlp_bias"),
         ({"hidden_act": "gelu"}, CheckpointError, "gelu"),
     ],
@@ -62,9 +77,15 @@ def test_old_and_new_rope_spellings_give_the_same_frequencies() -> None:
 def test_check_refuses_configs_it_cannot_compute_exactly(
     changes: dict[str, Any], error: type[Exception], words: str
 ) -> None:
-    config = {"architectures": ["LlamaForCausalLM"], "vocab_size": 8, "hidden_size": 64,
-              "intermediate_size": 8, "num_hidden_layers": 1, "num_attention_heads": 4,
-              **changes}
+    config = {
+        "architectures": ["LlamaForCausalLM"],
+        "vocab_size": 8,
+        "hidden_size": 64,
+        "intermediate_size": 8,
+        "num_hidden_layers": 1,
+        "num_attention_heads": 4,
+        **changes,
+    }
     spec = resolve_spec({"seq_len": 64})[0]
     with pytest.raises(error, match=words):
         TorchBackend().check(spec, config)
@@ -82,8 +103,9 @@ def test_sliding_window_shorter_than_seq_len_is_refused_and_nothing_published(
 
 
 def test_qwen2_sliding_layers_are_refused(tmp_path: Path) -> None:
-    ckpt = make_checkpoint(tmp_path / "ckpt", "qwen2", use_sliding_window=True,
-                           sliding_window=32, max_window_layers=1)
+    ckpt = make_checkpoint(
+        tmp_path / "ckpt", "qwen2", use_sliding_window=True, sliding_window=32, max_window_layers=1
+    )
     with pytest.raises(SpecError, match="sliding window"):
         compile_tiny(ckpt, tmp_path / "store")
 
@@ -104,8 +126,9 @@ def test_a_failing_graph_names_its_bucket_and_keeps_a_log(
 
     monkeypatch.setattr(modeling.TokenGeneration, "forward", broken)
     ckpt = make_checkpoint(tmp_path / "ckpt", "llama")
-    job = GraphJob(TOKEN_GEN, 64, read_config(ckpt), 2, 128, "float32", "export",
-                   str(tmp_path / "staging"))
+    job = GraphJob(
+        TOKEN_GEN, 64, read_config(ckpt), 2, 128, "float32", "export", str(tmp_path / "staging")
+    )
     with pytest.raises(BuildError, match="token_generation_64.*lowering exploded"):
         build_graph(job)
     log = (tmp_path / "staging" / "report" / "token_generation_64.log").read_text()
@@ -141,14 +164,40 @@ def test_manifest_records_versions_and_host_checks_pass_here(compiled_artifact: 
 
 def test_host_checks_explain_a_foreign_artifact(compiled_artifact: Path) -> None:
     manifest = read_manifest(compiled_artifact)
-    foreign = manifest.model_copy(update={
-        "backend_versions": {**manifest.backend_versions, "torch": "1.0.0", "cpu_isa": "sve256"},
-        "spec": {**manifest.spec, "compiler": "inductor", "tp_degree": 4096},
-    })
+    foreign = manifest.model_copy(
+        update={
+            "backend_versions": {
+                **manifest.backend_versions,
+                "torch": "1.0.0",
+                "cpu_isa": "sve256",
+            },
+            "spec": {**manifest.spec, "compiler": "inductor", "tp_degree": 4096},
+        }
+    )
     failed = {c.name: c.reason for c in TorchBackend().host_checks(foreign) if not c.ok}
-    assert set(failed) == {"torch version", "cpu isa", "cores"}
-    assert "torch 1.0.0" in failed["torch version"]
+    assert set(failed) == {"cpu isa", "cores"}  # versions are compared by validate itself
+    assert "compiled for sve256" in failed["cpu isa"]
     assert "--tp-degree" in failed["cores"]
+
+
+def test_passing_host_checks_say_why(compiled_artifact: Path) -> None:
+    manifest = read_manifest(compiled_artifact)
+    inductor = manifest.model_copy(update={"spec": {**manifest.spec, "compiler": "inductor"}})
+    checks = TorchBackend().host_checks(inductor)
+    assert [c.name for c in checks] == ["cpu isa", "cores"]
+    assert all(c.ok and c.reason for c in checks)
+
+
+def test_cpu_isa_is_cached_across_processes(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    import neuronctl.backends.torch as backend
+
+    backend.cpu_isa.cache_clear()
+    probes = []
+    monkeypatch.setattr(backend, "_detect_isa", lambda: probes.append(1) or "avx2")
+    assert backend.cpu_isa() == "avx2"
+    backend.cpu_isa.cache_clear()  # a new process: only the on-disk cache is left
+    assert backend.cpu_isa() == "avx2" and len(probes) == 1
+    backend.cpu_isa.cache_clear()
 
 
 @pytest.mark.slow
@@ -157,7 +206,11 @@ def test_graphs_build_in_parallel_spawn_workers(tmp_path: Path) -> None:
     build = resolve_build(str(ckpt), TINY_SPEC, store_dir=tmp_path / "store")
     path = compile_model(build, jobs=2).path
     names = sorted(p.name for p in (path / "graphs").iterdir())
-    assert names == ["context_encoding_32.pt2", "context_encoding_64.pt2",
-                     "token_generation_128.pt2", "token_generation_64.pt2"]
+    assert names == [
+        "context_encoding_32.pt2",
+        "context_encoding_64.pt2",
+        "token_generation_128.pt2",
+        "token_generation_64.pt2",
+    ]
     runner = get_backend("torch").load(path, read_manifest(path))
     assert runner.prefill(0, [1, 2, 3]).shape == (runner.vocab_size,)

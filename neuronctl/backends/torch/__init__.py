@@ -8,18 +8,21 @@ reassembles the weights and returns a TorchRunner. docs/torch-backend.md explain
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import platform
 import shutil
 from collections.abc import Mapping
 from functools import cache
+from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from neuronctl.backends.base import BuildRequest, BuildResult, HostCheck
 from neuronctl.backends.torch import modeling
 from neuronctl.errors import BuildError, CheckpointError, SpecError
+from neuronctl.store.local import user_cache_store
 
 if TYPE_CHECKING:
     from neuronctl.backends.torch.runner import TorchRunner
@@ -34,13 +37,58 @@ NEURON_CONFIG = "neuron_config.json"
 
 @cache
 def cpu_isa() -> str:
-    """The vector ISA inductor generates code for on this host (e.g. 'avx512 avx512_vnni')."""
+    """The vector ISA inductor generates code for on this host (e.g. 'avx512 avx512_vnni').
+
+    Inductor finds it by compiling probes (seconds), and `validate` must answer well under a
+    second: the answer is cached per (torch, machine, CPU flags) in the user cache.
+    """
+    key = _host_fingerprint()
+    cache_file = user_cache_store() / "cpu_isa.json"
+    try:
+        cached = json.loads(cache_file.read_text())
+        if cached.get("key") == key:
+            return str(cached["isa"])
+    except (OSError, ValueError, KeyError):
+        pass
+    isa = _detect_isa()
+    try:
+        cache_file.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps({"key": key, "isa": isa}))
+        os.replace(tmp, cache_file)
+    except OSError:
+        pass  # a read-only cache only costs the probe next time
+    return isa
+
+
+def _detect_isa() -> str:
     try:
         from torch._inductor.cpu_vec_isa import pick_vec_isa
 
         return str(pick_vec_isa()) or "none"
     except Exception:  # pragma: no cover - non-x86/arm hosts
         return "none"
+
+
+def _host_fingerprint() -> str:
+    try:
+        flags = next(
+            (
+                line
+                for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith(("flags", "Features"))
+            ),
+            "",
+        )
+    except OSError:
+        flags = platform.processor()
+    text = f"{torch_version()}|{platform.machine()}|{flags}"
+    return hashlib.sha256(text.encode()).hexdigest()
+
+
+def torch_version() -> str:
+    # Package metadata, not `import torch`: versions() runs on every validate.
+    return metadata.version("torch")
 
 
 def supported_isas() -> set[str]:
@@ -56,25 +104,26 @@ class TorchBackend:
     name = "torch"
 
     def versions(self) -> dict[str, str]:
-        import torch
-
         # cpu_isa changes the code inductor generates, so it is part of the graph key: an
         # artifact built on an AVX-512 host is never a cache hit on an AVX2 host.
         return {
-            "torch": torch.__version__,
+            "torch": torch_version(),
             "modeling": MODELING_VERSION,
             "cpu_isa": cpu_isa(),
         }
 
     def architectures(self) -> Mapping[str, str]:
-        return dict(modeling.ARCHITECTURES)
+        from neuronctl.checkpoints.registry import ARCHITECTURES
+
+        return ARCHITECTURES["torch"]
 
     def check(self, spec: BuildSpec, config: Mapping[str, Any]) -> None:
         args = modeling.args_from_config(config)
         modeling.check_args(args, spec.seq_len)
         if spec.compiler not in ("export", "inductor"):
-            raise SpecError("compiler", f"{spec.compiler!r} is not a torch compiler",
-                            "use inductor or export")
+            raise SpecError(
+                "compiler", f"{spec.compiler!r} is not a torch compiler", "use inductor or export"
+            )
 
     def build(self, request: BuildRequest) -> BuildResult:
         from neuronctl.backends.torch.graphs import DTYPES, build_graphs
@@ -92,7 +141,10 @@ class TorchBackend:
             graphs = build_graphs(jobs, request.jobs, request.progress)
         write_neuron_config(staging, spec, config, jobs)
         shard_checkpoint(
-            request.checkpoint, spec.tp_degree, DTYPES[str(spec.dtype)], staging / "weights",
+            request.checkpoint,
+            spec.tp_degree,
+            DTYPES[str(spec.dtype)],
+            staging / "weights",
             request.progress,
         )
         return BuildResult(graphs=graphs, graphs_reused=reused, extra=build_facts(spec))
@@ -131,8 +183,16 @@ def graph_jobs(spec: BuildSpec, config: dict[str, Any], staging: Path) -> list[A
     kinds = [(CONTEXT, b) for b in spec.context_buckets]
     kinds += [(TOKEN_GEN, b) for b in spec.token_gen_buckets]
     return [
-        GraphJob(kind, bucket, config, spec.batch_size, spec.seq_len, str(spec.dtype),
-                 str(spec.compiler), str(staging))
+        GraphJob(
+            kind,
+            bucket,
+            config,
+            spec.batch_size,
+            spec.seq_len,
+            str(spec.dtype),
+            str(spec.compiler),
+            str(staging),
+        )
         for kind, bucket in kinds
     ]
 
@@ -150,8 +210,9 @@ def copy_graphs(donor: Path, staging: Path, jobs: list[Any]) -> list[str]:
     return graphs
 
 
-def write_neuron_config(staging: Path, spec: BuildSpec, config: dict[str, Any],
-                        jobs: list[Any]) -> None:
+def write_neuron_config(
+    staging: Path, spec: BuildSpec, config: dict[str, Any], jobs: list[Any]
+) -> None:
     """The backend-native description: spec, KV layout and graph files (relative paths)."""
     args = modeling.args_from_config(config)
     data = {
@@ -193,37 +254,41 @@ def _cxx_version() -> str:
 
 
 def host_checks(manifest: Manifest, here: Mapping[str, str]) -> list[HostCheck]:
-    built = manifest.backend_versions
-    checks = [
-        HostCheck(
-            "torch version",
-            built.get("torch") == here["torch"],
-            f"built with torch {built.get('torch')}, this host has {here['torch']}; "
-            "install that torch or recompile",
-        ),
-        HostCheck(
-            "modeling version",
-            built.get("modeling") == here["modeling"],
-            f"built by torch modeling v{built.get('modeling')}, this neuronctl has "
-            f"v{here['modeling']}; recompile",
-        ),
-    ]
+    """What validate's generic version comparison cannot judge: the ISA and the cores.
+
+    (torch and modeling versions are compared by validate from `versions()`.)
+    """
+    checks = []
     if manifest.spec.get("compiler") == "inductor":
-        isa = built.get("cpu_isa", "none")
-        checks.append(HostCheck(
-            "cpu isa",
-            isa in supported_isas(),
-            f"compiled for {isa} ({manifest.host.get('machine', '?')}), this host "
-            f"({platform.machine()}) supports {sorted(supported_isas())}; recompile here or use "
-            "--compiler export",
-        ))
+        checks.append(isa_check(manifest, here))
     tp, cores = int(manifest.spec.get("tp_degree", 1)), os.cpu_count() or 1
-    checks.append(HostCheck(
-        "cores", tp <= cores,
-        f"tp degree {tp} needs {tp} cores, this host has {cores}; recompile with --tp-degree "
-        f"{cores} or less",
-    ))
-    return [c if not c.ok else HostCheck(c.name, True) for c in checks]
+    checks.append(
+        HostCheck("cores", True, f"tp degree {tp}, {cores} cores")
+        if tp <= cores
+        else HostCheck(
+            "cores",
+            False,
+            f"tp degree {tp} needs {tp} cores, this host has {cores}; recompile with "
+            f"--tp-degree {cores} or less",
+        )
+    )
+    return checks
+
+
+def isa_check(manifest: Manifest, here: Mapping[str, str]) -> HostCheck:
+    isa = manifest.backend_versions.get("cpu_isa", "none")
+    if isa == here.get("cpu_isa"):  # the common case, answered from the cached probe
+        return HostCheck("cpu isa", True, f"{isa}, as compiled")
+    supported = supported_isas()
+    if isa in supported:
+        return HostCheck("cpu isa", True, f"compiled for {isa}, which this host supports")
+    return HostCheck(
+        "cpu isa",
+        False,
+        f"compiled for {isa} ({manifest.host.get('machine', '?')}), this host "
+        f"({platform.machine()}) supports {sorted(supported)}; recompile here or use "
+        "--compiler export",
+    )
 
 
 __all__ = ["TorchBackend"]
