@@ -152,3 +152,17 @@ def test_validate_an_unknown_key_says_it_is_not_in_the_store(tmp_path: Path) -> 
     result = cli("validate", "abcd12", "--store", str(tmp_path))
     assert result.returncode == 1
     assert "no artifact 'abcd12'" in result.stderr
+
+
+def test_quick_validate_does_not_import_torch(compiled_artifact: Path) -> None:
+    # Quick validation must answer well under a second; importing torch alone takes more.
+    import subprocess
+    import sys
+
+    code = (
+        "import sys; from pathlib import Path; from neuronctl.validate import quick_validate; "
+        f"r = quick_validate(Path({str(compiled_artifact)!r})); "
+        "print(r.reusable, 'torch' in sys.modules)"
+    )
+    result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
+    assert result.stdout.split() == ["True", "False"], result.stderr

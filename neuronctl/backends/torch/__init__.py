@@ -20,11 +20,11 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from neuronctl.backends.base import BuildRequest, BuildResult, HostCheck
-from neuronctl.backends.torch import modeling
 from neuronctl.errors import BuildError, CheckpointError, SpecError
 from neuronctl.store.local import user_cache_store
 
 if TYPE_CHECKING:
+    from neuronctl.backends.torch import modeling
     from neuronctl.backends.torch.runner import TorchRunner
     from neuronctl.checkpoints import Checkpoint
     from neuronctl.spec import BuildSpec
@@ -118,6 +118,8 @@ class TorchBackend:
         return ARCHITECTURES["torch"]
 
     def check(self, spec: BuildSpec, config: Mapping[str, Any]) -> None:
+        from neuronctl.backends.torch import modeling  # imports torch: not on validate's path
+
         args = modeling.args_from_config(config)
         modeling.check_args(args, spec.seq_len)
         if spec.compiler not in ("export", "inductor"):
@@ -132,6 +134,8 @@ class TorchBackend:
         spec, staging = request.spec, request.staging
         config = dict(request.checkpoint.config)
         self.check(spec, config)
+        from neuronctl.backends.torch import modeling
+
         check_tensors(request.checkpoint, modeling.args_from_config(config))
         jobs = graph_jobs(spec, config, staging)
         reused = request.reuse_graphs_from is not None
@@ -161,6 +165,8 @@ class TorchBackend:
 def check_tensors(checkpoint: Checkpoint, args: modeling.ModelArgs) -> None:
     """Every tensor the graphs read exists with the shape the config implies."""
     names = set(checkpoint.tensor_names())
+    from neuronctl.backends.torch import modeling
+
     for name, shape in modeling.expected_shapes(args).items():
         if name not in names:
             raise CheckpointError(
@@ -214,6 +220,8 @@ def write_neuron_config(
     staging: Path, spec: BuildSpec, config: dict[str, Any], jobs: list[Any]
 ) -> None:
     """The backend-native description: spec, KV layout and graph files (relative paths)."""
+    from neuronctl.backends.torch import modeling
+
     args = modeling.args_from_config(config)
     data = {
         "backend": "torch",
