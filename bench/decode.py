@@ -122,8 +122,8 @@ def neuronctl_decode(path: Path, batch: int, runs: int) -> dict:
         paired.append((batch * NEW / elapsed, bw))
     weight_bytes = sum(
         t.numel() * t.element_size() for n, t in runner.weights.items()
-        # An untied embedding table is only indexed, never read whole.
-        if n != "model.embed_tokens.weight" or runner.args.tie_word_embeddings
+        # The embedding table is only indexed unless it is also the (unpacked) LM head.
+        if n != "model.embed_tokens.weight" or "lm_head.weight" not in runner.weights
     )
     fraction, at_bw = max(
         ((tok_s * weight_bytes / (bw * 1e9), bw) for tok_s, bw in paired if bw), default=(0, 0)

@@ -188,3 +188,33 @@ def test_inductor_artifact_matches_transformers(tmp_path: Path) -> None:
     got += [runner.decode([0, ids[p]], [-1, p])[1] for p in range(24, 40)]
     assert (torch.stack(got) - ref[23:40]).abs().max() < TOL
     assert get_backend("torch").host_checks(read_manifest(outcome.path))[-1].ok
+
+
+@pytest.mark.slow
+def test_inductor_prepacked_batch_matches_transformers(tmp_path: Path) -> None:
+    # Above the GEMV's batch range the graphs read oneDNN-prepacked weights (a tied head is
+    # packed as lm_head.weight); same tolerance, still no weight in any graph, still movable.
+    ckpt = make_checkpoint(tmp_path / "ckpt", "qwen2", tie_word_embeddings=True)
+    outcome = build(ckpt, tmp_path / "store", compiler="inductor", context_buckets="32",
+                    token_gen_buckets="64", batch_size=6, seq_len=64, max_context_length=32)
+    moved = tmp_path / "moved"
+    shutil.copytree(outcome.path, moved)
+    runner = load(moved)
+    assert runner.packed and runner.weights["lm_head.weight"].is_mkldnn
+    ids = random_ids(40, seed=9)
+    ref = hf_logits(hf_model(ckpt), ids)
+    got = [runner.prefill(4, ids[:24])]
+    for p in range(24, 40):
+        positions = [-1] * 6
+        positions[4] = p
+        got.append(runner.decode([0, 0, 0, 0, ids[p], 0], positions)[4])
+    assert (torch.stack(got) - ref[23:40]).abs().max() < TOL
+    for graph in (moved / "graphs").iterdir():
+        with zipfile.ZipFile(graph) as archive:
+            # AOTInductor keeps its generated code under data/aotinductor/; weights would be
+            # data/constants/ or a weights blob next to the shared library.
+            for entry in archive.infolist():
+                name = entry.filename
+                assert "constants" not in name and "weights" not in name, name
+                if "/data/" in name:
+                    assert name.endswith((".cpp", ".so", ".json")), name

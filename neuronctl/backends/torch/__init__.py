@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from neuronctl.store.manifest import Manifest
 
 # Bump when modeling.py or the graph signatures change what a graph computes or takes.
-MODELING_VERSION = "3"
+MODELING_VERSION = "4"
 NEURON_CONFIG = "neuron_config.json"
 
 
@@ -233,6 +233,9 @@ def write_neuron_config(
             "dtype": str(spec.dtype),
         },
         "graphs": {job.name: job.relpath for job in jobs},
+        # The graphs read oneDNN-prepacked projection weights (and a tied head as
+        # lm_head.weight): the runner packs them at load time (modeling.packed_linear).
+        "packed_weights": any(job.packed for job in jobs),
         "graph_inputs": {
             "context_encoding": "weights, inv_freq, k_cache[L], v_cache[L], token_ids[1,bucket],"
             " length[1], slot[1] -> logits[vocab]",

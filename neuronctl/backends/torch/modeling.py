@@ -219,11 +219,15 @@ def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     return {name: shapes[name] for name in weight_names(args)}
 
 
-def graph_weights(full: Mapping[str, Tensor], args: ModelArgs) -> dict[str, Tensor]:
+def graph_weights(
+    full: Mapping[str, Tensor], args: ModelArgs, packed: bool = False
+) -> dict[str, Tensor]:
     """The tensors the graphs take, from checkpoint-named ones: q/k/v and gate/up fused.
 
     One projection per input vector instead of three (two) means fewer, larger matmul
-    kernels per layer; the checkpoint and its shards keep Hugging Face names.
+    kernels per layer; the checkpoint and its shards keep Hugging Face names. `packed`
+    graphs (packed_linear) also take a tied LM head as `lm_head.weight`: the embedding
+    lookup needs the plain table, the head its packed copy.
     """
     out: dict[str, Tensor] = {}
     fused: set[str] = set()
@@ -241,14 +245,16 @@ def graph_weights(full: Mapping[str, Tensor], args: ModelArgs) -> dict[str, Tens
     for name in weight_names(args):
         if name not in fused:
             out[name] = full[name]
+    if packed and args.tie_word_embeddings:
+        out["lm_head.weight"] = full["model.embed_tokens.weight"]
     return {name: out[name].contiguous() for name in sorted(out)}
 
 
-def graph_shapes(args: ModelArgs, dtype: torch.dtype) -> dict[str, Tensor]:
+def graph_shapes(args: ModelArgs, dtype: torch.dtype, packed: bool = False) -> dict[str, Tensor]:
     """Meta tensors with the shapes and order of graph_weights (for tracing)."""
     meta = {n: torch.empty(s, dtype=dtype, device="meta")
             for n, s in expected_shapes(args).items()}
-    return graph_weights(meta, args)
+    return graph_weights(meta, args, packed)
 
 
 def new_kv_cache(
@@ -272,6 +278,39 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
 
 def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
     return torch.nn.functional.linear(x, weight, bias)
+
+
+def packed_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+    """linear() by oneDNN on a weight the runner prepacked (`pack_weight`) at load time.
+
+    For token-generation batches above the GEMV's range: aten's GEMM re-reads a plain
+    [out, in] weight in a layout that is slow for a few rows (bf16 batch 8: 1.7x slower than
+    oneDNN on its own blocked layout; fp32: ~3x). The graph is traced with plain tensors of
+    the same shape; at run time the weight inputs are oneDNN tensors, so the graph file still
+    holds no weight and a fine-tune reuses it. Only for AOTInductor graphs (graphs.py lowers
+    this op to oneDNN's kernel without requiring the weight to be a constant).
+    """
+    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+
+
+def pack_weight(weight: Tensor, batch_size: int) -> Tensor:
+    """The oneDNN blocked layout packed_linear reads, chosen for `batch_size` rows."""
+    return torch.ops.mkldnn._reorder_linear_weight(weight, batch_size)
+
+
+def packed_names(args: ModelArgs) -> list[str]:
+    """The graph weights packed_linear reads (every projection and the LM head)."""
+    return [n for n in graph_shapes(args, torch.float32, packed=True)
+            if n.endswith("_proj.weight") or n == "lm_head.weight"]
+
+
+def can_pack(dtype: torch.dtype) -> bool:
+    """oneDNN runs this dtype's linear natively on this host."""
+    if not torch.backends.mkldnn.is_available():
+        return False
+    if dtype == torch.float32:
+        return True
+    return dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
 def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
@@ -337,7 +376,8 @@ def _mlp(w: Weights, p: str, x: Tensor, linear: Linear = linear) -> Tensor:
 
 def _lm_head(w: Weights, x: Tensor, args: ModelArgs, linear: Linear = linear) -> Tensor:
     x = rms_norm(x, w["model.norm.weight"], args.rms_norm_eps)
-    head = w["model.embed_tokens.weight"] if args.tie_word_embeddings else w["lm_head.weight"]
+    # A packed artifact passes its tied head as lm_head.weight too (graph_weights).
+    head = w["lm_head.weight"] if "lm_head.weight" in w else w["model.embed_tokens.weight"]
     return linear(x, head).float()
 
 
@@ -350,8 +390,12 @@ def context_encode(
     token_ids: Tensor,
     length: Tensor,
     slot: Tensor,
+    linear: Linear = linear,
 ) -> Tensor:
-    """token_ids [1, bucket] (right-padded), length [1], slot [1] -> logits [vocab] float32."""
+    """token_ids [1, bucket] (right-padded), length [1], slot [1] -> logits [vocab] float32.
+
+    `linear` may be `packed_linear` in compiled graphs (see packed_linear).
+    """
     bucket = token_ids.shape[1]
     positions = torch.arange(bucket, device=token_ids.device)
     x = torch.nn.functional.embedding(token_ids, w["model.embed_tokens.weight"])
@@ -360,7 +404,7 @@ def context_encode(
     for i in range(args.num_layers):
         p = f"model.layers.{i}."
         h = rms_norm(x, w[p + "input_layernorm.weight"], args.rms_norm_eps)
-        q, k, v = _project_qkv(w, p + "self_attn.", h, args)
+        q, k, v = _project_qkv(w, p + "self_attn.", h, args, linear)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
         # cache[slot, :, 0:bucket] = k; padded positions hold garbage that decode masks out
         k_cache[i][slot, :, positions] = k[0].transpose(0, 1)
@@ -368,9 +412,9 @@ def context_encode(
         o = attention(q, k, v, causal, args)
         x = x + linear(o, w[p + "self_attn.o_proj.weight"], _o_bias(w, p, args))
         h = rms_norm(x, w[p + "post_attention_layernorm.weight"], args.rms_norm_eps)
-        x = x + _mlp(w, p + "mlp.", h)
+        x = x + _mlp(w, p + "mlp.", h, linear)
     last = x.index_select(1, length - 1)  # [1, 1, hidden]: only the last real position
-    return _lm_head(w, last, args)[0, 0]
+    return _lm_head(w, last, args, linear)[0, 0]
 
 
 def token_generate(
@@ -386,7 +430,8 @@ def token_generate(
 ) -> Tensor:
     """token_ids [B], positions [B] (-1 = idle slot) -> logits [B, vocab] float32.
 
-    `linear` may be `gemv` for small batches in compiled graphs (see gemv).
+    `linear` may be `gemv` for small batches or `packed_linear` for larger ones in compiled
+    graphs (see both).
     """
     batch = token_ids.shape[0]
     seq_len = k_cache[0].shape[2]
@@ -424,9 +469,10 @@ def _o_bias(w: Weights, p: str, args: ModelArgs) -> Tensor | None:
 class ContextEncoding(torch.nn.Module):
     """Holds no tensors: weights, rope frequencies and the KV cache are all inputs."""
 
-    def __init__(self, args: ModelArgs) -> None:
+    def __init__(self, args: ModelArgs, packed: bool = False) -> None:
         super().__init__()
         self.args = args
+        self.linear = packed_linear if packed else linear
 
     def forward(
         self,
@@ -438,15 +484,19 @@ class ContextEncoding(torch.nn.Module):
         length: Tensor,
         slot: Tensor,
     ) -> Tensor:
-        return context_encode(self.args, weights, freq, k_cache, v_cache, token_ids, length, slot)
+        return context_encode(
+            self.args, weights, freq, k_cache, v_cache, token_ids, length, slot, self.linear
+        )
 
 
 class TokenGeneration(torch.nn.Module):
-    def __init__(self, args: ModelArgs, bucket: int, use_gemv: bool = False) -> None:
+    def __init__(
+        self, args: ModelArgs, bucket: int, use_gemv: bool = False, packed: bool = False
+    ) -> None:
         super().__init__()
         self.args = args
         self.bucket = bucket
-        self.linear = gemv if use_gemv else linear
+        self.linear = gemv if use_gemv else packed_linear if packed else linear
 
     def forward(
         self,

@@ -32,7 +32,12 @@ class TorchRunner:
         self.vocab_size = self.args.vocab_size
         self.dtype = DTYPES[spec["dtype"]]
         self.compiler = spec["compiler"]
-        self.weights = _load_weights(path / "weights", self.args, self.dtype)
+        config_data = _neuron_config(path)
+        # Inductor artifacts above the GEMV's batch range read oneDNN-prepacked weights
+        # (modeling.packed_linear); the graph files are the same whatever the weights.
+        self.packed = bool(config_data.get("packed_weights", False))
+        self.weights = _load_weights(path / "weights", self.args, self.dtype, self.packed,
+                                     self.batch_size)
         self.k_cache, self.v_cache = modeling.new_kv_cache(
             self.args, self.batch_size, self.seq_len, self.dtype
         )
@@ -44,7 +49,7 @@ class TorchRunner:
             *self.k_cache,
             *self.v_cache,
         ]
-        graph_files = _graph_files(path)
+        graph_files = dict(config_data["graphs"])
         self._context = {b: self._load_graph(path, graph_files, CONTEXT, b)
                          for b in self.context_buckets}
         self._token_gen = {b: self._load_graph(path, graph_files, TOKEN_GEN, b)
@@ -113,16 +118,16 @@ def _pick(buckets: Sequence[int], need: int, what: str, of: str) -> int:
     return buckets[i]
 
 
-def _graph_files(path: Path) -> dict[str, str]:
+def _neuron_config(path: Path) -> dict[str, Any]:
     try:
-        data = json.loads((path / NEURON_CONFIG).read_text())
+        return dict(json.loads((path / NEURON_CONFIG).read_text()))
     except FileNotFoundError:
         raise NotFoundError(f"{path} has no {NEURON_CONFIG}", "recompile the artifact") from None
-    return dict(data["graphs"])
 
 
 def _load_weights(
-    weights_dir: Path, args: modeling.ModelArgs, dtype: torch.dtype
+    weights_dir: Path, args: modeling.ModelArgs, dtype: torch.dtype, packed: bool = False,
+    batch_size: int = 1,
 ) -> dict[str, torch.Tensor]:
     from neuronctl.sharding import load_full_tensors
 
@@ -131,4 +136,13 @@ def _load_weights(
     if missing:
         raise CheckpointError(f"{weights_dir} lacks {missing[0]}", "recompile the artifact")
     needed = {n: full.pop(n).to(dtype) for n in modeling.weight_names(args)}
-    return modeling.graph_weights(needed, args)
+    weights = modeling.graph_weights(needed, args, packed)
+    if packed:
+        if not modeling.can_pack(dtype):
+            raise CheckpointError(
+                "this artifact's graphs need oneDNN prepacked weights, which this torch or "
+                "CPU cannot provide", "recompile the artifact on this host",
+            )
+        for name in modeling.packed_names(args):
+            weights[name] = modeling.pack_weight(weights[name], batch_size)
+    return weights
