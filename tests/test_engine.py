@@ -194,7 +194,8 @@ def test_latency_stats_use_nxdi_field_names_and_interpolate() -> None:
 def test_bench_keeps_concurrency_in_flight_and_counts_tokens() -> None:
     from neuronctl.engine.bench import bench_engine
 
-    runner = FakeRunner(batch_size=4)
+    # Slow steps give the client threads time to keep 3 requests in flight on a loaded host.
+    runner = FakeRunner(batch_size=4, step_delay=0.02)
     engine = make_engine(runner)
     result = bench_engine(
         engine, 320, concurrency=3, requests=9, prompt_len=5, max_tokens=4, warmup=1
