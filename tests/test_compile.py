@@ -94,7 +94,8 @@ def test_compile_plan_entry(tiny_llama: Path, tmp_path: Path) -> None:
     plan = tmp_path / "builds.toml"
     spec = "\n".join(f"{k} = {json.dumps(_toml_value(v))}" for k, v in TINY_SPEC.items())
     plan.write_text(
-        f'[defaults]\n{spec}\n\n[[build]]\nmodel = "{tiny_llama}"\nmatrix = {{ tp_degree = [1, 2] }}\n'
+        f'[defaults]\n{spec}\n\n[[build]]\nmodel = "{tiny_llama}"\n'
+        "matrix = { tp_degree = [1, 2] }\n"
     )
     listed = json.loads(cli("plan", "-c", str(plan), "--format", "json").stdout)
     entries = listed if isinstance(listed, list) else listed.get("builds", listed.get("include"))

@@ -64,11 +64,15 @@ def _is_int(value: object) -> bool:
 
 def _check_types(params: SamplingParams) -> None:
     """Callers that skip the HTTP schema (generate --jsonl) can hand over any JSON value."""
-    numbers = {"temperature": params.temperature, "top_p": params.top_p}
+    numbers: dict[str, object] = {"temperature": params.temperature, "top_p": params.top_p}
     for name, value in numbers.items():
         if not (_is_int(value) or isinstance(value, float)):
             raise RequestError(f"{name} must be a number, not {value!r}", param=name)
-    integers = {"top_k": params.top_k, "seed": params.seed, "max_tokens": params.max_tokens}
+    integers: dict[str, object] = {
+        "top_k": params.top_k,
+        "seed": params.seed,
+        "max_tokens": params.max_tokens,
+    }
     for name, value in integers.items():
         if value is not None and not _is_int(value):
             raise RequestError(f"{name} must be an integer, not {value!r}", param=name)

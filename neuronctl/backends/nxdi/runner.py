@@ -23,8 +23,8 @@ class NxdiRunner:
         self.batch_size = int(spec["batch_size"])
         self.seq_len = int(spec["seq_len"])
         self.max_context_length = int(spec["max_context_length"] or spec["seq_len"])
-        self.context_buckets = list(spec["context_buckets"])
-        self.token_gen_buckets = list(spec["token_gen_buckets"])
+        self.context_buckets: Sequence[int] = [int(b) for b in spec["context_buckets"]]
+        self.token_gen_buckets: Sequence[int] = [int(b) for b in spec["token_gen_buckets"]]
         self.vocab_size = vocab_size
         # With on-device sampling the model returns token ids, not logits.
         self.on_device_sampling = spec.get("on_device_sampling") is not None
