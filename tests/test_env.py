@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import subprocess
+import sys
 from pathlib import Path
 
 from typer.testing import CliRunner
@@ -47,20 +48,27 @@ def test_fish_quoting(tmp_path: Path) -> None:
     result = CliRunner().invoke(app, ["env", str(path), "--shell", "fish"])
     assert result.exit_code == 0
     line = [x for x in result.output.splitlines() if "NEURON_COMPILED_ARTIFACTS" in x][0]
-    assert line == "set -gx NEURON_COMPILED_ARTIFACTS '" + str(path.resolve()).replace(
-        "'", "\\'"
-    ) + "'"
+    assert (
+        line
+        == "set -gx NEURON_COMPILED_ARTIFACTS '" + str(path.resolve()).replace("'", "\\'") + "'"
+    )
 
 
 def test_exit_codes(tmp_path: Path) -> None:
     empty = tmp_path / "empty"
     empty.mkdir()
-    missing = subprocess.run(["neuronctl", "env", str(empty)], capture_output=True, text=True)
+    missing = subprocess.run(
+        [sys.executable, "-m", "neuronctl.cli.main", "env", str(empty)],
+        capture_output=True,
+        text=True,
+    )
     assert missing.returncode == 1
     assert "not an artifact" in missing.stderr
     path = artifact(tmp_path)
     wrong = subprocess.run(
-        ["neuronctl", "env", str(path), "--framework", "tnx"], capture_output=True, text=True
+        [sys.executable, "-m", "neuronctl.cli.main", "env", str(path), "--framework", "tnx"],
+        capture_output=True,
+        text=True,
     )
     assert wrong.returncode == 2
     assert "compiled for neuronx-distributed-inference" in wrong.stderr

@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import re
 import subprocess
+import sys
 
 import pytest
 from typer.testing import CliRunner
@@ -224,8 +225,10 @@ def test_every_row(tnx: str, nxdi: str | None, note: str) -> None:
 
 def test_dtype_spellings_are_translated() -> None:
     result = migrate_tnx(
-        {"quant": {"quant_dtype": "s8", "dequant_dtype": "bf16", "quantize_method": "m"},
-         "all_reduce_dtype": "f32"}
+        {
+            "quant": {"quant_dtype": "s8", "dequant_dtype": "bf16", "quantize_method": "m"},
+            "all_reduce_dtype": "f32",
+        }
     )
     assert result.nxdi == {
         "quantized": True,
@@ -238,8 +241,10 @@ def test_dtype_spellings_are_translated() -> None:
 
 def test_companion_settings_from_the_notes() -> None:
     result = migrate_tnx(
-        {"continuous_batching": {"max_num_seqs": 8, "max_model_len": 2048, "block_size": 2048},
-         "kv_cache_quant": {"quant_dtype": "f8e4m3fn"}}
+        {
+            "continuous_batching": {"max_num_seqs": 8, "max_model_len": 2048, "block_size": 2048},
+            "kv_cache_quant": {"quant_dtype": "f8e4m3fn"},
+        }
     )
     assert result.nxdi == {
         "is_continuous_batching": True,
@@ -249,14 +254,22 @@ def test_companion_settings_from_the_notes() -> None:
         "kv_cache_quant": True,
     }
     assert [d["tnx"] for d in result.dropped] == [
-        "continuous_batching.block_size", "kv_cache_quant.quant_dtype"
+        "continuous_batching.block_size",
+        "kv_cache_quant.quant_dtype",
     ]
 
 
 def test_on_device_generation_sub_keys_nest_under_sampling_config() -> None:
     result = migrate_tnx(
-        {"on_device_generation": {"do_sample": True, "top_k": 50, "global_top_k": 256,
-                                  "top_p": 0.9, "max_length": 512}}
+        {
+            "on_device_generation": {
+                "do_sample": True,
+                "top_k": 50,
+                "global_top_k": 256,
+                "top_p": 0.9,
+                "max_length": 512,
+            }
+        }
     )
     assert result.nxdi == {
         "on_device_sampling_config": {"do_sample": True, "top_k": 50, "global_topk": 256},
@@ -266,8 +279,12 @@ def test_on_device_generation_sub_keys_nest_under_sampling_config() -> None:
 
 def test_conflicting_values_are_refused() -> None:
     with pytest.raises(UsageError, match="seq_len"):
-        migrate_tnx({"continuous_batching": {"max_model_len": 2048},
-                     "on_device_generation": {"max_length": 1024}})
+        migrate_tnx(
+            {
+                "continuous_batching": {"max_model_len": 2048},
+                "on_device_generation": {"max_length": 1024},
+            }
+        )
 
 
 @pytest.mark.parametrize("bad", [{"no_such_key": 1}, {"quant": {"bogus": 1}}, {"quant.x": 2}])
@@ -286,7 +303,8 @@ def test_dotted_input_keys_work_too() -> None:
 
 def test_parse_vllm_cli_form() -> None:
     assert parse_override("shard_over_sequence:True, fuse_qkv:false") == {
-        "shard_over_sequence": True, "fuse_qkv": False
+        "shard_over_sequence": True,
+        "fuse_qkv": False,
     }
     assert parse_override('{"fuse_qkv": true}') == {"fuse_qkv": True}
     with pytest.raises(UsageError):
@@ -305,8 +323,18 @@ def test_cli_json_and_file(tmp_path) -> None:
 
 def test_cli_exit_code_for_unknown_key() -> None:
     out = subprocess.run(
-        ["neuronctl", "config", "migrate", '{"nope": 1}', "--from", "tnx"],
-        capture_output=True, text=True,
+        [
+            sys.executable,
+            "-m",
+            "neuronctl.cli.main",
+            "config",
+            "migrate",
+            '{"nope": 1}',
+            "--from",
+            "tnx",
+        ],
+        capture_output=True,
+        text=True,
     )
     assert out.returncode == 2
     assert "'nope'" in out.stderr

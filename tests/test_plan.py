@@ -6,6 +6,7 @@ import json
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -56,7 +57,7 @@ def builds(tmp_path: Path, models: Path) -> Path:
 
 def neuronctl(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        ["neuronctl", *args],
+        [sys.executable, "-m", "neuronctl.cli.main", *args],
         capture_output=True,
         text=True,
         cwd=cwd,

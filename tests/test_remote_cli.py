@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -22,7 +23,11 @@ from tests.test_remote import (  # noqa: F401  (fixtures)
 
 def neuronctl(*args: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        ["neuronctl", *args], capture_output=True, text=True, env=os.environ.copy(), timeout=120
+        [sys.executable, "-m", "neuronctl.cli.main", *args],
+        capture_output=True,
+        text=True,
+        env=os.environ.copy(),
+        timeout=120,
     )
 
 
