@@ -14,6 +14,7 @@ from neuronctl.store.local import Store
 from neuronctl.store.manifest import read_manifest
 from tests.conftest import TINY_SPEC
 from tests.helpers import cli, make_checkpoint
+from tests.test_remote import bucket, s3server  # noqa: F401  (fixtures: moto on 127.0.0.1)
 
 FLAGS = [
     "--compiler", "export", "--dtype", "float32", "--seq-len", "128",
@@ -87,6 +88,22 @@ def test_compile_remote_pulls_a_hit_instead_of_compiling(tiny_llama: Path, tmp_p
     # A fresh host: the remote has it, so it is pulled, bit for bit, and nothing compiles.
     pulled = compile_json(tiny_llama, tmp_path / "host", "--remote", remote)
     assert pulled["pulled"] is True and pulled["cache_hit"] is True
+    assert read_manifest(Path(pulled["path"])).files == read_manifest(Path(built["path"])).files
+
+
+def test_compile_remote_hit_over_s3_is_pulled_not_compiled(
+    tiny_llama: Path,
+    tmp_path: Path,
+    bucket: str,  # noqa: F811
+    s3server: Any,  # noqa: F811
+) -> None:
+    remote = f"s3://{bucket}/team"
+    built = compile_json(tiny_llama, tmp_path / "ci", "--remote", remote)
+    assert built["pushed"] is True
+    s3server.reset_counts()
+    pulled = compile_json(tiny_llama, tmp_path / "host", "--remote", remote)
+    assert pulled["pulled"] is True and pulled["graphs_reused"] is False
+    assert s3server.requests["PUT"] == 0  # a hit uploads nothing
     assert read_manifest(Path(pulled["path"])).files == read_manifest(Path(built["path"])).files
 
 
