@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from neuronctl.backends import get_backend
 from neuronctl.backends.base import Backend, BuildRequest, NullProgress, Progress
+from neuronctl.errors import NeuronctlError, UsageError
 from neuronctl.keys import Keys, compute_keys
 from neuronctl.spec import BuildSpec, finalize, resolve_spec, spec_to_dict
 from neuronctl.store.local import Published, Store, default_store_root, is_artifact
@@ -24,7 +25,6 @@ from neuronctl.store.manifest import Manifest, Source, host_facts, read_manifest
 
 if TYPE_CHECKING:
     from neuronctl.checkpoints import Checkpoint
-
 
 
 @dataclass
@@ -35,6 +35,8 @@ class ResolvedBuild:
     backend: Backend
     keys: Keys
     store: Store
+    versions: dict[str, str]  # what the keys were computed with; recorded in the manifest
+    digest: str  # the checkpoint content digest in the weights key
 
     @property
     def path(self) -> Path:
@@ -77,7 +79,6 @@ def resolve_build(
     """Everything `compile` needs, and all `hash` prints, without compiling anything."""
     from neuronctl.checkpoints import open_checkpoint
     from neuronctl.checkpoints.registry import check_supported
-    from neuronctl.errors import UsageError
 
     flags = {**spec_flags, "model": model, "revision": revision}
     spec, sources = resolve_spec(flags, config_file, env)
@@ -90,16 +91,18 @@ def resolve_build(
     spec = finalize(spec, checkpoint.shape())
     backend = get_backend(spec.backend)
     backend.check(spec, checkpoint.config)
+    versions = backend.versions()
+    digest = checkpoint.digest(rehash)
     keys = compute_keys(
         spec,
         checkpoint.config,
-        backend.versions(),
-        checkpoint.digest(rehash),
+        versions,
+        digest,
         model_files=checkpoint.model_files_digest(rehash),
     )
     local_model = checkpoint.path if checkpoint.revision is None else None
     store = Store(store_dir or default_store_root(local_model))
-    return ResolvedBuild(spec, sources, checkpoint, backend, keys, store)
+    return ResolvedBuild(spec, sources, checkpoint, backend, keys, store, versions, digest)
 
 
 def compile_model(
@@ -163,7 +166,7 @@ def new_manifest(build: ResolvedBuild, graphs: list[str], extra: Mapping[str, An
     checkpoint = build.checkpoint
     return Manifest(
         backend=build.spec.backend,
-        backend_versions=build.backend.versions(),
+        backend_versions=build.versions,
         host={**host_facts(), **extra},
         spec=spec_to_dict(build.spec),
         keys=build.keys.as_dict(),
@@ -171,7 +174,7 @@ def new_manifest(build: ResolvedBuild, graphs: list[str], extra: Mapping[str, An
             model=build.spec.model,
             path=str(checkpoint.path),
             revision=checkpoint.revision,
-            digest=checkpoint.digest(),
+            digest=build.digest,
         ),
         architecture=dict(checkpoint.config),
         graphs=graphs,
@@ -193,19 +196,14 @@ def is_intact(path: Path) -> bool:
 
     A damaged artifact is rebuilt (and replaced atomically) rather than reused.
     """
+    from neuronctl.validate import file_problems  # the same rule as validate's files check
+
     if not is_artifact(path):
         return False
     try:
-        manifest = read_manifest(path)
-    except Exception:
+        return not any(file_problems(path, read_manifest(path)))
+    except (NeuronctlError, OSError):
         return False
-    for name, entry in manifest.files.items():
-        try:
-            if (path / name).stat().st_size != entry.size:
-                return False
-        except OSError:
-            return False
-    return True
 
 
 def find_graph_donor(store: Store, keys: Keys) -> Path | None:

@@ -217,9 +217,8 @@ def _format_reason(version: Any) -> str:
 # --- 2. files -------------------------------------------------------------------------------
 
 
-def check_files(
-    root: Path, manifest: Manifest, *, deep: bool = False, progress: Any = None
-) -> list[Check]:
+def file_problems(root: Path, manifest: Manifest) -> tuple[list[str], list[str], list[str]]:
+    """Stat only: (missing, wrong size, outside the artifact). Also compile's cache-hit rule."""
     missing, wrong_size, unsafe = [], [], []
     for rel, entry in manifest.files.items():
         if not _inside(rel):
@@ -232,7 +231,13 @@ def check_files(
             continue
         if size != entry.size:
             wrong_size.append(f"{rel} ({size} bytes, recorded {entry.size})")
-    checks = [_files_check(manifest, missing, wrong_size, unsafe)]
+    return missing, wrong_size, unsafe
+
+
+def check_files(
+    root: Path, manifest: Manifest, *, deep: bool = False, progress: Any = None
+) -> list[Check]:
+    checks = [_files_check(manifest, *file_problems(root, manifest))]
     checks.append(_stray_check(root, manifest))
     if deep and checks[0].ok:
         checks.append(check_hashes(root, manifest, progress))
