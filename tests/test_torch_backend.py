@@ -35,15 +35,19 @@ def edit_config(ckpt: Path, **changes: Any) -> None:
     (ckpt / "config.json").write_text(json.dumps(config))
 
 
+# The smallest Llama config.json the modeling code accepts.
+TINY_CONFIG: dict[str, Any] = {
+    "architectures": ["LlamaForCausalLM"],
+    "vocab_size": 8,
+    "hidden_size": 64,
+    "intermediate_size": 8,
+    "num_hidden_layers": 1,
+    "num_attention_heads": 4,
+}
+
+
 def test_old_and_new_rope_spellings_give_the_same_frequencies() -> None:
-    base = {
-        "architectures": ["LlamaForCausalLM"],
-        "vocab_size": 8,
-        "hidden_size": 64,
-        "intermediate_size": 8,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 4,
-    }
+    base = TINY_CONFIG
     scaling = {
         "factor": 8.0,
         "low_freq_factor": 1.0,
@@ -77,15 +81,7 @@ def test_old_and_new_rope_spellings_give_the_same_frequencies() -> None:
 def test_check_refuses_configs_it_cannot_compute_exactly(
     changes: dict[str, Any], error: type[Exception], words: str
 ) -> None:
-    config = {
-        "architectures": ["LlamaForCausalLM"],
-        "vocab_size": 8,
-        "hidden_size": 64,
-        "intermediate_size": 8,
-        "num_hidden_layers": 1,
-        "num_attention_heads": 4,
-        **changes,
-    }
+    config = {**TINY_CONFIG, **changes}
     spec = resolve_spec({"seq_len": 64})[0]
     with pytest.raises(error, match=words):
         TorchBackend().check(spec, config)
