@@ -21,13 +21,6 @@ def open_store(store: Path | None) -> Store:
     return Store(store or default_store_root())
 
 
-def _resolve(store: Store, key: str) -> Path:
-    path = Path(key)
-    if "/" in key and path.is_dir():
-        return path
-    return store.find(key)
-
-
 def summary(path: Path, manifest: Manifest) -> dict[str, Any]:
     spec = manifest.spec
     return {
@@ -87,7 +80,7 @@ def show_command(key: str = KeyArg, store: StoreOpt = None, json_out: JsonOpt = 
 
     Example: neuronctl artifacts show 3f9a2c --json
     """
-    path = _resolve(open_store(store), key)
+    path = open_store(store).resolve(key)
     manifest = read_manifest(path)
     if json_out:
         print_json({"path": str(path), **manifest.model_dump(mode="json")})

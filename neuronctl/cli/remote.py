@@ -10,7 +10,7 @@ import typer
 from neuronctl.cli._common import JsonOpt, StoreOpt, console, human_size, print_json
 from neuronctl.cli._groups import artifacts_app
 from neuronctl.cli._progress import progress_for
-from neuronctl.store.local import Store, default_store_root, is_artifact
+from neuronctl.store.local import Store, default_store_root
 from neuronctl.store.manifest import read_manifest
 from neuronctl.store.remote import open_remote, split_artifact_url
 
@@ -29,10 +29,7 @@ UrlArg = Annotated[
 
 
 def _local_artifact(key_or_path: str, store: Path | None) -> Path:
-    path = Path(key_or_path).expanduser()
-    if is_artifact(path):
-        return path
-    return Store(store or default_store_root()).find(key_or_path)
+    return Store(store or default_store_root()).resolve(key_or_path)
 
 
 @artifacts_app.command("push")

@@ -92,18 +92,9 @@ def resolve_target(path: str | None, store: Path | None) -> Path:
         raise UsageError(
             "no artifact given", f"pass PATH or set {ARTIFACTS_ENV} to an artifact directory"
         )
-    candidate = Path(text).expanduser()
-    if candidate.exists() or os.sep in text or text.startswith("."):
-        return candidate
-    from neuronctl.errors import NeuronctlError
     from neuronctl.store.local import Store, default_store_root
 
-    try:
-        return Store(store or default_store_root()).find(text)
-    except NeuronctlError:
-        if all(c in "0123456789abcdef" for c in text):
-            raise  # it looks like a key: say it is not in the store, not "no such path"
-        return candidate  # reported as "does not exist" by the artifact check
+    return Store(store or default_store_root()).resolve(text)
 
 
 def render(report: Report) -> None:

@@ -169,6 +169,14 @@ class Store:
             except NotFoundError:
                 yield path, None
 
+    def resolve(self, key_or_path: str) -> Path:
+        """What a command's KEY|PATH argument names: a path when it is spelled like one (or
+        an existing directory), else an artifact of this store by key or unique prefix."""
+        path = Path(key_or_path).expanduser()
+        if path.is_dir() or os.sep in key_or_path or key_or_path.startswith("."):
+            return path
+        return self.find(key_or_path)
+
     def find(self, key_or_prefix: str) -> Path:
         """An artifact by full key, directory name or unique prefix of either."""
         if not key_or_prefix or "/" in key_or_prefix:
