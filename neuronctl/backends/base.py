@@ -80,6 +80,11 @@ class Runner(Protocol):
         """Context-encode one prompt into `slot`; return the last position's logits [vocab]."""
         ...
 
+    # Optional (the engine checks with getattr): context-encode several prompts in one graph
+    # call, one per slot, and return the last positions' logits [len(slots), vocab]. A runner
+    # without it gets one `prefill` call per prompt.
+    # def prefill_batch(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> Tensor
+
     def decode(self, token_ids: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
         """One token-generation step over all slots; return logits [batch_size, vocab].
 
