@@ -10,6 +10,7 @@ checkpoint.
 from __future__ import annotations
 
 import logging
+import os
 import traceback
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -24,6 +25,7 @@ import torch
 from neuronctl.backends.base import Progress
 from neuronctl.backends.torch import modeling
 from neuronctl.errors import BuildError
+from neuronctl.workers import die_with_parent
 
 GRAPHS_DIR = "graphs"
 REPORT_DIR = "report"
@@ -204,7 +206,13 @@ def _build_in_pool(
     jobs: list[GraphJob], workers: int, bars: dict[str, Callable[[float], None]]
 ) -> list[str]:
     results: dict[str, str] = {}
-    with ProcessPoolExecutor(max_workers=workers, mp_context=get_context("spawn")) as pool:
+    # Workers die with this process (SIGKILL included): no orphan keeps compiling.
+    with ProcessPoolExecutor(
+        max_workers=workers,
+        mp_context=get_context("spawn"),
+        initializer=die_with_parent,
+        initargs=(os.getpid(),),
+    ) as pool:
         pending: dict[Future[str], GraphJob] = {pool.submit(build_graph, j): j for j in jobs}
         try:
             while pending:
