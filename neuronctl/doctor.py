@@ -11,6 +11,7 @@ from __future__ import annotations
 import glob
 import importlib.util
 import json
+import os
 import platform
 import re
 import shutil
@@ -164,12 +165,19 @@ def vllm_dir() -> Path | None:
     return Path(next(iter(spec.submodule_search_locations)))
 
 
+def platform_plugins() -> tuple[str, ...]:
+    """Installed `vllm.platform_plugins` entry points (vLLM activates every one it finds)."""
+    from neuronctl.vllm import platform_plugins as names
+
+    return names()
+
+
 def vllm_findings() -> list[Finding]:
     version = dist_version("vllm")
     if version is None:
         fix = (
-            "only needed for `serve --engine vllm`: install a Neuron build from source "
-            "(VLLM_TARGET_DEVICE=neuron pip install -e . in a vLLM checkout)"
+            "only needed for `serve --engine vllm`: vllm-neuron 0.4.1 (Inf2, SDK 2.28) or 0.5.0, "
+            "or a Neuron build from source (VLLM_TARGET_DEVICE=neuron pip install -e .)"
         )
         return [Finding("vllm", True, "not installed (optional)", fix, section="vllm")]
     plugin = dist_version("vllm-neuron")
@@ -183,8 +191,97 @@ def vllm_findings() -> list[Finding]:
             "VLLM_TARGET_DEVICE=neuron (see the Neuron vLLM user guide)"
         )
         findings = [Finding("vllm", False, f"{version} (not a Neuron build)", fix, section="vllm")]
+    findings.append(generation_finding(version, plugin))
     findings += known_bad(version)
+    findings += known_bad_neuron(version, plugin)
     return findings
+
+
+def generation_finding(version: str, plugin: str | None) -> Finding:
+    """Which of the four vLLM Neuron generations this is (docs/neuron.md)."""
+    from neuronctl.vllm import D_HINT, Generation, generation_for
+
+    vllm, plug = version_tuple(version), version_tuple(plugin) if plugin else None
+    gen = generation_for(vllm, plug)
+    name = "vllm generation"
+    if gen is None:
+        fix = "install vllm-neuron (the plugin) or a vLLM <= 0.10.1 Neuron build"
+        detail = f"vLLM {version} without vllm-neuron has no Neuron support"
+        return Finding(name, False, detail, fix, section="vllm")
+    detail = f"{gen.letter} ({gen.value}): neuronctl launches it with --vllm-target {gen.value}"
+    if gen is Generation.NATIVE:
+        detail = f"D (native vllm-neuron {plugin}): it does not load NxDI artifacts"
+        return Finding(name, False, detail, D_HINT, section="vllm")
+    return Finding(name, True, detail, section="vllm")
+
+
+def sdk_release() -> tuple[int, int] | None:
+    """The Neuron SDK release, from NxD Inference's version (0.N ships with SDK 2.(20+N):
+    its release tags v0.4.7422 = 2.24 ... v0.7.14366 = 2.27, 0.9.0 = 2.29)."""
+    nxdi = dist_version("neuronx-distributed-inference")
+    parts = version_tuple(nxdi) if nxdi else ()
+    if len(parts) < 2 or parts[0] != 0 or parts[1] < 4:
+        return None
+    return (2, 20 + parts[1])
+
+
+def instance_type() -> str:
+    """The EC2 instance type (Nitro exposes it as the DMI product name), or ''."""
+    try:
+        return Path("/sys/devices/virtual/dmi/id/product_name").read_text().strip()
+    except OSError:
+        return ""
+
+
+def known_bad_neuron(vllm_version: str, plugin: str | None) -> list[Finding]:
+    """Combinations of vLLM generation, SDK release and host that the sources say break."""
+    found = []
+    sdk = sdk_release()
+    sdk_text = f"SDK 2.{sdk[1]}" if sdk else ""
+    if sdk and sdk >= (2, 26) and dist_version("transformers-neuronx"):
+        found.append(
+            _bad(
+                "transformers-neuronx",
+                f"installed with {sdk_text}: Transformers NeuronX ended in SDK 2.26 and its "
+                "artifacts do not load there",
+                "use --backend nxdi, or an SDK 2.25 environment for tnx artifacts",
+            )
+        )
+    if sdk and sdk >= (2, 29) and instance_type().startswith("inf2"):
+        found.append(
+            _bad(
+                "neuronx-distributed-inference",
+                f"{sdk_text} on {instance_type()}: NxD Inference runs on Trn2+ only from SDK 2.29",
+                "on Inf2 stay on SDK 2.28 with vllm-neuron 0.4.1 / vLLM 0.13",
+            )
+        )
+    vllm = version_tuple(vllm_version)
+    framework = os.environ.get("VLLM_NEURON_FRAMEWORK")
+    if plugin is None and (0, 8) <= vllm < (0, 10, 2) and framework == "transformers-neuronx":
+        found.append(
+            _bad(
+                "VLLM_NEURON_FRAMEWORK",
+                f"transformers-neuronx with vLLM {vllm_version}: its platforms/neuron.py returns "
+                "self.TRANSFORMERS_NEURONX, which does not exist (AttributeError at start)",
+                "unset it: vLLM then picks TNx when NxD Inference is not installed",
+            )
+        )
+    plugins = platform_plugins()
+    if len(plugins) > 1 and not os.environ.get("VLLM_PLUGINS"):
+        found.append(
+            _bad(
+                "vllm.platform_plugins",
+                f"{len(plugins)} platform plugins installed ({', '.join(plugins)}): vLLM refuses "
+                'to start when more than one activates (platforms/__init__.py: "Only one platform '
+                'plugin can be activated")',
+                "export VLLM_PLUGINS=neuron (neuronctl's vLLM launch sets it) or uninstall one",
+            )
+        )
+    return found
+
+
+def _bad(name: str, detail: str, fix: str) -> Finding:
+    return Finding(name, False, detail, fix, section="known issues")
 
 
 def known_bad(vllm_version: str) -> list[Finding]:

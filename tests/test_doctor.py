@@ -15,10 +15,18 @@ from neuronctl.cli.main import app
 
 runner = CliRunner()
 
-CORE = {"torch": "2.13.0", "transformers": "5.23.0", "huggingface_hub": "2.4.0",
-        "safetensors": "0.5.0"}
-NEURON = {"neuronx-cc": "2.16.372.0", "torch-neuronx": "2.5.1.2.4.0",
-          "neuronx-distributed-inference": "0.1.1", "transformers-neuronx": "0.13.322"}
+CORE = {
+    "torch": "2.13.0",
+    "transformers": "5.23.0",
+    "huggingface_hub": "2.4.0",
+    "safetensors": "0.5.0",
+}
+NEURON = {
+    "neuronx-cc": "2.16.372.0",
+    "torch-neuronx": "2.5.1.2.4.0",
+    "neuronx-distributed-inference": "0.1.1",
+    "transformers-neuronx": "0.13.322",
+}
 
 
 @pytest.fixture
@@ -30,20 +38,30 @@ def host(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> dict[str, Any]:
         "vllm_dir": None,
         "neuron_ls": None,
         "devices": [],
+        "plugins": (),
+        "instance": "",
     }
     monkeypatch.setattr(doctor, "dist_version", lambda name: state["dists"].get(name))
     monkeypatch.setattr(doctor, "module_found", lambda name: name in state["modules"])
     monkeypatch.setattr(doctor, "vllm_dir", lambda: state["vllm_dir"])
     monkeypatch.setattr(doctor, "neuron_ls", lambda: state["neuron_ls"])
     monkeypatch.setattr(doctor, "neuron_device_paths", lambda: state["devices"])
+    monkeypatch.setattr(doctor, "platform_plugins", lambda: state["plugins"])
+    monkeypatch.setattr(doctor, "instance_type", lambda: state["instance"])
+    monkeypatch.delenv("VLLM_NEURON_FRAMEWORK", raising=False)
+    monkeypatch.delenv("VLLM_PLUGINS", raising=False)
     monkeypatch.setenv("NEURONCTL_STORE", str(tmp_path / "store"))
     return state
 
 
 def _install_neuron(state: dict[str, Any]) -> None:
     state["dists"].update(NEURON)
-    state["modules"] |= {"neuronxcc", "torch_neuronx", "neuronx_distributed_inference",
-                         "transformers_neuronx"}
+    state["modules"] |= {
+        "neuronxcc",
+        "torch_neuronx",
+        "neuronx_distributed_inference",
+        "transformers_neuronx",
+    }
 
 
 def _by_name(report: doctor.DoctorReport) -> dict[str, doctor.Finding]:
@@ -124,8 +142,10 @@ def test_vllm_pypi_build_is_flagged(host: dict) -> None:
 
 @pytest.mark.parametrize(
     ("dists", "how"),
-    [({"vllm": "0.6.dev0+neuron215"}, "Neuron build"),
-     ({"vllm": "0.10.2", "vllm-neuron": "0.1.0"}, "vllm-neuron plugin 0.1.0")],
+    [
+        ({"vllm": "0.6.dev0+neuron215"}, "Neuron build"),
+        ({"vllm": "0.10.2", "vllm-neuron": "0.1.0"}, "vllm-neuron plugin 0.1.0"),
+    ],
 )
 def test_vllm_neuron_builds_are_recognised(host: dict, dists: dict, how: str) -> None:
     host["dists"].update(dists)
@@ -135,8 +155,12 @@ def test_vllm_neuron_builds_are_recognised(host: dict, dists: dict, how: str) ->
 
 @pytest.mark.parametrize(
     ("vllm", "triton", "bad"),
-    [("0.6.dev0+neuron215", "2.1.0", True), ("0.5.3", "2.1.0", True),
-     ("0.5.2", "2.1.0", False), ("0.6.2", "3.0.0", False)],
+    [
+        ("0.6.dev0+neuron215", "2.1.0", True),
+        ("0.5.3", "2.1.0", True),
+        ("0.5.2", "2.1.0", False),
+        ("0.6.2", "3.0.0", False),
+    ],
 )
 def test_triton_2_1_0_with_vllm_0_5_3_or_newer(
     host: dict, vllm: str, triton: str, bad: bool
@@ -176,7 +200,8 @@ def test_neuron_ls_output_is_parsed(monkeypatch: pytest.MonkeyPatch) -> None:
     out = json.dumps([{"neuron_device": 0, "nc_count": 8}])
     monkeypatch.setattr(doctor.shutil, "which", lambda name: "/opt/aws/neuron/bin/neuron-ls")
     monkeypatch.setattr(
-        doctor.subprocess, "run",
+        doctor.subprocess,
+        "run",
         lambda *a, **k: subprocess.CompletedProcess(a, 0, stdout=out, stderr=""),
     )
     assert doctor.neuron_cores() == (8, "neuron-ls: 1 devices")
@@ -215,3 +240,69 @@ def test_cli_unknown_backend_is_a_usage_error() -> None:
 
     result = cli("doctor", "--backend", "cuda")
     assert result.returncode == 2 and "unknown backend" in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("dists", "letter", "ok"),
+    [
+        ({"vllm": "0.6.dev0+neuron215"}, "A (tnx-fork)", True),
+        ({"vllm": "0.9.2+neuron"}, "B (v0)", True),
+        ({"vllm": "0.13.0", "vllm-neuron": "0.4.1"}, "C (plugin)", True),
+        ({"vllm": "0.21.0", "vllm-neuron": "0.21.0"}, "D (native", False),
+        ({"vllm": "0.11.0"}, "no Neuron support", False),
+    ],
+)
+def test_doctor_names_the_vllm_generation(host: dict, dists: dict, letter: str, ok: bool) -> None:
+    host["dists"].update(dists)
+    found = _by_name(doctor.diagnose())["vllm generation"]
+    assert letter in found.detail and found.ok is ok and not found.required
+
+
+def test_tnx_on_sdk_2_26_is_known_bad(host: dict) -> None:
+    """NxD Inference 0.N ships with SDK 2.(20+N): tags v0.5.9230 "Neuron 2.25.0 Release",
+    v0.6.10598 "Neuron SDK Release 2.26.0 changes" (aws-neuron/neuronx-distributed-inference)."""
+    host["dists"].update(
+        {
+            "vllm": "0.9.2+neuron",
+            "transformers-neuronx": "0.13.322",
+            "neuronx-distributed-inference": "0.6.10598",
+        }
+    )
+    bad = _by_name(doctor.diagnose())["transformers-neuronx"]
+    assert doctor.sdk_release() == (2, 26)
+    host["dists"]["neuronx-distributed-inference"] = "0.5.9230"
+    assert doctor.sdk_release() == (2, 25)
+    report = doctor.diagnose()
+    assert bad.section == "known issues" and "SDK 2.26" in bad.detail
+    assert not any(f.section == "known issues" for f in report.findings)
+
+
+def test_nxdi_on_inf2_from_sdk_2_29_is_known_bad(host: dict) -> None:
+    host["dists"].update(
+        {"vllm": "0.13.0", "vllm-neuron": "0.4.1", "neuronx-distributed-inference": "0.9.0"}
+    )
+    host["instance"] = "inf2.xlarge"
+    bad = _by_name(doctor.diagnose())["neuronx-distributed-inference"]
+    assert "Trn2+ only" in bad.detail and "0.4.1" in bad.fix
+    host["instance"] = "trn2.48xlarge"
+    assert "neuronx-distributed-inference" not in {
+        f.name for f in doctor.diagnose().findings if f.section == "known issues"
+    }
+
+
+def test_tnx_framework_variable_on_upstream_0_9_is_known_bad(host: dict, monkeypatch) -> None:
+    """upstreaming-to-vllm dd417b3 vllm/platforms/neuron.py:117-121."""
+    host["dists"]["vllm"] = "0.9.2+neuron"
+    monkeypatch.setenv("VLLM_NEURON_FRAMEWORK", "transformers-neuronx")
+    assert "AttributeError" in _by_name(doctor.diagnose())["VLLM_NEURON_FRAMEWORK"].detail
+    host["dists"]["vllm"] = "0.7.2+neuron"  # the fork reads it safely
+    assert "VLLM_NEURON_FRAMEWORK" not in _by_name(doctor.diagnose())
+
+
+def test_two_platform_plugins_are_known_bad(host: dict, monkeypatch) -> None:
+    host["dists"].update({"vllm": "0.13.0", "vllm-neuron": "0.4.1"})
+    host["plugins"] = ("neuron", "optimum_neuron")
+    bad = _by_name(doctor.diagnose())["vllm.platform_plugins"]
+    assert "Only one platform plugin" in bad.detail and "VLLM_PLUGINS=neuron" in bad.fix
+    monkeypatch.setenv("VLLM_PLUGINS", "neuron")
+    assert "vllm.platform_plugins" not in _by_name(doctor.diagnose())

@@ -1,17 +1,33 @@
-"""The vLLM launch is built from the artifact's manifest only: every value is the compiled one."""
+"""The vLLM launch: built from the artifact's manifest only, per vLLM generation.
+
+Each generation's rules are pinned against the public source they come from; the docstrings
+cite file:line at a commit of these repositories:
+
+- B: aws-neuron/upstreaming-to-vllm `dd417b3` (main, = upstream vLLM 0.9 Neuron code) and its
+  branch `neuron-2.24-vllm-v0.7.2` (`490ab20f1`, the AWS 0.7.2 fork).
+- A: the same repository's `v0.6.x-neuron` branch (`c097c1891`); seeds 000/003 for 0.3.3 / 0.5.0.
+- C: vllm-project/vllm-neuron tags `0.1.0` (`97bb429`), `0.2.0` (`a967125`); the AWS
+  release commits in the whn09/vllm-neuron fork: `ad82965` (0.2.2+lts), `4fac6b7`
+  (Release 0.4.1), `3afb0a9` (Release 0.5.0).
+"""
 
 from __future__ import annotations
 
+import functools
 import json
+import os
+import re
+import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
 from neuronctl import vllm
-from neuronctl.errors import UsageError
+from neuronctl.errors import NeuronctlError, UsageError
 from neuronctl.spec import ModelShape, build_spec, finalize
 from neuronctl.store.manifest import Manifest, Source, write_manifest
+from neuronctl.vllm import Generation, Target
 
 ARCH = {
     "model_type": "llama",
@@ -21,9 +37,15 @@ ARCH = {
     "num_key_value_heads": 4,
     "vocab_size": 320,
 }
+A6 = "tnx-fork@0.6.2"
+B9 = "v0@0.9.2"
+B_FORK = "v0@0.7.2"
+C41 = "plugin@0.4.1"
 
 
-def make_manifest(backend: str = "nxdi", **fields: object) -> Manifest:
+def make_manifest(
+    backend: str = "nxdi", arch: str = "LlamaForCausalLM", **fields: object
+) -> Manifest:
     # Non-default values everywhere, so a value taken from a default cannot pass.
     values: dict[str, object] = {
         "backend": backend,
@@ -34,7 +56,7 @@ def make_manifest(backend: str = "nxdi", **fields: object) -> Manifest:
         "dtype": "float16",
         "context_buckets": [96, 512],
         "token_gen_buckets": [384, 1024],
-        "override_neuron_config": {"fused_qkv": True},
+        "override_neuron_config": {"fused_qkv": True} if backend == "nxdi" else {},
         "cc_flags": "--model-type=transformer -O1",
     }
     values.update(fields)
@@ -45,100 +67,419 @@ def make_manifest(backend: str = "nxdi", **fields: object) -> Manifest:
         spec=spec.model_dump(mode="json"),
         keys={"graph_key": "g", "weights_key": "w", "artifact_key": "a" * 64},
         source=Source(model="org/model", digest="d"),
-        architecture=ARCH,
+        architecture={**ARCH, "architectures": [arch]},
     )
 
 
 def flags(argv: list[str]) -> dict[str, str]:
-    """--name value pairs of an argv."""
+    """--name value pairs of an argv (a flag followed by another flag maps to "")."""
     out = {}
     for i, arg in enumerate(argv):
         if arg.startswith("--"):
-            out[arg[2:]] = argv[i + 1]
+            nxt = argv[i + 1] if i + 1 < len(argv) else ""
+            out[arg[2:]] = "" if nxt.startswith("--") else nxt
     return out
 
 
-def test_nxdi_serve_argv_and_env_come_from_the_artifact(tmp_path: Path) -> None:
-    launch = vllm.serve_launch(tmp_path, make_manifest(), port=9123, served_model_name="m")
+def serve(tmp_path: Path, target: str | Target, backend: str = "nxdi", **fields: object):
+    return vllm.serve_launch(tmp_path, make_manifest(backend, **fields), target=target)
+
+
+# --- which vLLM -----------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    ("vllm_version", "plugin", "generation"),
+    [
+        ((0, 3, 3), None, Generation.TNX_FORK),
+        ((0, 6, 2), None, Generation.TNX_FORK),
+        ((0, 7, 2), None, Generation.V0),
+        ((0, 9, 2), None, Generation.V0),
+        ((0, 10, 1, 1), None, Generation.V0),
+        ((0, 10, 2), None, None),
+        ((0, 11, 0), None, None),
+        ((0, 10, 2), (0, 1), Generation.PLUGIN),
+        ((0, 13, 0), (0, 4, 1), Generation.PLUGIN),
+        ((0, 16, 0), (0, 5, 0), Generation.PLUGIN),
+        ((0, 21, 0), (0, 21, 0), Generation.NATIVE),
+    ],
+)
+def test_generation_for(vllm_version, plugin, generation) -> None:  # type: ignore[no-untyped-def]
+    assert vllm.generation_for(vllm_version, plugin) is generation
+
+
+def fake_dist(root: Path, name: str, version: str, entry_points: str = "") -> None:
+    """A real .dist-info on sys.path, which importlib.metadata reads like an installed one."""
+    info = root / f"{name.replace('-', '_')}-{version}.dist-info"
+    info.mkdir(parents=True)
+    (info / "METADATA").write_text(f"Metadata-Version: 2.1\nName: {name}\nVersion: {version}\n")
+    if entry_points:
+        (info / "entry_points.txt").write_text(entry_points)
+
+
+PLUGIN_EP = "[vllm.platform_plugins]\nneuron = vllm_neuron:register\n"
+
+
+def test_detects_the_plugin_from_package_metadata(tmp_path: Path, monkeypatch) -> None:
+    """vllm-neuron registers `neuron = vllm_neuron:register` in vllm.platform_plugins
+    (whn09/vllm-neuron 4fac6b7 setup.py:46-47, 3afb0a9 setup.py:46-47)."""
+    fake_dist(tmp_path, "vllm", "0.13.0")
+    fake_dist(tmp_path, "vllm-neuron", "0.4.1", PLUGIN_EP)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    target = vllm.detect_target()
+    assert target is not None and target.detected
+    assert target.generation is Generation.PLUGIN
+    assert (target.vllm, target.plugin) == ((0, 13, 0), (0, 4, 1))
+    assert "neuron" in target.platform_plugins
+    assert vllm.resolve_target(None) == target
+    # --vllm-target of the same generation keeps what was detected.
+    assert vllm.parse_target("plugin").platform_plugins == target.platform_plugins
+
+
+def test_two_platform_plugins_get_vllm_plugins(tmp_path: Path, monkeypatch) -> None:
+    """vLLM raises "Only one platform plugin can be activated" when two activate
+    (upstreaming-to-vllm dd417b3 vllm/platforms/__init__.py:229-232); VLLM_PLUGINS filters
+    them by entry-point name (vllm/plugins/__init__.py:27,43-50)."""
+    fake_dist(tmp_path, "vllm", "0.13.0")
+    fake_dist(tmp_path, "vllm-neuron", "0.4.1", PLUGIN_EP)
+    fake_dist(tmp_path, "other-plugin", "1.0", "[vllm.platform_plugins]\nother = o:register\n")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    launch = vllm.serve_launch(tmp_path, make_manifest())
+    assert launch.env["VLLM_PLUGINS"] == "neuron"
+    assert any("VLLM_PLUGINS" in n for n in launch.notes)
+
+
+def test_one_platform_plugin_needs_no_vllm_plugins(tmp_path: Path) -> None:
+    target = Target(Generation.PLUGIN, (0, 13, 0), (0, 4, 1), ("neuron",))
+    assert "VLLM_PLUGINS" not in serve(tmp_path, target).env
+
+
+def test_vllm_without_the_plugin_after_0_10_1_is_refused(tmp_path: Path, monkeypatch) -> None:
+    fake_dist(tmp_path, "vllm", "0.11.0")
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(NeuronctlError, match="no Neuron"):
+        vllm.detect_target()
+
+
+def test_native_vllm_neuron_is_refused_with_what_to_do(tmp_path: Path, monkeypatch) -> None:
+    with pytest.raises(UsageError) as exc:
+        vllm.parse_target("native")
+    assert "VLLM_NEURON_DISABLE_WARMUP_COMPILE" in str(exc.value)
+    fake_dist(tmp_path, "vllm", "0.21.0")
+    fake_dist(tmp_path, "vllm-neuron", "0.21.0", PLUGIN_EP)
+    monkeypatch.syspath_prepend(str(tmp_path))
+    with pytest.raises(UsageError, match="generation D"):
+        vllm.resolve_target(None)
+
+
+@pytest.mark.parametrize(
+    ("text", "generation", "version", "plugin"),
+    [
+        ("tnx-fork", Generation.TNX_FORK, (0, 6, 2), None),
+        ("A@0.5.0", Generation.TNX_FORK, (0, 5, 0), None),
+        ("v0", Generation.V0, (0, 9, 2), None),
+        ("v0@0.7.2", Generation.V0, (0, 7, 2), None),
+        ("plugin", Generation.PLUGIN, (0, 13, 0), (0, 4, 1)),
+        ("plugin@0.5.0", Generation.PLUGIN, (0, 16, 0), (0, 5, 0)),
+        ("C@0.2.2", Generation.PLUGIN, (0, 11, 0), (0, 2, 2)),
+    ],
+)
+def test_parse_target(text: str, generation: Generation, version, plugin) -> None:  # type: ignore[no-untyped-def]
+    target = vllm.parse_target(text)
+    assert (target.generation, target.vllm, target.plugin) == (generation, version, plugin)
+    assert not target.detected
+
+
+@pytest.mark.parametrize("text", ["cuda", "v0@0.12.0", "tnx-fork@0.9.0", "v0@x"])
+def test_bad_targets_are_usage_errors(text: str) -> None:
+    with pytest.raises(UsageError, match="--vllm-target"):
+        vllm.parse_target(text)
+
+
+def test_cli_needs_a_target_when_no_vllm_is_installed() -> None:
+    with pytest.raises(UsageError, match="--vllm-target"):
+        vllm.require_target(None)
+
+
+# --- generation B: the V0 Neuron worker ------------------------------------------------------
+
+
+def test_b_nxdi_serve_reuses_the_artifact(tmp_path: Path) -> None:
+    """Upstream 0.9 (upstreaming-to-vllm dd417b3):
+    - `--block-size` takes only BlockSize = Literal[1, 8, 16, 32, 64, 128] (vllm/config.py:1454)
+      and the platform sets block_size = max_model_len itself (vllm/platforms/neuron.py:54-56):
+      never pass it.
+    - `--device` is deprecated in 0.9 (vllm/engine/arg_utils.py:775-777): not passed.
+    - NEURON_COMPILED_ARTIFACTS names the directory it loads
+      (model_loader/neuronx_distributed.py:168-169).
+    - every override key is setattr'd raw onto the loaded config before load()
+      (neuronx_distributed.py:183-186): no --override-neuron-config at all.
+    - on-device sampling is assumed unless NEURON_ON_DEVICE_SAMPLING_DISABLED
+      (vllm/worker/neuron_model_runner.py:98-109).
+    """
+    launch = vllm.serve_launch(
+        tmp_path, make_manifest(), port=9123, served_model_name="m", target=B9
+    )
     assert launch.argv[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
     f = flags(launch.argv)
     assert f["model"] == str(tmp_path.resolve())
-    assert f["device"] == "neuron"
     assert f["tensor-parallel-size"] == "4"
     assert f["max-num-seqs"] == "3"
-    assert f["max-model-len"] == "1024"
-    assert f["block-size"] == "1024"
     assert f["dtype"] == "float16"
-    assert f["port"] == "9123"
-    assert f["served-model-name"] == "m"
-    override = json.loads(f["override-neuron-config"])
-    assert override["tp_degree"] == 4
-    assert override["batch_size"] == 3
-    assert override["seq_len"] == 1024
-    assert override["max_context_length"] == 512
-    assert override["torch_dtype"] == "float16"
-    assert override["context_encoding_buckets"] == [96, 512]
-    assert override["token_generation_buckets"] == [384, 1024]
-    assert override["fused_qkv"] is True
-    assert override["save_sharded_checkpoint"] is True
-    assert "quantization" not in f and "speculative-model" not in f
+    assert f["port"] == "9123" and f["served-model-name"] == "m"
+    for absent in ("block-size", "device", "override-neuron-config", "additional-config"):
+        assert absent not in f
     assert launch.env == {
         "NEURON_COMPILED_ARTIFACTS": str(tmp_path.resolve()),
         "VLLM_NEURON_FRAMEWORK": "neuronx-distributed-inference",
-        "NEURON_CONTEXT_LENGTH_BUCKETS": "96,512",
-        "NEURON_TOKEN_GEN_BUCKETS": "384,1024",
         "NEURON_CC_FLAGS": "--model-type=transformer -O1",
+        "NEURON_ON_DEVICE_SAMPLING_DISABLED": "1",
+    }
+    assert launch.target is not None and launch.target.generation is Generation.V0
+
+
+def test_b_caps_prompts_through_max_model_len(tmp_path: Path) -> None:
+    """NxDI raises ValueError("... longer than max_context_length") inside the engine
+    (NxDI models/model_wrapper.py) and V0 vLLM has no prompt-only cap: the server gets
+    --max-model-len = max_context_length, the offline program a prompt check instead."""
+    assert flags(serve(tmp_path, B9).argv)["max-model-len"] == "512"
+    full = serve(tmp_path, B9, max_context_length=1024)
+    assert flags(full.argv)["max-model-len"] == "1024"
+    assert not any("max-model-len" in n for n in full.notes)
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hi\n")
+    gen = vllm.generate_launch(tmp_path, make_manifest(), prompts, target=B9)
+    f = flags(gen.argv)
+    assert json.loads(f["engine-args"])["max_model_len"] == 1024
+    assert f["max-prompt-tokens"] == "512"
+
+
+def test_b_on_device_sampling_artifact_keeps_it(tmp_path: Path) -> None:
+    launch = serve(tmp_path, B9, on_device_sampling={"top_k": 5, "dynamic": True})
+    assert "NEURON_ON_DEVICE_SAMPLING_DISABLED" not in launch.env
+
+
+def test_b_fork_and_0_8_take_device_neuron(tmp_path: Path) -> None:
+    """The 0.7.2 fork still takes --device neuron (neuron-2.24-vllm-v0.7.2
+    vllm/engine/arg_utils.py:688) and sets block_size = max_model_len itself without a block
+    KV layout (arg_utils.py:1321-1325); from 0.10 --device is gone."""
+    fork = flags(serve(tmp_path, B_FORK).argv)
+    assert fork["device"] == "neuron" and "block-size" not in fork
+    assert "device" not in flags(serve(tmp_path, "v0@0.10.1").argv)
+
+
+def test_b_speculation_in_each_spelling(tmp_path: Path) -> None:
+    """The fork has --speculative-model/--num-speculative-tokens (neuron-2.24-vllm-v0.7.2
+    arg_utils.py:723); upstream 0.9 only --speculative-config JSON (dd417b3
+    arg_utils.py:785-789)."""
+    spec = {"draft_model": "org/draft", "num_speculative_tokens": 5}
+    fork = flags(serve(tmp_path, B_FORK, **spec).argv)
+    assert fork["speculative-model"] == "org/draft"
+    assert fork["num-speculative-tokens"] == "5"
+    assert fork["speculative-max-model-len"] == "1024"
+    upstream = flags(serve(tmp_path, B9, **spec).argv)
+    assert "speculative-model" not in upstream
+    assert json.loads(upstream["speculative-config"]) == {
+        "model": "org/draft",
+        "num_speculative_tokens": 5,
     }
 
 
-def test_tnx_serve_sets_quantization_and_compile_cache(tmp_path: Path) -> None:
-    manifest = make_manifest(
-        "tnx", quantized=True, quantization_dtype="f8e4m3fn", override_neuron_config={}
-    )
-    launch = vllm.serve_launch(tmp_path, manifest)
+def test_b_tnx_leaves_the_framework_unset_on_upstream(tmp_path: Path) -> None:
+    """dd417b3 vllm/platforms/neuron.py:117-121 returns self.TRANSFORMERS_NEURONX, an
+    attribute NeuronPlatform lacks, when VLLM_NEURON_FRAMEWORK names TNx; unset, it picks
+    NxDI when installed (:123-126), else TNx (:128). The 0.7.2 fork reads it safely
+    (neuron-2.24-vllm-v0.7.2 vllm/worker/utils.py:74)."""
+    upstream = serve(tmp_path, B9, "tnx", quantized=True)
+    assert "VLLM_NEURON_FRAMEWORK" not in upstream.env
+    assert upstream.env["NEURON_QUANT_DTYPE"] == "s8"
+    assert flags(upstream.argv)["quantization"] == "neuron_quant"
+    fork = serve(tmp_path, B_FORK, "tnx")
+    assert fork.env["VLLM_NEURON_FRAMEWORK"] == "transformers-neuronx"
+    with_nxdi = Target(Generation.V0, (0, 9, 2), frameworks=frozenset({vllm.NXDI, vllm.TNX}))
+    with pytest.raises(NeuronctlError, match="picks NxD Inference"):
+        serve(tmp_path, with_nxdi, "tnx")
+    tnx_only = Target(Generation.V0, (0, 9, 2), frameworks=frozenset({vllm.TNX}))
+    assert "VLLM_NEURON_FRAMEWORK" not in serve(tmp_path, tnx_only, "tnx").env
+
+
+def test_b_refuses_models_its_loader_does_not_serve(tmp_path: Path) -> None:
+    """_NEURON_SUPPORTED_MODELS: Llama, Mistral, Dbrx, Mixtral, Mllama at dd417b3
+    (model_loader/neuronx_distributed.py:52-68); the 2.24 fork adds Qwen2 (its :70-72)."""
+    with pytest.raises(NeuronctlError, match="does not serve Qwen2ForCausalLM"):
+        serve(tmp_path, B9, arch="Qwen2ForCausalLM")
+    assert serve(tmp_path, B_FORK, arch="Qwen2ForCausalLM").argv
+    assert serve(tmp_path, C41, arch="Qwen2ForCausalLM").argv  # C: whatever NxDI has
+
+
+def test_b_override_is_nothing_for_nxdi(tmp_path: Path) -> None:
+    spec = vllm.artifact_spec(make_manifest(quantized=True, on_device_sampling={"top_k": 5}))
+    assert vllm.override_neuron_config(spec, vllm.NXDI) == {}
+
+
+# --- generation C: the vllm-neuron plugin -----------------------------------------------------
+
+
+def test_c_nxdi_serve_follows_the_plugin_rules(tmp_path: Path) -> None:
+    """vllm-neuron 0.4.1 (whn09/vllm-neuron 4fac6b7) and 0.5.0 (3afb0a9):
+    - with prefix caching off block_size is forced to max_model_len (platform.py:299-304;
+      0.5.0 :379-383) and num_gpu_blocks_override must be exactly max_num_seqs
+      (README.md:288-291); the platform adds the null block itself (platform.py:239-253).
+    - overrides live in additional_config["override_neuron_config"] (underscore key,
+      worker/neuronx_distributed_model_loader.py:1014) and are ignored when
+      NEURON_COMPILED_ARTIFACTS loads (:221-223, :250-255): none are sent.
+    - the prompt cap is additional_config["max_prompt_length"] (platform.py:235-237; 0.5.0
+      :314-316), which must equal the artifact's max_context_length
+      (worker/neuronx_distributed_model_runner.py:662-690).
+    - NxDI only, no --device, no VLLM_NEURON_FRAMEWORK (platform.py:332-349).
+    - NEURON_ON_DEVICE_SAMPLING_DISABLED is read by the loader (loader.py:77-78).
+    """
+    for target in (C41, "plugin@0.5.0"):
+        launch = serve(tmp_path, target)
+        f = flags(launch.argv)
+        assert "no-enable-prefix-caching" in f and "enable-prefix-caching" not in f
+        assert f["num-gpu-blocks-override"] == "3"
+        assert f["max-model-len"] == "1024"
+        assert json.loads(f["additional-config"]) == {"max_prompt_length": 512}
+        for absent in ("block-size", "device", "override-neuron-config", "speculative-model"):
+            assert absent not in f
+        assert launch.env == {
+            "NEURON_COMPILED_ARTIFACTS": str(tmp_path.resolve()),
+            "NEURON_CC_FLAGS": "--model-type=transformer -O1",
+            "NEURON_ON_DEVICE_SAMPLING_DISABLED": "1",
+        }
+    assert "additional-config" not in flags(serve(tmp_path, C41, max_context_length=1024).argv)
+
+
+def test_c_before_0_2_2_caps_through_max_model_len(tmp_path: Path) -> None:
+    """max_prompt_length appears in 0.2.2+lts (whn09 ad82965 platform.py:217-218); the
+    vllm-project 0.2.0 tag's platform.py has no such key."""
+    f = flags(serve(tmp_path, "plugin@0.2.0").argv)
+    assert f["max-model-len"] == "512" and "additional-config" not in f
+    assert "additional-config" in flags(serve(tmp_path, "plugin@0.2.2").argv)
+
+
+def test_c_prefix_caching_artifact(tmp_path: Path) -> None:
+    """With prefix caching on, block_size must be set (platform.py:305-308) and
+    num_gpu_blocks_override >= ceil(max_model_len / block_size) * max_num_seqs
+    (neuronx_distributed_model_loader.py:1184-1200)."""
+    block_kv = {"is_prefix_caching": True, "is_block_kv_layout": True, "pa_block_size": 32}
+    launch = serve(tmp_path, C41, override_neuron_config={**block_kv, "pa_num_blocks": 96})
     f = flags(launch.argv)
-    assert f["block-size"] == f["max-model-len"] == "1024"
-    assert f["quantization"] == "neuron_quant"
+    assert "enable-prefix-caching" in f and "no-enable-prefix-caching" not in f
+    assert f["block-size"] == "32" and f["num-gpu-blocks-override"] == "96"
+    with pytest.raises(NeuronctlError, match="at least 96 blocks"):
+        serve(tmp_path, C41, override_neuron_config={**block_kv, "pa_num_blocks": 95})
+    with pytest.raises(NeuronctlError, match="--block-size takes"):
+        serve(tmp_path, C41, override_neuron_config={**block_kv, "pa_block_size": 48})
+    with pytest.raises(NeuronctlError, match="C\\) only"):
+        serve(tmp_path, B9, override_neuron_config={**block_kv, "pa_num_blocks": 96})
+
+
+def test_c_refuses_tnx_and_draft_models(tmp_path: Path) -> None:
+    """The plugin's framework is NxDI only (platform.py:343-349); draft-model speculation is
+    only on the legacy V0 fork (README.md:297)."""
+    with pytest.raises(NeuronctlError, match="NxD Inference only"):
+        serve(tmp_path, C41, "tnx")
+    with pytest.raises(NeuronctlError, match="EAGLE"):
+        serve(tmp_path, C41, draft_model="org/draft", num_speculative_tokens=4)
+
+
+def test_c_generate_passes_additional_config_as_a_dict(tmp_path: Path) -> None:
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hi\n")
+    launch = vllm.generate_launch(tmp_path, make_manifest(), prompts, target=C41)
+    engine = json.loads(flags(launch.argv)["engine-args"])
+    assert engine["additional_config"] == {"max_prompt_length": 512}
+    assert engine["enable_prefix_caching"] is False
+    assert engine["num_gpu_blocks_override"] == 3
+    assert "override_neuron_config" not in engine and "block_size" not in engine
+
+
+# --- generation A: the TNx forks --------------------------------------------------------------
+
+
+def test_a_tnx_serve(tmp_path: Path) -> None:
+    """v0.6.x-neuron: --block-size choices are [8, 16, 32] (vllm/engine/arg_utils.py:355-358)
+    and block_size is forced to max_model_len only when device == "neuron" (:880-881), so
+    --device neuron and no --block-size; VLLM_NEURON_FRAMEWORK is read safely
+    (vllm/worker/neuron_worker.py:35-42); buckets (model_loader/neuron.py:296-298) and
+    NEURON_QUANT_DTYPE (layers/quantization/neuron_quant.py:21) come from the environment."""
+    launch = serve(tmp_path, A6, "tnx", quantized=True, quantization_dtype="f8e4m3fn")
+    f = flags(launch.argv)
+    assert f["device"] == "neuron" and "block-size" not in f
+    assert f["max-model-len"] == "1024" and f["quantization"] == "neuron_quant"
     assert json.loads(f["override-neuron-config"]) == {"on_device_embedding": True}
     assert launch.env["VLLM_NEURON_FRAMEWORK"] == "transformers-neuronx"
     assert launch.env["NEURON_QUANT_DTYPE"] == "f8e4m3fn"
+    assert launch.env["NEURON_CONTEXT_LENGTH_BUCKETS"] == "96,512"
+    assert launch.env["NEURON_TOKEN_GEN_BUCKETS"] == "384,1024"
     cache = tmp_path.resolve() / "neuron-compile-cache"
     assert launch.env["NEURON_COMPILE_CACHE_URL"] == str(cache)
-    assert launch.env["NEURON_TOKEN_GEN_BUCKETS"] == "384,1024"
+    assert "NEURON_COMPILED_ARTIFACTS" not in launch.env  # read by the NxDI loader only
 
 
-def test_nxdi_quantized_int8_exports_s8_and_overrides(tmp_path: Path) -> None:
-    launch = vllm.serve_launch(
-        tmp_path,
-        make_manifest(quantized=True, quantization_type="per_channel_symmetric"),
-    )
-    override = json.loads(flags(launch.argv)["override-neuron-config"])
-    assert override["quantized"] is True
-    assert override["quantization_dtype"] == "int8"
-    assert override["quantization_type"] == "per_channel_symmetric"
-    assert launch.env["NEURON_QUANT_DTYPE"] == "s8"
-    # vLLM's --quantization is for TNx only; NxDI takes it from the neuron config (seed 002).
-    assert "quantization" not in flags(launch.argv)
+def test_a_speculation_uses_the_fork_flags(tmp_path: Path) -> None:
+    """v0.6.x-neuron arg_utils.py:619 --speculative-model."""
+    f = flags(serve(tmp_path, A6, "tnx", draft_model="org/d", num_speculative_tokens=3).argv)
+    assert f["speculative-model"] == "org/d" and f["num-speculative-tokens"] == "3"
 
 
-def test_speculation_flags(tmp_path: Path) -> None:
-    manifest = make_manifest(draft_model="org/draft", num_speculative_tokens=5)
-    f = flags(vllm.serve_launch(tmp_path, manifest).argv)
-    assert f["speculative-model"] == "org/draft"
-    assert f["num-speculative-tokens"] == "5"
-    assert f["speculative-max-model-len"] == "1024"
-    override = json.loads(f["override-neuron-config"])
-    assert override["speculation_length"] == 5
+def test_a_before_0_6_needs_block_size_equal_to_max_model_len(tmp_path: Path) -> None:
+    """Seeds 000/003: block_size must equal max_model_len for TNx continuous batching; the
+    0.3/0.5 CLI only takes --block-size 8/16/32/128, so serving seq_len 1024 is refused and
+    the offline program passes it in Python."""
+    with pytest.raises(NeuronctlError, match="cannot take --block-size 1024"):
+        serve(tmp_path, "tnx-fork@0.5.0", "tnx")
+    f = flags(serve(tmp_path, "tnx-fork@0.5.0", "tnx", seq_len=128, max_context_length=128,
+                    context_buckets=[128], token_gen_buckets=[128]).argv)  # fmt: skip
+    assert f["block-size"] == "128"
+    prompts = tmp_path / "p.txt"
+    prompts.write_text("hi\n")
+    launch = vllm.generate_launch(tmp_path, make_manifest("tnx"), prompts, target="A@0.5.0")
+    assert json.loads(flags(launch.argv)["engine-args"])["block_size"] == 1024
+
+
+def test_a_refuses_nxdi_and_unserved_models(tmp_path: Path) -> None:
+    with pytest.raises(NeuronctlError, match="Transformers NeuronX artifacts only"):
+        serve(tmp_path, A6)
+    with pytest.raises(NeuronctlError, match="does not serve MistralForCausalLM"):
+        serve(tmp_path, "tnx-fork@0.3.3", "tnx", arch="MistralForCausalLM")
+
+
+def test_tnx_sampling_env_follows_what_was_compiled(tmp_path: Path) -> None:
+    """vLLM's TNx path adds a dynamic on-device GenerationConfig to the NeuronConfig unless
+    NEURON_ON_DEVICE_SAMPLING_DISABLED (dd417b3 neuron_model_runner.py:108-130), which changes
+    the HLO, hence the NEFF cache key."""
+    plain = serve(tmp_path, A6, "tnx")
+    assert plain.env["NEURON_ON_DEVICE_SAMPLING_DISABLED"] == "1"
+    sampled = serve(tmp_path, A6, "tnx", on_device_sampling={"top_k": 5, "dynamic": True})
+    assert "NEURON_ON_DEVICE_SAMPLING_DISABLED" not in sampled.env
+
+
+# --- shared ---------------------------------------------------------------------------------
+
+
+def test_launch_as_dict_names_the_generation(tmp_path: Path) -> None:
+    data = serve(tmp_path, C41).as_dict()
+    assert data["generation"] == "C" and data["vllm_target"] == "plugin"
+    assert data["vllm_version"] == "0.13.0" and data["plugin_version"] == "0.4.1"
+    assert data["detected"] is False and data["argv"][1:3] == [
+        "-m",
+        "vllm.entrypoints.openai.api_server",
+    ]
 
 
 def test_relative_artifact_path_is_made_absolute(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
-    env = vllm.env_exports(Path("art"), make_manifest())
+    env = vllm.env_exports(Path("art"), make_manifest(), target=C41)
     assert env["NEURON_COMPILED_ARTIFACTS"] == str(tmp_path.resolve() / "art")
 
 
 def test_extra_args_are_appended(tmp_path: Path) -> None:
-    launch = vllm.serve_launch(tmp_path, make_manifest(), extra_args=["--enforce-eager"])
+    launch = vllm.serve_launch(
+        tmp_path, make_manifest(), target=C41, extra_args=["--enforce-eager"]
+    )
     assert launch.argv[-1] == "--enforce-eager"
 
 
@@ -168,17 +509,23 @@ def test_generate_launch_runs_the_offline_program(tmp_path: Path) -> None:
     prompts = tmp_path / "p.txt"
     prompts.write_text("hello\n")
     launch = vllm.generate_launch(
-        tmp_path, make_manifest("tnx", override_neuron_config={}), prompts, sampling={"top_k": 7}
+        tmp_path, make_manifest("tnx"), prompts, sampling={"top_k": 7}, target=B_FORK
     )
     assert launch.argv[:4] == [sys.executable, "-m", "neuronctl.vllm", "generate"]
     f = flags(launch.argv)
     engine = json.loads(f["engine-args"])
-    assert engine["max_num_seqs"] == 3
-    assert engine["block_size"] == engine["max_model_len"] == 1024
-    assert engine["tensor_parallel_size"] == 4
+    assert engine["max_num_seqs"] == 3 and engine["max_model_len"] == 1024
+    assert engine["tensor_parallel_size"] == 4 and engine["device"] == "neuron"
+    assert "block_size" not in engine
     assert json.loads(f["sampling"]) == {"top_k": 7}
     assert f["prompts"] == str(prompts.resolve())
+    assert "max-prompt-tokens" not in f  # TNx: not an NxDI context-length limit
     assert launch.env["VLLM_NEURON_FRAMEWORK"] == "transformers-neuronx"
+
+
+def test_too_long() -> None:
+    assert vllm.too_long([3, 600, 512, 513], 512) == [1, 3]
+    assert vllm.too_long([10_000], None) == []
 
 
 def test_read_prompts_text_and_jsonl(tmp_path: Path) -> None:
@@ -203,6 +550,113 @@ def test_vllm_dirname_follows_the_nxdi_config(tmp_path: Path) -> None:
 def test_env_exports_work_from_a_written_manifest(tmp_path: Path) -> None:
     from neuronctl.store.manifest import read_manifest
 
-    write_manifest(tmp_path, make_manifest())
-    env = vllm.env_exports(tmp_path, read_manifest(tmp_path), "nxdi")
+    write_manifest(tmp_path, make_manifest("tnx"))
+    env = vllm.env_exports(tmp_path, read_manifest(tmp_path), "tnx", target=A6)
     assert env["NEURON_CONTEXT_LENGTH_BUCKETS"] == "96,512"
+
+
+def test_version_tuple() -> None:
+    assert vllm.version_tuple("0.6.dev0+neuron215") == (0, 6)
+    assert vllm.version_tuple("0.10.1.1") == (0, 10, 1, 1)
+    assert vllm.version_tuple("0.2.2+lts") == (0, 2, 2)
+
+
+# --- the launch against the real vLLM sources (when their git mirrors are on this host) -------
+
+MIRRORS = Path(os.environ.get("NEURONCTL_MIRRORS", "/work/.mirror"))
+UPSTREAMING = MIRRORS / "aws-neuron+upstreaming-to-vllm" / "repo"
+PLUGIN_REPOS = {
+    "97bb429": MIRRORS / "vllm-project+vllm-neuron" / "repo",  # 0.1.0
+    "a967125": MIRRORS / "vllm-project+vllm-neuron" / "repo",  # 0.2.0
+    "ad82965": MIRRORS / "whn09+vllm-neuron" / "repo",  # 0.2.2+lts
+    "4fac6b7": MIRRORS / "whn09+vllm-neuron" / "repo",  # 0.4.1
+    "3afb0a9": MIRRORS / "whn09+vllm-neuron" / "repo",  # 0.5.0
+}
+
+
+def git_show(repo: Path, ref: str, path: str) -> str:
+    if not repo.is_dir():
+        pytest.skip(f"no git mirror at {repo}")
+    out = subprocess.run(
+        ["git", f"--git-dir={repo}", "show", f"{ref}:{path}"], capture_output=True, text=True
+    )
+    if out.returncode != 0:
+        pytest.skip(f"{ref}:{path} not in {repo}")
+    return out.stdout
+
+
+@functools.cache
+def reads_env(repo: Path, ref: str, package: str) -> frozenset[str]:
+    """The environment variable names a source tree reads (os.getenv / os.environ / envs)."""
+    out = subprocess.run(
+        ["git", f"--git-dir={repo}", "grep", "-h", "-o", "-E", '"[A-Z][A-Z0-9_]+"', ref, "--",
+         f"{package}/*.py"],
+        capture_output=True, text=True,
+    )  # fmt: skip
+    return frozenset(word.strip('"') for word in out.stdout.split())
+
+
+def block_size_choices(ref: str) -> list[int]:
+    config = git_show(UPSTREAMING, ref, "vllm/config.py")
+    found = re.search(r"BlockSize = Literal\[([^\]]*)\]", config)
+    if not found:
+        args = git_show(UPSTREAMING, ref, "vllm/engine/arg_utils.py")
+        found = re.search(r"'--block-size',[^)]*?choices=\[([^\]]*)\]", args, re.S)
+    assert found, f"no --block-size choices at {ref}"
+    return [int(x) for x in found.group(1).split(",")]
+
+
+V0_LAUNCHES = [  # (target, source ref, backend, spec fields)
+    (A6, "c097c1891", "tnx", {"quantized": True}),
+    (A6, "c097c1891", "tnx", {"draft_model": "org/d", "num_speculative_tokens": 3}),
+    (B_FORK, "490ab20f1", "nxdi", {"draft_model": "org/d", "num_speculative_tokens": 3}),
+    (B_FORK, "490ab20f1", "tnx", {"quantized": True}),
+    (B9, "dd417b3", "nxdi", {"draft_model": "org/d", "num_speculative_tokens": 3}),
+    (B9, "dd417b3", "nxdi", {"on_device_sampling": {"top_k": 5}}),
+    (B9, "dd417b3", "tnx", {"quantized": True}),
+]
+
+
+@pytest.mark.parametrize(("target", "ref", "backend", "fields"), V0_LAUNCHES)
+def test_a_and_b_launches_against_their_source(tmp_path, target, ref, backend, fields) -> None:  # type: ignore[no-untyped-def]
+    """What the fidelity harness's V1/V2/V6/V7 ask, evaluated on neuronctl's own argv: every
+    flag exists in that vLLM's argparse (engine/arg_utils.py, entrypoints/openai/cli_args.py),
+    a --block-size is one of its choices, every variable is read by that vLLM (the compiler's
+    and the TNx cache's excepted), TNx is never named where the platform raises for it, and an
+    NxDI artifact's shorter context length caps what the server admits."""
+    launch = serve(tmp_path, target, backend, **fields)
+    cli = git_show(UPSTREAMING, ref, "vllm/engine/arg_utils.py")
+    cli += git_show(UPSTREAMING, ref, "vllm/entrypoints/openai/cli_args.py")
+    f = flags(launch.argv)
+    for name in f:
+        assert f'"--{name}"' in cli or f"'--{name}'" in cli, f"--{name} unknown at {ref}"
+    if "block-size" in f:
+        assert int(f["block-size"]) in block_size_choices(ref)
+    read = reads_env(UPSTREAMING, ref, "vllm")
+    for var in set(launch.env) - {"NEURON_CC_FLAGS", "NEURON_COMPILE_CACHE_URL"}:
+        assert var in read, f"{var} is not read at {ref}"
+    if ref == "dd417b3":  # vllm/platforms/neuron.py:121 returns self.TRANSFORMERS_NEURONX
+        assert launch.env.get("VLLM_NEURON_FRAMEWORK") != vllm.TNX
+    if backend == "nxdi":
+        assert int(f["max-model-len"]) <= 512  # the fixture's max_context_length
+
+
+@pytest.mark.parametrize(("target", "ref"), [
+    ("plugin@0.1.0", "97bb429"), ("plugin@0.2.0", "a967125"), ("plugin@0.2.2", "ad82965"),
+    ("plugin@0.4.1", "4fac6b7"), ("plugin@0.5.0", "3afb0a9"),
+])  # fmt: skip
+def test_c_launches_against_the_plugin_source(tmp_path: Path, target: str, ref: str) -> None:
+    """Every variable neuronctl sets is read by that plugin release, every additional_config
+    key is one it reads, and a prompt cap is in place one way or the other."""
+    repo = PLUGIN_REPOS[ref]
+    git_show(repo, ref, "setup.py")  # skips without the mirror
+    launch = serve(tmp_path, target)
+    for var in set(launch.env) - {"NEURON_CC_FLAGS"}:
+        assert var in reads_env(repo, ref, "vllm_neuron"), f"{var} is not read at {ref}"
+    f = flags(launch.argv)
+    additional = json.loads(f.get("additional-config", "{}"))
+    platform = git_show(repo, ref, "vllm_neuron/platform.py")
+    for key in additional:
+        read = re.search(rf'additional_config\.get\(\s*"{key}"', platform)
+        assert read, f"additional_config[{key!r}] is not read at {ref}"
+    assert additional.get("max_prompt_length") == 512 or f["max-model-len"] == "512"

@@ -10,6 +10,7 @@ from typing import Annotated
 import typer
 
 from neuronctl.cli._common import print_json
+from neuronctl.vllm import TARGET_HELP
 
 ORDER = 45
 
@@ -17,15 +18,18 @@ HELP = (
     "Print the environment that makes vLLM load PATH instead of recompiling.\n\n"
     "Without NEURON_COMPILED_ARTIFACTS, vLLM's Neuron integration falls into its default path, "
     "<model>/neuron-compiled-artifacts/<md5>/, which it deletes and recompiles on every start "
-    "(15-60 minutes for a real model). These exports name the artifact by absolute path and "
-    "repeat the framework, buckets and quantization it was compiled with; every value comes "
-    "from the artifact's manifest.\n\n"
+    "(15-60 minutes for a real model). Which variables a vLLM reads depends on its generation "
+    "(the installed one, or --vllm-target): NxD Inference artifacts get "
+    "NEURON_COMPILED_ARTIFACTS, Transformers NeuronX ones their buckets, quantization and "
+    "compile cache; every value comes from the artifact's manifest. The flags vLLM needs too "
+    "are printed by `neuronctl serve --engine vllm --dry-run`.\n\n"
     "Examples:\n\n"
     '  eval "$(neuronctl env ./neuron-compiled-artifacts/3f2a...)"\n\n'
-    "  neuronctl env $ART --shell fish | source\n\n"
+    "  neuronctl env $ART --vllm-target plugin@0.4.1 --shell fish | source\n\n"
     "  neuronctl env $ART --shell json\n\n"
-    "Exit codes: 0 ok, 1 PATH is not an artifact, 2 usage error (e.g. a framework the "
-    "artifact was not compiled for)."
+    "Exit codes: 0 ok, 1 PATH is not an artifact or that vLLM cannot reuse it, 2 usage error "
+    "(e.g. a framework the artifact was not compiled for, no vLLM installed and no "
+    "--vllm-target)."
 )
 
 
@@ -59,14 +63,17 @@ def env_command(
             show_default=False,
         ),
     ] = None,
+    vllm_target: Annotated[
+        str | None, typer.Option("--vllm-target", help=TARGET_HELP, show_default=False)
+    ] = None,
     shell: Annotated[Shell, typer.Option("--shell", help="Output syntax.")] = Shell.bash,
     json_out: Annotated[bool, typer.Option("--json", help="Same as --shell json.")] = False,
 ) -> None:
     from neuronctl.store.manifest import read_manifest
-    from neuronctl.vllm import env_exports
+    from neuronctl.vllm import cli_target, env_exports
 
     manifest = read_manifest(path)  # first: a clear error when PATH is not an artifact
-    env = env_exports(path, manifest, framework)
+    env = env_exports(path, manifest, framework, cli_target(manifest, vllm_target, framework))
     if json_out or shell is Shell.json:
         print_json(env)
     else:

@@ -14,6 +14,7 @@ import typer
 
 from neuronctl.cli._common import ArtifactsOpt, JsonOpt, console, err_console
 from neuronctl.errors import UsageError
+from neuronctl.vllm import TARGET_HELP as VLLM_TARGET_HELP
 
 if TYPE_CHECKING:  # the engine imports torch: keep it off every command's start-up
     from neuronctl.engine.sampling import SamplingParams
@@ -67,6 +68,9 @@ def generate_command(
     chat: bool = typer.Option(False, "--chat", help="Wrap prompts in the chat template."),
     stream: bool = typer.Option(False, "--stream", help="Print tokens as they come."),
     engine: str = typer.Option("builtin", "--engine", help="builtin | vllm."),
+    vllm_target: str | None = typer.Option(
+        None, "--vllm-target", help="With --engine vllm: " + VLLM_TARGET_HELP, show_default=False
+    ),
     dry_run: bool = typer.Option(
         False, "--dry-run", help="With --engine vllm: print the command instead of running it."
     ),
@@ -103,10 +107,10 @@ def generate_command(
         ignore_eos=ignore_eos,
     )
     if engine == "vllm":
-        _generate_vllm(artifacts, prompts, params, dry_run, json_out)
+        _generate_vllm(artifacts, prompts, params, vllm_target, dry_run, json_out)
         return
-    if dry_run:
-        raise UsageError("--dry-run only applies to --engine vllm")
+    if dry_run or vllm_target:
+        raise UsageError("--dry-run and --vllm-target only apply to --engine vllm")
     _generate_builtin(artifacts, prompts, params, stream, json_out)
 
 
@@ -254,6 +258,7 @@ def _generate_vllm(
     artifacts: str | None,
     prompts: list[Prompt],
     params: SamplingParams,
+    vllm_target: str | None,
     dry_run: bool,
     json_out: bool,
 ) -> None:
@@ -262,12 +267,13 @@ def _generate_vllm(
     from neuronctl.cli.serve import print_launch
     from neuronctl.engine.loader import check_reusable, resolve_artifact_path
     from neuronctl.store.manifest import read_manifest
-    from neuronctl.vllm import generate_launch
+    from neuronctl.vllm import cli_target, generate_launch
 
     if any(p.messages is not None for p in prompts):
         raise UsageError("--engine vllm takes plain prompts (no --chat / messages)")
     path = resolve_artifact_path(artifacts)
     check_reusable(path)
+    target = cli_target(read_manifest(path), vllm_target)
     prompts_file = Path(tempfile.mkstemp(prefix="neuronctl-prompts-", suffix=".jsonl")[1])
     prompts_file.write_text("".join(json.dumps({"prompt": p.text}) + "\n" for p in prompts))
     sampling = {
@@ -280,9 +286,11 @@ def _generate_vllm(
         "ignore_eos": params.ignore_eos,
     }
     sampling = {k: v for k, v in sampling.items() if v is not None}
-    launch = generate_launch(path, read_manifest(path), prompts_file, sampling=sampling)
+    launch = generate_launch(
+        path, read_manifest(path), prompts_file, sampling=sampling, target=target
+    )
     if dry_run:
-        print_launch(launch.argv, launch.env, json_out)
+        print_launch(launch, json_out)
         return
     os.execvpe(launch.argv[0], launch.argv, {**os.environ, **launch.env})
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
@@ -19,6 +19,10 @@ from neuronctl.cli._common import (
     with_spec_options,
 )
 from neuronctl.errors import NeuronctlError, UsageError
+from neuronctl.vllm import TARGET_HELP as VLLM_TARGET_HELP
+
+if TYPE_CHECKING:
+    from neuronctl.vllm import VllmLaunch
 
 ORDER = 40
 ENGINES = ("builtin", "vllm")
@@ -48,6 +52,9 @@ def serve_command(
         256, "--max-queue", min=0, help="Requests allowed to wait for a slot; beyond it, 429."
     ),
     engine: str = typer.Option("builtin", "--engine", help="builtin | vllm."),
+    vllm_target: str | None = typer.Option(
+        None, "--vllm-target", help="With --engine vllm: " + VLLM_TARGET_HELP, show_default=False
+    ),
     dry_run: bool = typer.Option(
         False, "--dry-run", help="Validate and print what would run, without serving."
     ),
@@ -84,6 +91,8 @@ def serve_command(
 
       neuronctl serve --engine vllm --dry-run --json
 
+      neuronctl serve --engine vllm --vllm-target plugin@0.4.1 --dry-run
+
     Exit codes: 0 stopped cleanly, 1 artifact missing / not reusable / server failed,
     2 usage error.
     """
@@ -96,8 +105,10 @@ def serve_command(
     log_level = log_level.lower()
     path = _artifact_path(artifacts, compile_if_missing, model, spec_flags, config, store)
     if engine == "vllm":
-        _serve_vllm(path, host, port, served_model_name, dry_run, json_out)
+        _serve_vllm(path, host, port, served_model_name, vllm_target, dry_run, json_out)
         return
+    if vllm_target:
+        raise UsageError("--vllm-target only applies to --engine vllm")
     _serve_builtin(
         path, host, port, api_key, served_model_name, max_queue, dry_run, json_out, log_level
     )
@@ -146,30 +157,44 @@ def _serve_vllm(
     host: str,
     port: int,
     served_model_name: str | None,
+    vllm_target: str | None,
     dry_run: bool,
     json_out: bool,
 ) -> None:
     from neuronctl.store.manifest import read_manifest
-    from neuronctl.vllm import serve_launch
+    from neuronctl.vllm import cli_target, serve_launch
 
     manifest = read_manifest(path)
-    launch = serve_launch(path, manifest, host=host, port=port, served_model_name=served_model_name)
+    target = cli_target(manifest, vllm_target)
+    launch = serve_launch(
+        path, manifest, host=host, port=port, served_model_name=served_model_name, target=target
+    )
     if dry_run:
-        print_launch(launch.argv, launch.env, json_out)
+        print_launch(launch, json_out)
         return
+    _print_notes(launch)
     # exec, so that signals (SIGTERM from an orchestrator) reach vLLM directly.
     os.execvpe(launch.argv[0], launch.argv, {**os.environ, **launch.env})
 
 
-def print_launch(argv: list[str], env: dict[str, str], json_out: bool) -> None:
+def print_launch(launch: VllmLaunch, json_out: bool) -> None:
+    """Exactly what would run: the generation (stderr), the exports and the command."""
     import shlex
 
     if json_out:
-        print_json({"argv": argv, "env": env})
+        print_json(launch.as_dict())
         return
-    for name, value in sorted(env.items()):
-        console.print(f"export {name}={shlex.quote(value)}", soft_wrap=True)
-    console.print(shlex.join(argv), soft_wrap=True)
+    _print_notes(launch)
+    for name, value in sorted(launch.env.items()):
+        console.print(f"export {name}={shlex.quote(value)}", soft_wrap=True, highlight=False)
+    console.print(shlex.join(launch.argv), soft_wrap=True, highlight=False)
+
+
+def _print_notes(launch: VllmLaunch) -> None:
+    if launch.target is not None:
+        err_console.print(f"vLLM generation {launch.target.describe()}", soft_wrap=True)
+    for note in launch.notes:
+        err_console.print(f"note: {note}", soft_wrap=True, markup=False)
 
 
 def _serve_builtin(
