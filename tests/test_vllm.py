@@ -28,6 +28,7 @@ from neuronctl.errors import NeuronctlError, UsageError
 from neuronctl.spec import ModelShape, build_spec, finalize
 from neuronctl.store.manifest import Manifest, Source, write_manifest
 from neuronctl.vllm import Generation, Target
+from tests import standins
 
 ARCH = {
     "model_type": "llama",
@@ -660,3 +661,51 @@ def test_c_launches_against_the_plugin_source(tmp_path: Path, target: str, ref: 
         read = re.search(rf'additional_config\.get\(\s*"{key}"', platform)
         assert read, f"additional_config[{key!r}] is not read at {ref}"
     assert additional.get("max_prompt_length") == 512 or f["max-model-len"] == "512"
+
+
+# --- the CLI over a built artifact ----------------------------------------------------------
+
+neuron_standins = standins.neuron_standins  # the stand-in SDK fixture
+
+
+def run_cli(args: list[str], capsys, monkeypatch) -> tuple[int, str, str]:  # type: ignore[no-untyped-def]
+    from neuronctl.cli.main import main
+
+    monkeypatch.setattr(sys, "argv", ["neuronctl", *args])
+    code = 0
+    try:
+        main()
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err
+
+
+def test_dry_runs_show_what_each_generation_runs(  # type: ignore[no-untyped-def]
+    neuron_standins, tiny_llama, tmp_path, capsys, monkeypatch
+) -> None:
+    import neuronctl.doctor as doctor
+    from tests.test_nxdi import compile_nxdi
+
+    _build, outcome = compile_nxdi(tiny_llama, tmp_path / "store")
+    monkeypatch.setattr(doctor, "neuron_cores", lambda: (2, "neuron-ls: 1 devices"))
+    art = str(outcome.path)
+    serve_args = ["serve", "--engine", "vllm", "--artifacts", art, "--dry-run"]
+    code, out, err = run_cli([*serve_args, "--json", "--vllm-target", C41], capsys, monkeypatch)
+    assert code == 0, err
+    plan = json.loads(out)
+    assert plan["generation"] == "C" and plan["plugin_version"] == "0.4.1"
+    assert json.loads(flags(plan["argv"])["additional-config"]) == {"max_prompt_length": 64}
+    assert plan["env"]["NEURON_COMPILED_ARTIFACTS"] == str(outcome.path.resolve())
+    code, out, err = run_cli([*serve_args, "--vllm-target", B9], capsys, monkeypatch)
+    assert code == 0 and "vLLM generation B (v0, vLLM 0.9.2" in err
+    assert "export VLLM_NEURON_FRAMEWORK=neuronx-distributed-inference" in out
+    assert "--max-model-len 64" in out and "--block-size" not in out
+    code, _, err = run_cli([*serve_args, "--vllm-target", "tnx-fork"], capsys, monkeypatch)
+    assert code == 1 and "Transformers NeuronX artifacts only" in err
+    code, _, err = run_cli(serve_args, capsys, monkeypatch)  # no vLLM here, none named
+    assert code == 2 and "--vllm-target" in err
+    gen_args = ["generate", "--engine", "vllm", "--artifacts", art, "-p", "hi", "--dry-run"]
+    code, out, err = run_cli([*gen_args, "--vllm-target", B_FORK], capsys, monkeypatch)
+    assert code == 0 and "neuronctl.vllm generate" in out and "--max-prompt-tokens 64" in out
+    assert '"device": "neuron"' in out  # in --engine-args: the fork still takes it
