@@ -348,6 +348,7 @@ class Plan:
     env: dict[str, str]
     notes: list[str] = field(default_factory=list)
     max_prompt_tokens: int | None = None  # prompts longer than this crash NxDI
+    serve_max_model_len: int | None = None  # the server's cap where there is no prompt cap
 
 
 @dataclass
@@ -565,7 +566,7 @@ def _cap_by_max_model_len(plan: Plan) -> None:
         "length cap and NxDI raises for prompts longer than the artifact's max_context_length; "
         "`neuronctl generate --engine vllm` checks prompts itself and keeps the full length"
     )
-    plan.args["serve_max_model_len"] = cap
+    plan.serve_max_model_len = cap
 
 
 def _tnx_args(plan: Plan, spec: BuildSpec) -> None:
@@ -636,9 +637,8 @@ def serve_launch(
     every generation, `vllm serve` only in newer ones)."""
     plan = plan_launch(artifact, manifest, target, framework)
     args = dict(plan.args)
-    cap = args.pop("serve_max_model_len", None)
-    if cap is not None:
-        args["max_model_len"] = cap
+    if plan.serve_max_model_len is not None:
+        args["max_model_len"] = plan.serve_max_model_len
     if plan.target.generation is Generation.TNX_FORK and "block_size" in args:
         if args["block_size"] not in OLD_BLOCK_SIZES:
             raise NeuronctlError(
@@ -667,9 +667,7 @@ def generate_launch(
     """Offline LLM(...).generate over the prompts in `prompts_file` (one per line, or JSONL
     with {"prompt": ...}); prints one JSON line per prompt: {prompt, text, token_ids}."""
     plan = plan_launch(artifact, manifest, target, framework)
-    args = {k: v for k, v in plan.args.items() if k != "serve_max_model_len"}
-    if not args.get("override_neuron_config", True):
-        del args["override_neuron_config"]
+    args = {k: v for k, v in plan.args.items() if v != {} or k != "override_neuron_config"}
     argv = [
         sys.executable,
         "-m",
