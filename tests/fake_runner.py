@@ -11,7 +11,7 @@ from __future__ import annotations
 import hashlib
 import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -29,6 +29,8 @@ class FakeRunner:
         eos_every: int = 0,  # > 0: EOS becomes likely about once in this many histories
         step_delay: float = 0.0,  # seconds per prefill / decode call, to make queues build up
         fail_prefill_on: int | None = None,  # a first prompt token that makes prefill raise
+        nan_on: int | None = None,  # a first prompt token whose slot gets NaN logits
+        batched_prefill: bool = True,  # offer the optional Runner.prefill_batch
     ) -> None:
         self.batch_size = batch_size
         self.seq_len = seq_len
@@ -39,6 +41,10 @@ class FakeRunner:
         self.eos_every = eos_every
         self.step_delay = step_delay
         self.fail_prefill_on = fail_prefill_on
+        self.nan_on = nan_on
+        if not batched_prefill:
+            self.prefill_batch = None  # type: ignore[assignment]
+        self.prefill_calls: list[int] = []  # prompts per prefill call (1 for plain prefill)
         self.history: list[list[int]] = [[] for _ in range(batch_size)]
         self.prefills = 0
         self.decodes = 0
@@ -56,16 +62,35 @@ class FakeRunner:
             logits[EOS_ID] = -5.0
         return logits
 
+    def logits_of_slot(self, slot: int) -> torch.Tensor:
+        history = self.history[slot]
+        if self.nan_on is not None and history[0] == self.nan_on:
+            return torch.full((self.vocab_size,), float("nan"))
+        return self.logits_for(history)
+
     def prefill(self, slot: int, token_ids: Sequence[int]) -> torch.Tensor:
         with self._lock:
             self._sleep()
-            if self.fail_prefill_on is not None and token_ids[0] == self.fail_prefill_on:
-                raise RuntimeError("injected prefill failure")
-            if not 0 < len(token_ids) <= self.max_context_length:
-                raise AssertionError(f"prefill of {len(token_ids)} tokens")
-            self.history[slot] = list(token_ids)
-            self.prefills += 1
-            return self.logits_for(self.history[slot])
+            self.prefill_calls.append(1)
+            return self._encode(slot, token_ids)
+
+    def prefill_batch(self, slots: Sequence[int], prompts: Sequence[Sequence[int]]) -> torch.Tensor:
+        """The optional Runner method: several prompts in one call (one step's delay)."""
+        with self._lock:
+            self._sleep()
+            if len(slots) != len(prompts) or len(set(slots)) != len(slots):
+                raise AssertionError("prefill_batch takes one distinct slot per prompt")
+            self.prefill_calls.append(len(prompts))
+            return torch.stack([self._encode(s, p) for s, p in zip(slots, prompts, strict=True)])
+
+    def _encode(self, slot: int, token_ids: Sequence[int]) -> torch.Tensor:
+        if self.fail_prefill_on is not None and token_ids[0] == self.fail_prefill_on:
+            raise RuntimeError("injected prefill failure")
+        if not 0 < len(token_ids) <= self.max_context_length:
+            raise AssertionError(f"prefill of {len(token_ids)} tokens")
+        self.history[slot] = list(token_ids)
+        self.prefills += 1
+        return self.logits_of_slot(slot)
 
     def decode(self, token_ids: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
         with self._lock:
@@ -82,7 +107,7 @@ class FakeRunner:
                         f"slot {slot}: write at {pos}, but {len(self.history[slot])} filled"
                     )
                 self.history[slot].append(token)
-                out[slot] = self.logits_for(self.history[slot])
+                out[slot] = self.logits_of_slot(slot)
                 live += 1
             self.decodes += 1
             self.max_live = max(self.max_live, live)
@@ -98,22 +123,26 @@ def byte_detokenize(token_ids: Sequence[int]) -> str:
     return "".join(chr(t) for t in token_ids if t < BYTE_TOKENS)
 
 
+def byte_decoder() -> Callable[[int], str]:
+    """The engine's per-request incremental detokenizer for byte tokens."""
+    return lambda t: chr(t) if t < BYTE_TOKENS else ""
+
+
 class FakeTextModel:
     """The TextModel the server needs, over a tokenizer directory (e.g. a tiny checkpoint)."""
 
     def __init__(self, tokenizer_dir: str) -> None:
-        from transformers import AutoTokenizer
+        from pathlib import Path
 
-        self.tokenizer = AutoTokenizer.from_pretrained(tokenizer_dir)
+        from neuronctl.engine.tokenizer import EngineTokenizer
+
+        self.tokenizer = EngineTokenizer.load(Path(tokenizer_dir))
 
     def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text)["input_ids"])
+        return self.tokenizer.encode(text)
 
     def encode_chat(self, messages: list[dict]) -> list[int]:
-        text = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False
-        )
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return self.tokenizer.encode_chat(messages)
 
 
 def main(argv: Sequence[str]) -> None:
@@ -133,7 +162,7 @@ def main(argv: Sequence[str]) -> None:
     parser.add_argument("--max-queue", type=int, default=1)
     args = parser.parse_args(argv)
     runner = FakeRunner(args.batch_size, args.seq_len, step_delay=args.step_delay)
-    engine = Engine(runner, byte_detokenize, eos_ids=[EOS_ID], max_queue=args.max_queue)
+    engine = Engine(runner, byte_decoder, eos_ids=[EOS_ID], max_queue=args.max_queue)
     run_server(
         engine,
         FakeTextModel(args.tokenizer),

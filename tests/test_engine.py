@@ -8,13 +8,14 @@ import pytest
 from neuronctl.engine.engine import Engine
 from neuronctl.engine.errors import EngineStoppedError, QueueFullError, RequestError
 from neuronctl.engine.sampling import SamplingParams
-from tests.fake_runner import EOS_ID, FakeRunner, byte_detokenize
+from neuronctl.engine.scheduler import Scheduler, SchedulerOutput
+from tests.fake_runner import EOS_ID, FakeRunner, byte_decoder, byte_detokenize
 
 GREEDY = SamplingParams(temperature=0)
 
 
 def make_engine(runner: FakeRunner, **kw: object) -> Engine:
-    return Engine(runner, byte_detokenize, eos_ids=[EOS_ID], **kw).start()  # type: ignore[arg-type]
+    return Engine(runner, byte_decoder, eos_ids=[EOS_ID], **kw).start()  # type: ignore[arg-type]
 
 
 @pytest.fixture
@@ -206,3 +207,95 @@ def test_bench_keeps_concurrency_in_flight_and_counts_tokens() -> None:
     assert runner.max_live == 3  # never more than the concurrency, though 4 slots exist
     assert result["ttft"]["latency_ms_p50"] > 0 and result["tpot"]["latency_ms_p50"] > 0
     assert result["e2e_model"]["throughput"] == result["output_tokens_per_s"]
+
+
+# -- the scheduler / engine seam ----------------------------------------------------------------
+
+
+def test_schedule_says_what_to_prefill_decode_and_drop() -> None:
+    from neuronctl.engine.request import Request
+    from neuronctl.engine.sampling import resolve
+
+    scheduler = Scheduler(batch_size=2)
+    params = resolve(GREEDY)
+    a, b, c = (Request([i], params, 4, lambda e: None, byte_decoder()) for i in range(3))
+    for r in (a, b, c):
+        scheduler.add(r)
+    first = scheduler.schedule()
+    assert (first.prefill, first.decode, first.aborted) == ([a, b], [], [])
+    assert (a.slot, b.slot, c.slot) == (0, 1, None)
+    a.cancelled = True
+    second = scheduler.schedule()
+    assert (second.prefill, second.decode, second.aborted) == ([c], [b], [a])
+    assert c.slot == 0
+
+
+class OnePrefillPerStep(Scheduler):
+    """A different policy: admit at most one prompt per step."""
+
+    def schedule(self) -> SchedulerOutput:
+        step = super().schedule()
+        for late in reversed(step.prefill[1:]):  # give the slots back, keep FIFO order
+            self.release(late)
+            late.slot = None
+            self.waiting.appendleft(late)
+        return SchedulerOutput(step.prefill[:1], step.decode, step.aborted)
+
+
+def test_a_new_scheduling_policy_needs_no_change_to_the_engine(prompts) -> None:
+    runner = FakeRunner(batch_size=4)
+    engine = Engine(runner, byte_decoder, eos_ids=[EOS_ID], scheduler=OnePrefillPerStep(4)).start()
+    params = SamplingParams(temperature=0, max_tokens=6)
+    outputs = engine.generate(prompts[:6], params)
+    engine.stop()
+    assert runner.prefill_calls == [1] * 6
+    assert [o.token_ids for o in outputs] == [run_alone(p, params) for p in prompts[:6]]
+
+
+def test_waiting_prompts_are_encoded_in_one_batched_prefill(prompts) -> None:
+    runner = FakeRunner(batch_size=4)
+    engine = Engine(runner, byte_decoder, eos_ids=[EOS_ID])
+    params = [SamplingParams(temperature=0.8, seed=i, max_tokens=5) for i in range(6)]
+    handles = [engine.submit(p, sp) for p, sp in zip(prompts, params, strict=False)]
+    engine.start()  # six waiting, four slots: one call for four, later calls for the rest
+    outputs = [h.result() for h in handles]
+    engine.stop()
+    assert runner.prefill_calls[0] == 4 and sum(runner.prefill_calls) == 6
+    for prompt, p, out in zip(prompts, params, outputs, strict=False):
+        assert out.token_ids == run_alone(prompt, p, batched_prefill=False)
+
+
+def test_a_row_that_fails_to_sample_ends_only_its_request() -> None:
+    # NaN logits for the sampled request (prompt starting 99), beside three greedy ones.
+    runner = FakeRunner(batch_size=4, nan_on=99)
+    engine = make_engine(runner)
+    greedy = SamplingParams(temperature=0, max_tokens=6)
+    others = [[1, 2], [3], [4, 5, 6]]
+    bad = engine.submit([99, 1], SamplingParams(temperature=0.7, max_tokens=6))
+    good = [engine.submit(p, greedy) for p in others]
+    bad_out, good_out = bad.result(), [h.result() for h in good]
+    engine.stop()
+    assert bad_out.finish_reason == "error" and "sampling failed" in (bad_out.error or "")
+    assert [o.token_ids for o in good_out] == [run_alone(p, greedy) for p in others]
+    assert all(len(o.token_ids) == 6 for o in good_out)
+
+
+def test_a_4000_token_output_is_detokenized_with_constant_work_per_token() -> None:
+    from neuronctl.engine.text import WindowDecoder
+
+    decoded_ids = 0
+
+    def counting(ids) -> str:  # type: ignore[no-untyped-def]
+        nonlocal decoded_ids
+        decoded_ids += len(ids)
+        return byte_detokenize(ids)
+
+    runner = FakeRunner(batch_size=1, seq_len=4100)
+    engine = Engine(runner, lambda: WindowDecoder(counting), eos_ids=[EOS_ID]).start()
+    handle = engine.submit([1], SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True))
+    events = list(handle)
+    engine.stop()
+    out = events[-1].output
+    assert out is not None and len(out.token_ids) == 4000
+    assert "".join(e.text for e in events) == out.text == byte_detokenize(out.token_ids)
+    assert decoded_ids <= 4 * 4000  # re-decoding all ids each step: ~8 million

@@ -1,11 +1,14 @@
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 
 from neuronctl.engine.errors import RequestError
 from neuronctl.engine.sampling import SamplingParams, make_generator, resolve, sample, sample_rows
-from neuronctl.engine.text import TextStream
+from neuronctl.engine.text import TextStream, WindowDecoder
+from neuronctl.engine.tokenizer import EngineTokenizer
 
 
 def test_temperature_zero_is_greedy_like_top_k_one() -> None:
@@ -83,20 +86,136 @@ def test_sample_rows_mixes_greedy_and_sampled_rows() -> None:
     assert out == [2, 1]
 
 
+def chars(ids: list[int]) -> str:
+    return "".join(chr(i) for i in ids)
+
+
 def test_text_stream_holds_back_partial_stop_strings() -> None:
-    stream = TextStream(lambda ids: "".join(chr(i) for i in ids), stop=["END", "xy"])
-    text = "abcEN"
-    deltas = [stream.update([ord(c) for c in text[: i + 1]]) for i in range(len(text))]
+    stream = TextStream(WindowDecoder(chars), stop=["END", "xy"])
+    deltas = [stream.update(ord(c)) for c in "abcEN"]
     assert "".join(d for d, _ in deltas) == "abc"  # "EN" may become "END"
-    delta, stopped = stream.update([ord(c) for c in "abcENDzz"])
+    assert not any(stopped for _, stopped in deltas)
+    delta, stopped = stream.update(ord("D"))
     assert stopped and delta == "" and stream.text == "abc"
 
 
-def test_text_stream_holds_back_incomplete_characters() -> None:
-    decoded = {1: "a\ufffd", 2: "aé"}
-    stream = TextStream(lambda ids: decoded[len(ids)])
-    assert stream.update([0]) == ("a", False)
-    assert stream.update([0, 0]) == ("é", False)
+def test_text_stream_finds_a_stop_string_split_over_tokens_and_keeps_what_precedes() -> None:
+    pieces = {1: "he", 2: "llo wo", 3: "rld"}
+    stream = TextStream(lambda t: pieces[t], stop=["o w"])
+    assert stream.update(1) == ("he", False)
+    assert stream.update(2) == ("ll", True)
+    assert stream.text == "hell"
+
+
+def test_text_stream_releases_held_text_once_it_cannot_become_a_stop_string() -> None:
+    stream = TextStream(WindowDecoder(chars), stop=["ab!"])
+    assert stream.update(ord("a")) == ("", False)
+    assert stream.update(ord("b")) == ("", False)
+    assert stream.update(ord("c")) == ("abc", False)
+    assert stream.update(ord("a")) == ("", False)
+    assert stream.flush() == "a" and stream.text == "abca"
+
+
+def test_window_decoder_holds_back_incomplete_characters() -> None:
+    # Byte tokens whose UTF-8 needs two of them: "é" is c3 a9.
+    def utf8(ids: list[int]) -> str:
+        return bytes(ids).decode("utf-8", errors="replace")
+
+    decode = WindowDecoder(utf8)
+    assert [decode(t) for t in b"a\xc3\xa9b"] == ["a", "", "é", "b"]
+    assert decode(0xC3) == "" and decode.flush() == "\ufffd"  # an output cut mid-character
+
+
+def test_window_decoder_keeps_spaces_that_depend_on_the_neighbour() -> None:
+    # sentencepiece drops the leading "▁" of the first token decoded: differences keep it.
+    vocab = {1: "▁Hello", 2: "▁world", 3: "!"}
+
+    def sp(ids: list[int]) -> str:
+        return "".join(vocab[i] for i in ids).replace("▁", " ").lstrip(" ")
+
+    decode = WindowDecoder(sp)
+    assert "".join(decode(t) for t in (1, 2, 3, 2)) == sp([1, 2, 3, 2])
+
+
+def test_detokenizing_4000_tokens_decodes_a_constant_number_of_ids_per_token() -> None:
+    decoded_ids = 0
+
+    def counting(ids: list[int]) -> str:
+        nonlocal decoded_ids
+        decoded_ids += len(ids)
+        return chars(ids)
+
+    stream = TextStream(WindowDecoder(counting), stop=["never"])
+    ids = [97 + i % 26 for i in range(4000)]
+    text = "".join(stream.update(t)[0] for t in ids) + stream.flush()
+    assert text == chars(ids)
+    # Re-decoding everything each step would decode 4000*4001/2 ~ 8 million ids.
+    assert decoded_ids <= 4 * len(ids)
+
+
+def test_tokenizers_decode_stream_gives_the_whole_decode_one_call_per_token(
+    tmp_path: Path,
+) -> None:
+    from tests.helpers import make_tokenizer
+
+    make_tokenizer(tmp_path)
+    tokenizer = EngineTokenizer.load(tmp_path)
+    text = "naïve café, 東京 " * 200
+    ids = tokenizer.encode(text, add_special_tokens=False)
+    assert len(ids) > 4000  # byte-level: multi-byte characters span several ids
+    calls = 0
+    step = tokenizer.new_decoder()
+
+    def counted(token_id: int) -> str:
+        nonlocal calls
+        calls += 1
+        return step(token_id)
+
+    stream = TextStream(counted)
+    out = "".join(stream.update(t)[0] for t in ids) + stream.flush()
+    assert out == text == tokenizer.decode(ids)
+    assert calls == len(ids)
+    # An output that ends inside a character ends as a whole decode would end it.
+    cut = tokenizer.encode("ab東", add_special_tokens=False)[:-1]
+    stream = TextStream(tokenizer.new_decoder())
+    out = "".join(stream.update(t)[0] for t in cut) + stream.flush()
+    assert out == tokenizer.decode(cut) and out.endswith("\ufffd")
+
+
+@pytest.mark.parametrize(
+    "params, field",
+    [
+        (SamplingParams(temperature=2e-39), "temperature"),
+        (SamplingParams(temperature=1e-300), "temperature"),
+        (SamplingParams(temperature=float("nan")), "temperature"),
+        (SamplingParams(temperature=float("inf")), "temperature"),
+        (SamplingParams(top_p=float("nan")), "top_p"),
+        (SamplingParams(seed=2**64), "seed"),
+        (SamplingParams(seed=-(2**63) - 1), "seed"),
+    ],
+)
+def test_values_that_would_fail_inside_the_batch_are_refused_up_front(
+    params: SamplingParams, field: str
+) -> None:
+    with pytest.raises(RequestError) as exc:
+        resolve(params)
+    assert exc.value.param == field
+
+
+def test_extreme_but_accepted_values_sample_without_nan() -> None:
+    logits = torch.tensor([1e30, -1e30, 5.0, 0.0])
+    for temperature in (0.01, 1e6):
+        p = resolve(SamplingParams(temperature=temperature, seed=2**64 - 1))
+        assert sample(logits, p, make_generator(p.seed or 0)) in range(4)
+    make_generator(-(2**63))  # the lowest seed is one torch takes
+
+
+def test_a_row_that_cannot_be_sampled_fails_alone() -> None:
+    logits = torch.tensor([[0.0, 5.0, 1.0], [float("nan")] * 3])
+    hot = resolve(SamplingParams(temperature=1.0, seed=0))
+    greedy = resolve(SamplingParams(temperature=0))
+    out = sample_rows(logits, [0, 1], [greedy, hot], [make_generator(0), make_generator(1)])
+    assert out[0] == 1 and isinstance(out[1], Exception)
 
 
 @pytest.mark.parametrize(

@@ -1,11 +1,13 @@
 """The continuous-batching engine: one thread drives a Runner, many threads submit.
 
-The loop is the flow of seed 000 (Transformers NeuronX continuous batching):
-  1. context-encode waiting prompts into free slots (one prefill each; the first token);
-  2. decode every live slot together, one token per step;
-  3. evict a sequence at EOS, a stop string or max_tokens, freeing its slot;
-  4. repeat, so waiting prompts enter freed slots while the others keep decoding.
-Each request has its own seeded generator, so sampling never depends on what shares the batch.
+Each step the scheduler says what to run (`SchedulerOutput`: which requests context-encode,
+which decode, which were cancelled) and the engine applies it:
+  1. context-encode the newly admitted prompts, in one `prefill_batch` call when the runner
+     has one, and sample each first token (the TTFT);
+  2. decode every request that already held a slot, one token each, in one runner call;
+  3. finish a sequence at EOS, a stop string or max_tokens, freeing its slot for the next step.
+Each request has its own seeded generator, so sampling never depends on what shares the batch,
+and its own incremental detokenizer, so text costs O(1) per token.
 """
 
 from __future__ import annotations
@@ -14,6 +16,8 @@ import queue
 import threading
 import time
 from collections.abc import Iterable, Iterator, Sequence
+from functools import partial
+from typing import Any
 
 from neuronctl.backends.base import Runner
 from neuronctl.engine.errors import EngineStoppedError, RequestError
@@ -22,11 +26,10 @@ from neuronctl.engine.sampling import (
     DEFAULT_GLOBAL_TOPK,
     SamplingParams,
     resolve,
-    sample,
     sample_rows,
 )
-from neuronctl.engine.scheduler import Scheduler
-from neuronctl.engine.text import Detokenize
+from neuronctl.engine.scheduler import Scheduler, SchedulerOutput
+from neuronctl.engine.text import NewDecoder
 
 
 class RequestHandle:
@@ -62,16 +65,20 @@ class Engine:
     def __init__(
         self,
         runner: Runner,
-        detokenize: Detokenize,
+        new_decoder: NewDecoder,
         eos_ids: Iterable[int] = (),
         global_topk: int = DEFAULT_GLOBAL_TOPK,
         max_queue: int | None = None,
+        scheduler: Scheduler | None = None,
     ) -> None:
         self.runner = runner
-        self.detokenize = detokenize
+        self.new_decoder = new_decoder
+        # Optional on a Runner (backends/base.py): several prompts in one graph call.
+        self._prefill_batch = getattr(runner, "prefill_batch", None)
         self.eos_ids = frozenset(eos_ids)
         self.global_topk = global_topk
-        self.scheduler = Scheduler(runner.batch_size, max_queue)
+        # Another policy (preemption, prefill limits, ...) is another Scheduler.schedule().
+        self.scheduler = scheduler or Scheduler(runner.batch_size, max_queue)
         self.max_prompt = min(runner.max_context_length, max(runner.context_buckets))
         self._cond = threading.Condition()
         self._thread: threading.Thread | None = None
@@ -106,7 +113,7 @@ class Engine:
         if sink is None:
             events = queue.Queue()
             sink = events.put
-        request = Request(list(prompt_ids), resolved, max_tokens, sink, self.detokenize)
+        request = Request(list(prompt_ids), resolved, max_tokens, sink, self.new_decoder())
         with self._cond:
             if self._stopping:
                 raise EngineStoppedError("the engine is shutting down")
@@ -132,7 +139,7 @@ class Engine:
             return {
                 "waiting": len(self.scheduler.waiting),
                 "running": len(self.scheduler.running()),
-                "batch_size": len(self.scheduler.slots),
+                "batch_size": self.scheduler.batch_size,
             }
 
     def limits(self) -> dict[str, int]:
@@ -178,68 +185,87 @@ class Engine:
                     self._cond.wait()
                 if self._stopping and not (self._drain and self.scheduler.has_work()):
                     break
-                for request in self.scheduler.take_cancelled():
-                    self._emit_end(request, "abort")
-                admitted = self.scheduler.admit()
-            for request in admitted:
-                self._prefill(request)
-            running = self.scheduler.running()
-            if running:
-                self._decode(running)
+                step = self.scheduler.schedule()
+            self.apply(step)
         self._abort_all()
 
-    def _prefill(self, request: Request) -> None:
-        request.scheduled = time.perf_counter()
+    def apply(self, step: SchedulerOutput) -> None:
+        """Run one scheduled step on the runner and hand each request its new token."""
+        for request in step.aborted:
+            self._emit_end(request, "abort")
+        if step.prefill:
+            self._prefill(step.prefill)
+        if step.decode:
+            self._decode(step.decode)
+
+    def _prefill(self, requests: list[Request]) -> None:
+        now = time.perf_counter()
+        for r in requests:
+            r.scheduled = now
+        if self._prefill_batch is not None and len(requests) > 1:
+            slots = [r.slot for r in requests]
+            try:
+                logits = self._prefill_batch(slots, [r.prompt_ids for r in requests])
+            except Exception:  # one bad prompt must not fail its neighbours: one at a time
+                pass
+            else:
+                self._run(requests, lambda: logits, rows=list(range(len(requests))))
+                return
+        for r in requests:
+            self._run([r], partial(self._prefill_one, r), [0])
+
+    def _prefill_one(self, request: Request) -> Any:
         assert request.slot is not None
-        try:
-            logits = self.runner.prefill(request.slot, request.prompt_ids)
-            token = sample(logits, request.params, request.generator)
-        except Exception as exc:  # the runner failed: end this request, keep serving
-            self._finish(request, "error", f"{type(exc).__name__}: {exc}")
-            return
-        self._append(request, token)
+        return self.runner.prefill(request.slot, request.prompt_ids).unsqueeze(0)
 
     def _decode(self, running: list[Request]) -> None:
-        batch = len(self.scheduler.slots)
+        batch = self.scheduler.batch_size
         tokens, positions = [0] * batch, [-1] * batch
+        rows = []
         for r in running:
-            assert r.slot is not None
-            tokens[r.slot], positions[r.slot] = r.output_ids[-1], r.next_position
+            slot = r.slot
+            assert slot is not None
+            tokens[slot], positions[slot] = r.output_ids[-1], r.next_position
+            rows.append(slot)
+        self._run(running, lambda: self.runner.decode(tokens, positions), rows)
+        self.steps += 1
+
+    def _run(self, requests: list[Request], call: Any, rows: list[int]) -> None:
+        """Call the runner, sample row `rows[i]` for `requests[i]`; a failure ends only the
+        requests it touched (a runner error: all of them; a sampling error: its row)."""
         try:
-            logits = self.runner.decode(tokens, positions)
-            picked = sample_rows(
-                logits,
-                [r.slot for r in running],  # type: ignore[misc]
-                [r.params for r in running],
-                [r.generator for r in running],
-            )
-        except Exception as exc:
-            for r in running:
+            logits = call()
+        except Exception as exc:  # the runner failed: end these requests, keep serving
+            for r in requests:
                 self._finish(r, "error", f"{type(exc).__name__}: {exc}")
             return
-        self.steps += 1
-        for r, token in zip(running, picked, strict=True):
-            self._append(r, token)
+        picked = sample_rows(
+            logits, rows, [r.params for r in requests], [r.generator for r in requests]
+        )
+        for r, token in zip(requests, picked, strict=True):
+            if isinstance(token, Exception):
+                self._finish(r, "error", f"sampling failed: {type(token).__name__}: {token}")
+            else:
+                self._append(r, token)
 
     def _append(self, request: Request, token: int) -> None:
         request.output_ids.append(token)
-        request.token_times.append(time.perf_counter())
-        delta, hit_stop = request.text.update(request.output_ids)
+        now = time.perf_counter()
+        request.token_times.append(now)
+        delta, hit_stop = request.text.update(token)
         reason: FinishReason | None = None
         if hit_stop or (token in self.eos_ids and not request.params.ignore_eos):
             reason = "stop"
         elif len(request.output_ids) >= request.max_tokens:
             reason = "length"
         if reason is None:
-            self._send(request, Event(request.request_id, token, delta, time.perf_counter()))
+            self._send(request, Event(request.request_id, token, delta, now))
             return
         with self._cond:
             self.scheduler.release(request)
         delta += request.text.flush()
         output = request.output(reason)
-        self._send(
-            request, Event(request.request_id, token, delta, time.perf_counter(), reason, output)
-        )
+        self._send(request, Event(request.request_id, token, delta, now, reason, output))
 
     def _finish(self, request: Request, reason: FinishReason, error: str | None = None) -> None:
         with self._cond:
@@ -247,16 +273,9 @@ class Engine:
         self._emit_end(request, reason, error)
 
     def _emit_end(self, request: Request, reason: FinishReason, error: str | None = None) -> None:
+        text = request.text.flush()
         output = request.output(reason, error)
-        event = Event(
-            request.request_id,
-            None,
-            request.text.flush(),
-            time.perf_counter(),
-            reason,
-            output,
-            error,
-        )
+        event = Event(request.request_id, None, text, time.perf_counter(), reason, output, error)
         self._send(request, event)
 
     def _send(self, request: Request, event: Event) -> None:
@@ -267,9 +286,6 @@ class Engine:
 
     def _abort_all(self) -> None:
         with self._cond:
-            leftover = list(self.scheduler.waiting) + self.scheduler.running()
-            self.scheduler.waiting.clear()
-            for request in leftover:
-                self.scheduler.release(request)
+            leftover = self.scheduler.drain_all()
         for request in leftover:
             self._emit_end(request, "abort", "the engine stopped")

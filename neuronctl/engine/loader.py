@@ -15,6 +15,7 @@ from neuronctl.backends import get_backend
 from neuronctl.backends.base import Runner
 from neuronctl.engine.engine import Engine
 from neuronctl.engine.sampling import DEFAULT_GLOBAL_TOPK
+from neuronctl.engine.tokenizer import EngineTokenizer
 from neuronctl.errors import NeuronctlError, NotFoundError, UsageError
 from neuronctl.store.manifest import Manifest, read_manifest
 
@@ -31,7 +32,7 @@ class LoadedArtifact:
     path: Path
     manifest: Manifest
     runner: Runner
-    tokenizer: Any  # a transformers PreTrainedTokenizerBase
+    tokenizer: EngineTokenizer
     eos_ids: list[int]
     global_topk: int = DEFAULT_GLOBAL_TOPK
 
@@ -40,23 +41,11 @@ class LoadedArtifact:
         """The default served model name: what the user compiled (a Hub id or a path)."""
         return self.manifest.source.model or self.path.name
 
-    def detokenize(self, token_ids: Any) -> str:
-        return str(self.tokenizer.decode(list(token_ids), skip_special_tokens=True))
-
     def encode(self, text: str) -> list[int]:
-        return list(self.tokenizer(text, add_special_tokens=True)["input_ids"])
+        return self.tokenizer.encode(text)
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        if not getattr(self.tokenizer, "chat_template", None):
-            raise UsageError(
-                "this model's tokenizer has no chat template",
-                "use plain completions (no --chat, /v1/completions)",
-            )
-        text = self.tokenizer.apply_chat_template(
-            messages, add_generation_prompt=True, tokenize=False
-        )
-        # The template writes any BOS itself.
-        return list(self.tokenizer(text, add_special_tokens=False)["input_ids"])
+        return self.tokenizer.encode_chat(messages)
 
 
 def resolve_artifact_path(path: str | Path | None) -> Path:
@@ -114,23 +103,15 @@ def check_reusable(
 def make_engine(loaded: LoadedArtifact, max_queue: int | None = None) -> Engine:
     return Engine(
         loaded.runner,
-        loaded.detokenize,
+        loaded.tokenizer.new_decoder,
         eos_ids=loaded.eos_ids,
         global_topk=loaded.global_topk,
         max_queue=max_queue,
     )
 
 
-def load_tokenizer(path: Path) -> Any:
-    from transformers import AutoTokenizer
-
-    try:
-        return AutoTokenizer.from_pretrained(str(path))
-    except (OSError, ValueError) as exc:
-        raise NotFoundError(
-            f"{path} has no usable tokenizer: {exc}",
-            "the artifact should contain the tokenizer files copied at compile time; recompile",
-        ) from None
+def load_tokenizer(path: Path) -> EngineTokenizer:
+    return EngineTokenizer.load(path)
 
 
 def eos_token_ids(path: Path) -> list[int]:

@@ -15,7 +15,7 @@ from typing import Any, Literal
 import torch
 
 from neuronctl.engine.sampling import SamplingParams, make_generator
-from neuronctl.engine.text import Detokenize, TextStream
+from neuronctl.engine.text import TextStream, TokenDecoder
 
 # "stop": EOS or a stop string; "length": max_tokens or the end of the sequence;
 # "abort": cancelled by the caller; "error": the runner failed.
@@ -95,7 +95,7 @@ class Request:
     params: SamplingParams  # resolved
     max_tokens: int  # resolved against the sequence length
     sink: Sink
-    detokenize: Detokenize
+    decoder: TokenDecoder  # this request's own incremental detokenizer
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     arrival: float = field(default_factory=time.perf_counter)
     slot: int | None = None
@@ -109,7 +109,7 @@ class Request:
     def __post_init__(self) -> None:
         assert self.params.seed is not None, "params must be resolved"
         self.generator = make_generator(self.params.seed)
-        self.text = TextStream(self.detokenize, self.params.stop)
+        self.text = TextStream(self.decoder, self.params.stop)
 
     @property
     def next_position(self) -> int:

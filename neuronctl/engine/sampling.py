@@ -7,6 +7,7 @@ The rules follow NxD Inference's on-device sampling (seed 002): temperature 0 me
 
 from __future__ import annotations
 
+import math
 import os
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
@@ -16,6 +17,11 @@ import torch
 from neuronctl.engine.errors import RequestError
 
 DEFAULT_GLOBAL_TOPK = 256
+# Below this a temperature is greedy in all but name, and 1/t overflows float32 (2e-39) or
+# float64 (1e-300): refused, so such a request never reaches the batch.
+MIN_TEMPERATURE = 1e-2
+# torch.Generator.manual_seed takes [-2**63, 2**64): anything else would fail inside the loop.
+SEED_RANGE = (-(2**63), 2**64)
 
 
 @dataclass(frozen=True)
@@ -36,8 +42,7 @@ class SamplingParams:
 def resolve(params: SamplingParams, global_topk: int = DEFAULT_GLOBAL_TOPK) -> SamplingParams:
     """Check a request's parameters and apply the on-device rules; raise RequestError."""
     _check_types(params)
-    if params.temperature < 0:
-        raise RequestError("temperature must be >= 0", param="temperature")
+    _check_values(params)
     if not 0 < params.top_p <= 1:
         raise RequestError("top_p must be in (0, 1]", param="top_p")
     if params.top_k < -1:
@@ -56,6 +61,21 @@ def resolve(params: SamplingParams, global_topk: int = DEFAULT_GLOBAL_TOPK) -> S
         top_k = 1
     seed = params.seed if params.seed is not None else int.from_bytes(os.urandom(8), "little") >> 1
     return replace(params, top_k=top_k, stop=stop, seed=seed)
+
+
+def _check_values(params: SamplingParams) -> None:
+    t = params.temperature
+    if not math.isfinite(t) or t < 0:
+        raise RequestError(f"temperature must be a finite number >= 0, not {t}", "temperature")
+    if 0 < t < MIN_TEMPERATURE:
+        raise RequestError(
+            f"temperature {t} is too small to sample with",
+            param="temperature",
+            hint=f"use 0 for greedy decoding, or a temperature >= {MIN_TEMPERATURE}",
+        )
+    low, high = SEED_RANGE
+    if params.seed is not None and _is_int(params.seed) and not low <= params.seed < high:
+        raise RequestError(f"seed must be in [-2**63, 2**64), not {params.seed}", "seed")
 
 
 def _is_int(value: object) -> bool:
@@ -95,7 +115,8 @@ def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -
     if params.greedy:
         return int(torch.argmax(logits))
     values, indices = torch.topk(logits.float(), min(params.top_k, logits.numel()))
-    probs = torch.softmax(values / params.temperature, dim=-1)
+    # values are sorted: subtracting the largest keeps every exponent <= 0 (no overflow).
+    probs = torch.softmax((values - values[0]) / params.temperature, dim=-1)
     if params.top_p < 1.0:
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
         before = torch.cumsum(probs, dim=-1) - probs
@@ -109,15 +130,23 @@ def sample_rows(
     rows: Sequence[int],
     params: Sequence[SamplingParams],
     gens: Sequence[torch.Generator],
-) -> list[int]:
-    """Sample one token per listed row of [batch, vocab] logits; greedy rows in one argmax."""
+) -> list[int | Exception]:
+    """One token per listed row of [batch, vocab] logits, or the exception that row raised.
+
+    Greedy rows (the common case) cost one argmax over the rows that are greedy; only the
+    sampled rows pay for top-k and a draw. A row that fails never fails the others."""
+    out: list[int | Exception] = [0] * len(rows)
     greedy = [i for i, p in enumerate(params) if p.greedy]
-    out = [0] * len(rows)
+    if len(greedy) == len(rows) and list(rows) == list(range(logits.shape[0])):
+        return list(torch.argmax(logits, dim=-1).tolist())  # the whole batch, no gather
     if greedy:
         picked = torch.argmax(logits[[rows[i] for i in greedy]], dim=-1).tolist()
         for i, token in zip(greedy, picked, strict=True):
             out[i] = token
     for i, p in enumerate(params):
         if not p.greedy:
-            out[i] = sample(logits[rows[i]], p, gens[i])
+            try:
+                out[i] = sample(logits[rows[i]], p, gens[i])
+            except Exception as exc:  # e.g. NaN logits in this row: only this request fails
+                out[i] = exc
     return out

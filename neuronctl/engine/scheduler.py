@@ -1,16 +1,32 @@
-"""Which requests occupy which KV-cache slot. No tensors, no threads, no HTTP.
+"""Which requests run this step, and in which KV-cache slot. No tensors, no threads, no HTTP.
 
 Neuron's static cache has `batch_size` slots; a request holds one from its context encoding to
-its last token. Waiting requests enter freed slots first come, first served. The engine calls
-these methods with its lock held.
+its last token. `schedule()` decides one engine step and returns it as a `SchedulerOutput`;
+the engine applies that and reports back with `release()`. New policies (preemption, chunked
+or batched prefill limits, speculation) change what `schedule()` returns, not the engine loop.
+The engine calls these methods with its lock held.
 """
 
 from __future__ import annotations
 
 from collections import deque
+from dataclasses import dataclass, field
 
 from neuronctl.engine.errors import QueueFullError
 from neuronctl.engine.request import Request
+
+
+@dataclass(frozen=True)
+class SchedulerOutput:
+    """One engine step: what to context-encode, what to decode, what was dropped."""
+
+    prefill: list[Request] = field(default_factory=list)  # newly given a slot: encode the prompt
+    decode: list[Request] = field(default_factory=list)  # hold a slot already: one token each
+    aborted: list[Request] = field(default_factory=list)  # cancelled; their slots are free
+
+    @property
+    def empty(self) -> bool:
+        return not (self.prefill or self.decode or self.aborted)
 
 
 class Scheduler:
@@ -18,6 +34,10 @@ class Scheduler:
         self.slots: list[Request | None] = [None] * batch_size
         self.waiting: deque[Request] = deque()
         self.max_queue = max_queue
+
+    @property
+    def batch_size(self) -> int:
+        return len(self.slots)
 
     def add(self, request: Request) -> None:
         # Waiting requests go to free slots first: only those beyond them are queued.
@@ -30,8 +50,30 @@ class Scheduler:
             )
         self.waiting.append(request)
 
-    def admit(self) -> list[Request]:
-        """Move waiting requests into free slots; return them (they need a prefill)."""
+    def schedule(self) -> SchedulerOutput:
+        """Drop cancelled requests, decode every running one, admit waiting ones (FIFO)."""
+        aborted = self._take_cancelled()
+        decode = self.running()
+        return SchedulerOutput(prefill=self._admit(), decode=decode, aborted=aborted)
+
+    def release(self, request: Request) -> None:
+        if request.slot is not None and self.slots[request.slot] is request:
+            self.slots[request.slot] = None
+
+    def running(self) -> list[Request]:
+        return [r for r in self.slots if r is not None]
+
+    def has_work(self) -> bool:
+        return bool(self.waiting) or any(r is not None for r in self.slots)
+
+    def drain_all(self) -> list[Request]:
+        """Remove every request, waiting or running (the engine stopped)."""
+        gone = list(self.waiting) + self.running()
+        self.waiting.clear()
+        self.slots = [None] * len(self.slots)
+        return gone
+
+    def _admit(self) -> list[Request]:
         admitted = []
         for slot, occupant in enumerate(self.slots):
             if occupant is None and self.waiting:
@@ -41,22 +83,12 @@ class Scheduler:
                 admitted.append(request)
         return admitted
 
-    def release(self, request: Request) -> None:
-        if request.slot is not None and self.slots[request.slot] is request:
-            self.slots[request.slot] = None
-
-    def take_cancelled(self) -> list[Request]:
-        """Remove cancelled requests, waiting or running, and return them."""
+    def _take_cancelled(self) -> list[Request]:
         gone = [r for r in self.waiting if r.cancelled]
-        self.waiting = deque(r for r in self.waiting if not r.cancelled)
+        if gone:
+            self.waiting = deque(r for r in self.waiting if not r.cancelled)
         for request in self.running():
             if request.cancelled:
                 self.release(request)
                 gone.append(request)
         return gone
-
-    def running(self) -> list[Request]:
-        return [r for r in self.slots if r is not None]
-
-    def has_work(self) -> bool:
-        return bool(self.waiting) or any(r is not None for r in self.slots)

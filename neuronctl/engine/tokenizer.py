@@ -1,0 +1,238 @@
+"""The artifact's tokenizer, read with the `tokenizers` library and jinja2 directly.
+
+Importing transformers costs seconds of cold start (issue 14); what serving needs is the fast
+tokenizer (`tokenizer.json`), the special tokens and chat template from `tokenizer_config.json`
+/ `chat_template.jinja`, and incremental decoding (tokenizers' `DecodeStream`). A checkpoint
+with only a sentencepiece model falls back to transformers' AutoTokenizer.
+
+The chat template renders the way transformers renders it: a sandboxed jinja2 environment with
+trim_blocks and lstrip_blocks, loop controls, a `tojson` that does not escape HTML, and the
+`raise_exception` and `strftime_now` globals templates call.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from datetime import datetime
+from functools import cached_property
+from pathlib import Path
+from typing import Any
+
+from neuronctl.engine.text import TokenDecoder, WindowDecoder
+from neuronctl.errors import NotFoundError, UsageError
+
+SPECIAL_NAMES = ("bos_token", "eos_token", "unk_token", "pad_token")
+
+
+class EngineTokenizer:
+    """encode / decode / chat template / a fresh incremental decoder per request."""
+
+    def __init__(self, backend: Any, config: dict[str, Any], chat_template: str | None) -> None:
+        self._tok = backend  # tokenizers.Tokenizer
+        self.config = config
+        self.chat_template = chat_template
+        self.specials = {n: s for n in SPECIAL_NAMES if (s := _token_text(config.get(n)))}
+        self._cleanup = bool(config.get("clean_up_tokenization_spaces", False))
+
+    @classmethod
+    def load(cls, path: Path) -> EngineTokenizer:
+        config = _read_json(path / "tokenizer_config.json") or {}
+        template = _chat_template(path, config)
+        if not (path / "tokenizer.json").is_file():
+            return TransformersTokenizer.load(path, config, template)
+        from tokenizers import Tokenizer
+
+        try:
+            backend = Tokenizer.from_file(str(path / "tokenizer.json"))
+        except Exception as exc:  # a corrupt file: say which, not a Rust panic string
+            raise NotFoundError(
+                f"{path / 'tokenizer.json'} cannot be read: {exc}",
+                "the artifact should contain the tokenizer files copied at compile time; recompile",
+            ) from None
+        return cls(backend, config, template)
+
+    @property
+    def eos_token_id(self) -> int | None:
+        eos = self.specials.get("eos_token")
+        return None if eos is None else self.token_id(eos)
+
+    def token_id(self, token: str) -> int | None:
+        value = self._tok.token_to_id(token)
+        return None if value is None else int(value)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        ids = list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
+        return self._with_flags(ids) if add_special_tokens else ids
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        text = str(self._tok.decode(list(token_ids), skip_special_tokens=True))
+        return _clean_up(text) if self._cleanup else text
+
+    def new_decoder(self) -> TokenDecoder:
+        if self._cleanup:  # the clean-up looks across tokens: decode a window instead
+            return WindowDecoder(self.decode)
+        return StreamDecoder(self._tok)
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        # The template writes any BOS itself.
+        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+
+    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
+        if not self.chat_template:
+            raise UsageError(
+                "this model's tokenizer has no chat template",
+                "use plain completions (no --chat, /v1/completions)",
+            )
+        return str(
+            self._template.render(messages=messages, add_generation_prompt=True, **self.specials)
+        )
+
+    @cached_property
+    def _template(self) -> Any:
+        return _compile_template(self.chat_template or "")
+
+    def _with_flags(self, ids: list[int]) -> list[int]:
+        """tokenizer_config's add_bos_token / add_eos_token, where given, win over the
+        post-processor in tokenizer.json (as in transformers)."""
+        for flag, name, at_start in (("add_bos_token", "bos_token", True),
+                                     ("add_eos_token", "eos_token", False)):  # fmt: skip
+            wanted = self.config.get(flag)
+            token = self.specials.get(name)
+            tid = None if token is None else self.token_id(token)
+            if wanted is None or tid is None:
+                continue
+            edge = 0 if at_start else -1
+            has = bool(ids) and ids[edge] == tid
+            if wanted and not has:
+                ids = [tid, *ids] if at_start else [*ids, tid]
+            elif not wanted and has:
+                ids = ids[1:] if at_start else ids[:-1]
+        return ids
+
+
+class StreamDecoder:
+    """tokenizers' DecodeStream, plus the ids it still holds at the end of the output.
+
+    DecodeStream returns nothing while the text ends in an incomplete character; if the
+    output ends there, `flush` decodes those ids after the last ones that gave text (so
+    merges and spaces come out as a whole-output decode gives them)."""
+
+    def __init__(self, tokenizer: Any) -> None:
+        from tokenizers.decoders import DecodeStream
+
+        self._tok = tokenizer
+        self._stream = DecodeStream(skip_special_tokens=True)
+        self._context: list[int] = []  # the ids of the last step that gave text
+        self._held: list[int] = []  # ids since then
+
+    def __call__(self, token_id: int) -> str:
+        self._held.append(token_id)
+        text = self._stream.step(self._tok, token_id)
+        if not text:
+            return ""
+        self._context, self._held = self._held, []
+        return str(text)
+
+    def flush(self) -> str:
+        if not self._held:
+            return ""
+        decode = self._tok.decode
+        before = decode(self._context, skip_special_tokens=True)
+        text = decode(self._context + self._held, skip_special_tokens=True)
+        self._context, self._held = self._context + self._held, []
+        return str(text[len(before) :])
+
+
+class TransformersTokenizer(EngineTokenizer):
+    """The fallback for checkpoints without tokenizer.json (sentencepiece only)."""
+
+    @classmethod
+    def load(  # type: ignore[override]
+        cls, path: Path, config: dict[str, Any], template: str | None
+    ) -> TransformersTokenizer:
+        from transformers import AutoTokenizer
+
+        try:
+            backend = AutoTokenizer.from_pretrained(str(path))
+        except (OSError, ValueError) as exc:
+            raise NotFoundError(
+                f"{path} has no usable tokenizer: {exc}",
+                "the artifact should contain the tokenizer files copied at compile time; recompile",
+            ) from None
+        return cls(backend, config, template or getattr(backend, "chat_template", None))
+
+    def token_id(self, token: str) -> int | None:
+        value = self._tok.convert_tokens_to_ids(token)
+        return None if value is None else int(value)
+
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return list(self._tok(text, add_special_tokens=add_special_tokens)["input_ids"])
+
+    def decode(self, token_ids: Sequence[int]) -> str:
+        return str(self._tok.decode(list(token_ids), skip_special_tokens=True))
+
+    def new_decoder(self) -> TokenDecoder:
+        return WindowDecoder(self.decode)
+
+
+def _token_text(value: Any) -> str | None:
+    if isinstance(value, dict):  # {"content": "<s>", "lstrip": false, ...}
+        value = value.get("content")
+    return value if isinstance(value, str) and value else None
+
+
+def _read_json(path: Path) -> dict[str, Any] | None:
+    try:
+        data = json.loads(path.read_text(encoding="utf-8"))
+    except (OSError, ValueError):
+        return None
+    return data if isinstance(data, dict) else None
+
+
+def _chat_template(path: Path, config: dict[str, Any]) -> str | None:
+    """chat_template.jinja, else chat_template.json, else tokenizer_config's (possibly a list
+    of named templates: the "default" one)."""
+    jinja = path / "chat_template.jinja"
+    if jinja.is_file():
+        return jinja.read_text(encoding="utf-8")
+    value = (_read_json(path / "chat_template.json") or {}).get("chat_template")
+    value = value or config.get("chat_template")
+    if isinstance(value, list):
+        named = {t.get("name"): t.get("template") for t in value if isinstance(t, dict)}
+        value = named.get("default")
+    return value if isinstance(value, str) and value else None
+
+
+def _compile_template(source: str) -> Any:
+    import jinja2
+    from jinja2.ext import loopcontrols
+    from jinja2.sandbox import ImmutableSandboxedEnvironment
+
+    def raise_exception(message: str) -> None:
+        raise jinja2.exceptions.TemplateError(message)
+
+    def tojson(x: Any, ensure_ascii: bool = False, indent: Any = None,
+               separators: Any = None, sort_keys: bool = False) -> str:  # fmt: skip
+        return json.dumps(
+            x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys
+        )
+
+    env = ImmutableSandboxedEnvironment(trim_blocks=True, lstrip_blocks=True,
+                                        extensions=[loopcontrols])  # fmt: skip
+    env.filters["tojson"] = tojson
+    env.globals["raise_exception"] = raise_exception
+    env.globals["strftime_now"] = lambda fmt: datetime.now().strftime(fmt)
+    try:
+        return env.from_string(source)
+    except jinja2.exceptions.TemplateSyntaxError as exc:
+        raise UsageError(f"the model's chat template does not parse: {exc}") from None
+
+
+def _clean_up(text: str) -> str:
+    """transformers' clean_up_tokenization: no space before punctuation and contractions."""
+    for before, after in ((" .", "."), (" ?", "?"), (" !", "!"), (" ,", ","), (" ' ", "'"),
+                          (" n't", "n't"), (" 'm", "'m"), (" 's", "'s"), (" 've", "'ve"),
+                          (" 're", "'re")):  # fmt: skip
+        text = text.replace(before, after)
+    return text
