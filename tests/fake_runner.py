@@ -146,11 +146,14 @@ class FakeTextModel:
 
 
 def main(argv: Sequence[str]) -> None:
+    import sys
+
     """`python -m tests.fake_runner --tokenizer DIR --port N ...`: the real server over a
     FakeRunner, for tests that need slow, predictable steps (queue limits, SIGTERM drain)."""
     import argparse
 
     from neuronctl.engine.engine import Engine
+    from neuronctl.server.app import Limits
     from neuronctl.server.run import run_server
 
     parser = argparse.ArgumentParser()
@@ -160,6 +163,10 @@ def main(argv: Sequence[str]) -> None:
     parser.add_argument("--seq-len", type=int, default=128)
     parser.add_argument("--step-delay", type=float, default=0.05)
     parser.add_argument("--max-queue", type=int, default=1)
+    parser.add_argument("--api-key")
+    parser.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
+    parser.add_argument("--max-prompt-chars", type=int)
+    parser.add_argument("--host", default="127.0.0.1")
     args = parser.parse_args(argv)
     runner = FakeRunner(args.batch_size, args.seq_len, step_delay=args.step_delay)
     engine = Engine(runner, byte_decoder, eos_ids=[EOS_ID], max_queue=args.max_queue)
@@ -167,13 +174,17 @@ def main(argv: Sequence[str]) -> None:
         engine,
         FakeTextModel(args.tokenizer),
         served_model_name="fake",
+        host=args.host,
         port=args.port,
+        api_key=args.api_key,
         max_model_len=args.seq_len,
         log_level="warning",
+        limits=Limits(args.max_body_bytes, args.max_prompt_chars),
+        on_ready=lambda: print("serving on", args.port, file=sys.stderr, flush=True),
     )
 
 
 if __name__ == "__main__":
-    import sys
+    import sys as _sys
 
-    main(sys.argv[1:])
+    main(_sys.argv[1:])

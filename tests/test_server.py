@@ -8,6 +8,7 @@ enough to act while a request is in flight).
 from __future__ import annotations
 
 import asyncio
+import json
 import os
 import signal
 import socket
@@ -16,6 +17,7 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
 import httpx
 import openai
@@ -300,22 +302,187 @@ def test_a_client_that_goes_away_frees_its_slot(slow_server: Server) -> None:
     assert time.monotonic() < deadline - 3
 
 
-def test_sigterm_finishes_in_flight_requests_and_exits_0(tiny_llama: Path) -> None:
+def test_sigterm_drains_with_health_503_then_exits_0(tiny_llama: Path) -> None:
     port = free_port()
     srv = Server(fake_argv(tiny_llama, port, "--batch-size", "2", "--max-queue", "4"), port)
-    body = {"model": "fake", "prompt": "a", "max_tokens": 20, "ignore_eos": True, "stream": True}
+    body = {"model": "fake", "prompt": "a", "max_tokens": 60, "ignore_eos": True, "stream": True}
     chunks = []
     with httpx.Client(timeout=30) as http:
         with http.stream("POST", srv.url + "/v1/completions", json=body) as stream:
             lines = stream.iter_lines()
             chunks.append(next(lines))
             srv.proc.send_signal(signal.SIGTERM)
-            time.sleep(0.3)
-            with pytest.raises(httpx.TransportError):  # no longer accepting
-                httpx.get(srv.url + "/health", timeout=2)
+            time.sleep(0.3)  # 60 tokens take 3 s: the stream is still running
+            health = httpx.get(srv.url + "/health", timeout=2)  # still answering: draining
+            assert health.status_code == 503 and health.json()["status"] == "draining"
+            assert health.json()["running"] == 1
+            refused = httpx.post(srv.url + "/v1/completions", json=body, timeout=2)
+            assert refused.status_code == 503
             chunks += list(lines)
     assert srv.proc.wait(30) == 0
     data = [c for c in chunks if c.startswith("data: {")]
-    assert len(data) == 20  # every token arrived, the last with its finish reason
+    assert len(data) == 60  # every token arrived, the last with its finish reason
     assert '"finish_reason":"length"' in data[-1]
     assert [c for c in chunks if c][-1] == "data: [DONE]"
+    with pytest.raises(httpx.TransportError):  # gone once nothing was left in flight
+        httpx.get(srv.url + "/health", timeout=2)
+
+
+# -- hardening: isolation, limits, refusals ----------------------------------------------------
+
+
+def test_bad_sampling_values_get_400_while_greedy_neighbours_succeed(server: Server) -> None:
+    async def greedy(client: openai.AsyncOpenAI, i: int) -> int:
+        out = await client.completions.create(
+            model=MODEL, prompt=f"neighbour {i}", max_tokens=8, **GREEDY
+        )
+        return len(out.choices[0].model_extra["token_ids"])  # type: ignore[index]
+
+    async def bad(client: openai.AsyncOpenAI, **fields: Any) -> str | None:
+        try:
+            await client.completions.create(model=MODEL, prompt="x", max_tokens=8, **fields)
+        except openai.BadRequestError as exc:
+            return exc.body["param"]  # type: ignore[index]
+        return None
+
+    async def together() -> list[Any]:
+        async with openai.AsyncOpenAI(
+            base_url=server.url + "/v1", api_key=API_KEY, max_retries=0
+        ) as client:
+            return await asyncio.gather(
+                *(greedy(client, i) for i in range(3)),
+                bad(client, temperature=2e-39),
+                bad(client, temperature=1e-300),
+                bad(client, seed=2**64),
+            )
+
+    results = asyncio.run(together())
+    assert results == [8, 8, 8, "temperature", "temperature", "seed"]
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("logit_bias", {"5": 10}),
+        ("presence_penalty", 0.5),
+        ("frequency_penalty", 1.0),
+        ("response_format", {"type": "json_object"}),
+        ("tools", [{"type": "function", "function": {"name": "f"}}]),
+        ("logprobs", 2),
+        ("n", 2),
+    ],
+)
+def test_unsupported_result_changing_fields_are_refused_by_name(
+    client: openai.OpenAI, field: str, value: Any
+) -> None:
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(model=MODEL, prompt="x", max_tokens=2, extra_body={field: value})
+    assert exc.value.body["param"] == field  # type: ignore[index]
+    assert field in str(exc.value)
+
+
+def test_neutral_values_of_unsupported_fields_are_accepted(client: openai.OpenAI) -> None:
+    out = client.chat.completions.create(
+        model=MODEL, messages=[{"role": "user", "content": "x"}], max_tokens=2,
+        presence_penalty=0, frequency_penalty=0, logit_bias={}, n=1,
+        response_format={"type": "text"}, user="someone",
+    )  # fmt: skip
+    assert out.choices[0].finish_reason in ("stop", "length")
+
+
+def test_an_empty_prompt_is_refused(client: openai.OpenAI) -> None:
+    for prompt in ("", [""], [[]]):
+        with pytest.raises(openai.BadRequestError, match="empty"):
+            client.completions.create(model=MODEL, prompt=prompt, max_tokens=2)  # type: ignore[arg-type]
+
+
+def test_a_busy_port_fails_in_one_line_before_serving_on(
+    server: Server, compiled_artifact: Path
+) -> None:
+    argv = serve_argv(compiled_artifact, server.port)  # the module's server holds the port
+    out = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=120)
+    assert out.returncode == 1
+    assert "serving on" not in out.stderr + out.stdout
+    lines = [line for line in out.stderr.splitlines() if line.strip()]
+    assert "cannot listen on 127.0.0.1:" in lines[0] and "Traceback" not in out.stderr
+
+
+@pytest.fixture(scope="module")
+def guarded_server(tiny_llama: Path) -> Iterator[Server]:
+    port = free_port()
+    argv = fake_argv(
+        tiny_llama, port, "--batch-size", "1", "--max-queue", "4", "--api-key", API_KEY,
+        "--max-prompt-chars", "1000", "--step-delay", "0.05",
+    )  # fmt: skip
+    srv = Server(argv, port)
+    yield srv
+    srv.stop()
+
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
+
+
+UPLOADS = """
+import json, sys, threading, httpx
+url, key = sys.argv[1], sys.argv[2]
+big = b'{"model": "fake", "prompt": "' + b"x" * (50 * 1024 * 1024) + b'"}'
+def chunked():  # no Content-Length: the cap must apply while the body streams in
+    for i in range(0, len(big), 1 << 20):
+        yield big[i : i + (1 << 20)]
+auth = {"Authorization": "Bearer " + key}
+answers = {}
+def post(name, headers, content):
+    answers[name] = httpx.post(url, content=content, headers=headers, timeout=120).status_code
+threads = [threading.Thread(target=post, args=a) for a in
+           (("no key", {}, big), ("sized", auth, big), ("chunked", auth, chunked()))]
+for t in threads: t.start()
+for t in threads: t.join()
+print(json.dumps(answers))
+"""
+
+
+def test_a_50_mb_body_is_refused_while_health_keeps_answering(guarded_server: Server) -> None:
+    # The uploads come from another process, so /health timings measure the server alone.
+    uploads = subprocess.Popen(
+        [sys.executable, "-c", UPLOADS, guarded_server.url + "/v1/completions", API_KEY],
+        stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    health = []
+    while uploads.poll() is None:
+        started = time.monotonic()
+        status = httpx.get(guarded_server.url + "/health", timeout=5).status_code
+        health.append((status, time.monotonic() - started))
+        time.sleep(0.05)
+    out, _ = uploads.communicate()
+    assert json.loads(out) == {"no key": 401, "sized": 413, "chunked": 413}
+    # Answered while the uploads ran (the old server blocked /health for 40 s on one such
+    # body). The bound is generous: this is a probe on a shared, loaded host.
+    assert health and all(code == 200 and took < 5 for code, took in health), health
+
+
+def test_a_prompt_over_the_character_limit_is_refused(guarded_server: Server) -> None:
+    body = {"model": "fake", "prompt": "y" * 1001, "max_tokens": 2}
+    r = httpx.post(guarded_server.url + "/v1/completions", json=body, headers=AUTH)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    assert "at most 1000" in r.json()["error"]["message"]
+    chat = {"model": "fake", "messages": [{"role": "user", "content": "z" * 1001}]}
+    r = httpx.post(guarded_server.url + "/v1/chat/completions", json=chat, headers=AUTH)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
+
+
+def test_a_non_streaming_client_that_goes_away_frees_its_slot(guarded_server: Server) -> None:
+    body = {"model": "fake", "prompt": "a", "max_tokens": 100, "ignore_eos": True}
+    url = guarded_server.url + "/v1/completions"
+    with pytest.raises(httpx.ReadTimeout):  # 100 tokens take 5 s; the client leaves after 0.5
+        httpx.post(url, json=body, headers=AUTH, timeout=httpx.Timeout(5, read=0.5))
+    deadline = time.monotonic() + 5
+    while httpx.get(guarded_server.url + "/health").json()["running"]:
+        assert time.monotonic() < deadline - 3, "the abandoned request kept its slot"
+        time.sleep(0.05)
+
+
+def test_binding_off_loopback_without_a_key_warns(tiny_llama: Path) -> None:
+    port = free_port()
+    srv = Server(fake_argv(tiny_llama, port, "--host", "0.0.0.0"), port)
+    srv.stop()
+    assert "without an API key" in srv.log()

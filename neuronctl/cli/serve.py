@@ -51,6 +51,15 @@ def serve_command(
     max_queue: int = typer.Option(
         256, "--max-queue", min=0, help="Requests allowed to wait for a slot; beyond it, 429."
     ),
+    max_body_bytes: int = typer.Option(
+        8 * 1024 * 1024, "--max-body-bytes", min=1, help="Largest request body; beyond it, 413."
+    ),
+    max_prompt_chars: int = typer.Option(
+        0,
+        "--max-prompt-chars",
+        min=0,
+        help="Longest prompt text; beyond it, 400 (0: 32 per prompt token, at least 65536).",
+    ),
     engine: str = typer.Option("builtin", "--engine", help="builtin | vllm."),
     vllm_target: str | None = typer.Option(
         None, "--vllm-target", help="With --engine vllm: " + VLLM_TARGET_HELP, show_default=False
@@ -109,9 +118,13 @@ def serve_command(
         return
     if vllm_target:
         raise UsageError("--vllm-target only applies to --engine vllm")
+    from neuronctl.server.app import Limits
+
+    limits = Limits(max_body_bytes, max_prompt_chars or None)
     _serve_builtin(
-        path, host, port, api_key, served_model_name, max_queue, dry_run, json_out, log_level
-    )
+        path, host, port, api_key, served_model_name, max_queue, dry_run, json_out, log_level,
+        limits,
+    )  # fmt: skip
 
 
 def _artifact_path(
@@ -207,6 +220,7 @@ def _serve_builtin(
     dry_run: bool,
     json_out: bool,
     log_level: str,
+    limits: Any,
 ) -> None:
     from neuronctl.engine.loader import make_engine, open_artifact
     from neuronctl.server.run import run_server
@@ -230,11 +244,13 @@ def _serve_builtin(
         else:
             console.print(" ".join(f"{k}={v}" for k, v in plan.items()), soft_wrap=True)
         return
-    err_console.print(
-        f"serving [bold]{name}[/bold] from {path} on {plan['url']} "
-        f"({runner.batch_size} slots x {runner.seq_len} tokens)",
-        soft_wrap=True,
-    )
+    def banner() -> None:  # once the port is bound: a busy port never prints it
+        err_console.print(
+            f"serving [bold]{name}[/bold] from {path} on {plan['url']} "
+            f"({runner.batch_size} slots x {runner.seq_len} tokens)",
+            soft_wrap=True,
+        )
+
     run_server(
         make_engine(loaded, max_queue),
         loaded,
@@ -244,6 +260,8 @@ def _serve_builtin(
         api_key=api_key,
         max_model_len=runner.seq_len,
         log_level=log_level,
+        limits=limits,
+        on_ready=banner,
     )
 
 

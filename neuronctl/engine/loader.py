@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING, Any
 from neuronctl.backends import get_backend
 from neuronctl.backends.base import Runner
 from neuronctl.engine.engine import Engine
+from neuronctl.engine.errors import RequestError
 from neuronctl.engine.sampling import DEFAULT_GLOBAL_TOPK
 from neuronctl.engine.tokenizer import EngineTokenizer
 from neuronctl.errors import NeuronctlError, NotFoundError, UsageError
@@ -42,6 +43,8 @@ class LoadedArtifact:
         return self.manifest.source.model or self.path.name
 
     def encode(self, text: str) -> list[int]:
+        if not text:  # a BOS alone is no prompt (docs/runtime.md: empty prompts are refused)
+            raise RequestError("the prompt is empty", param="prompt")
         return self.tokenizer.encode(text)
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:

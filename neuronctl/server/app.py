@@ -1,5 +1,9 @@
-"""The OpenAI-compatible HTTP API, a thin layer over the engine: it parses, tokenizes, submits,
-and turns engine events into JSON or server-sent events. It never touches tensors.
+"""The OpenAI-compatible HTTP API, a thin layer over the engine: it parses, tokenizes (in a
+worker thread), submits, and turns engine events into typed JSON or server-sent events. It
+never touches tensors.
+
+Before any /v1 body is read, `Guard` refuses work while draining (503), checks the API key
+(401) and caps the body's size (413), so an unauthenticated or huge body costs nothing.
 """
 
 from __future__ import annotations
@@ -9,12 +13,14 @@ import hmac
 import json
 import time
 import uuid
-from collections.abc import AsyncIterator, Sequence
-from typing import Any, Protocol
+from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal, Protocol
 
-from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, PlainTextResponse, StreamingResponse
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.concurrency import run_in_threadpool
 from starlette.exceptions import HTTPException as StarletteHTTPException
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
@@ -23,10 +29,30 @@ from neuronctl.engine.errors import EngineStoppedError, QueueFullError, RequestE
 from neuronctl.engine.request import Event, RequestOutput
 from neuronctl.engine.sampling import SamplingParams
 from neuronctl.errors import UsageError
-from neuronctl.server.metrics import Metrics
-from neuronctl.server.protocol import ERROR_TYPES, ChatRequest, CompletionRequest, error_body
+from neuronctl.server.metrics import CONTENT_TYPE, Metrics
+from neuronctl.server.protocol import (
+    ERROR_TYPES,
+    AssistantMessage,
+    ChatChoice,
+    ChatChunkChoice,
+    ChatCompletion,
+    ChatRequest,
+    Chunk,
+    Completion,
+    CompletionChoice,
+    CompletionRequest,
+    Delta,
+    ModelCard,
+    ModelList,
+    Usage,
+    error_body,
+)
 
 ENDPOINTS = ("/v1/models", "/v1/completions", "/v1/chat/completions", "/health", "/metrics")
+DEFAULT_MAX_BODY_BYTES = 8 * 1024 * 1024
+# Without a limit given: this many characters per prompt token the artifact accepts (a longer
+# text cannot fit, and tokenizing it would only cost time), and never fewer than the floor.
+CHARS_PER_TOKEN, MIN_PROMPT_CHARS = 32, 65536
 
 
 class TextModel(Protocol):
@@ -35,6 +61,17 @@ class TextModel(Protocol):
     def encode(self, text: str) -> list[int]: ...
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]: ...
+
+
+@dataclass(frozen=True)
+class Limits:
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    max_prompt_chars: int | None = None  # None: from the engine's longest prompt
+
+    def prompt_chars(self, max_prompt_tokens: int) -> int:
+        if self.max_prompt_chars is not None:
+            return self.max_prompt_chars
+        return max(CHARS_PER_TOKEN * max_prompt_tokens, MIN_PROMPT_CHARS)
 
 
 class ApiError(Exception):
@@ -59,18 +96,14 @@ def create_app(
     served_model_name: str,
     api_key: str | None = None,
     max_model_len: int | None = None,
+    limits: Limits = Limits(),
 ) -> FastAPI:
     app = FastAPI(title="neuronctl", docs_url=None, redoc_url=None, openapi_url=None)
     app.state.draining = False
     metrics = Metrics(engine.stats)
+    app.state.metrics = metrics
     created = int(time.time())
-
-    async def check_key(request: Request) -> None:
-        if api_key is None:
-            return
-        given = request.headers.get("authorization", "")
-        if not hmac.compare_digest(given.encode(), f"Bearer {api_key}".encode()):
-            raise ApiError(401, "missing or wrong API key: send 'Authorization: Bearer KEY'")
+    card = ModelCard(id=served_model_name, created=created, max_model_len=max_model_len)
 
     def check_model(name: str) -> None:
         if name != served_model_name:
@@ -81,58 +114,86 @@ def create_app(
                 "model_not_found",
             )
 
-    v1 = APIRouter(prefix="/v1", dependencies=[Depends(check_key)])
+    max_chars = limits.prompt_chars(engine.max_prompt)
+
+    def check_chars(n: int, param: str) -> None:
+        if n > max_chars:
+            raise RequestError(
+                f"the prompt has {n} characters; this server accepts at most {max_chars}",
+                param=param,
+                hint="start the server with a larger --max-prompt-chars",
+            )
+
+    v1 = APIRouter(prefix="/v1")
 
     @v1.get("/models")
-    async def list_models() -> dict[str, Any]:
-        return {"object": "list", "data": [model_card()]}
+    async def list_models() -> Response:
+        return typed(ModelList(data=[card]))
 
     @v1.get("/models/{name:path}")
-    async def get_model(name: str) -> dict[str, Any]:
+    async def get_model(name: str) -> Response:
         check_model(name)
-        return model_card()
-
-    def model_card() -> dict[str, Any]:
-        card = {"id": served_model_name, "object": "model", "created": created}
-        return {**card, "owned_by": "neuronctl", "max_model_len": max_model_len}
+        return typed(card)
 
     @v1.post("/completions")
-    async def completions(body: CompletionRequest) -> Any:
+    async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
         params = body.sampling(body.max_tokens)
-        prompts = [model.encode(p) if isinstance(p, str) else p for p in body.prompts()]
+        texts = body.prompts()
+        check_chars(body.prompt_chars(), "prompt")
+        prompts = [await _encode(model.encode, p) if isinstance(p, str) else p for p in texts]
         run = Run(engine, prompts, params, metrics)
-        stream = CompletionStream(run, served_model_name, "text_completion", body)
+        stream = CompletionStream(run, served_model_name, chat=False, body=body)
         if body.stream:
             return sse(stream.chunks())
-        return await stream.whole()
+        return typed(await stream.whole(request))
 
     @v1.post("/chat/completions")
-    async def chat(body: ChatRequest) -> Any:
+    async def chat(body: ChatRequest, request: Request) -> Response:
         check_model(body.model)
         params = body.sampling(body.max_new_tokens())
-        prompt = model.encode_chat([m.as_template_message() for m in body.messages])
+        check_chars(body.prompt_chars(), "messages")
+        messages = [m.as_template_message() for m in body.messages]
+        prompt = await run_in_threadpool(model.encode_chat, messages)
         run = Run(engine, [prompt], params, metrics)
-        stream = CompletionStream(run, served_model_name, "chat.completion", body)
+        stream = CompletionStream(run, served_model_name, chat=True, body=body)
         if body.stream:
             return sse(stream.chunks())
-        return await stream.whole()
+        return typed(await stream.whole(request))
 
     app.include_router(v1)
 
     @app.get("/health")
     async def health() -> JSONResponse:
         if app.state.draining:
-            return JSONResponse({"status": "draining"}, status_code=503)
+            return JSONResponse({"status": "draining", **engine.stats()}, status_code=503)
         return JSONResponse({"status": "ok", **engine.stats()})
 
     @app.get("/metrics")
-    async def prometheus() -> PlainTextResponse:
-        return PlainTextResponse(metrics.render(), media_type="text/plain; version=0.0.4")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
 
     install_error_handlers(app)
-    app.add_middleware(Gate, app_ref=app, metrics=metrics)  # type: ignore[arg-type]
+    app.add_middleware(
+        Guard,  # type: ignore[arg-type]
+        app_ref=app,
+        metrics=metrics,
+        api_key=api_key,
+        max_body_bytes=limits.max_body_bytes,
+    )
     return app
+
+
+async def _encode(encode: Any, text: str) -> list[int]:
+    """Tokenize in a worker thread: a long prompt never stalls the event loop."""
+    ids: list[int] = await run_in_threadpool(encode, text)
+    if not ids:
+        raise RequestError("the prompt is empty", param="prompt")
+    return ids
+
+
+def typed(obj: Any) -> Response:
+    return Response(obj.model_dump_json(), media_type="application/json")
 
 
 def install_error_handlers(app: FastAPI) -> None:
@@ -168,11 +229,23 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(exc.status_code, str(exc.detail))
 
 
-class Gate:
-    """ASGI middleware: count requests for /metrics, and refuse new work while draining."""
+class Guard:
+    """ASGI middleware, before any body is read: draining (503), the API key on /v1 (401), the
+    body size (413, from Content-Length or while it streams in). Counts every request for
+    /metrics and how many /v1 requests are in flight (the drain waits for them)."""
 
-    def __init__(self, app: ASGIApp, app_ref: FastAPI, metrics: Metrics) -> None:
+    def __init__(
+        self,
+        app: ASGIApp,
+        app_ref: FastAPI,
+        metrics: Metrics,
+        api_key: str | None,
+        max_body_bytes: int,
+    ) -> None:
         self.app, self.app_ref, self.metrics = app, app_ref, metrics
+        self.expected = None if api_key is None else f"Bearer {api_key}".encode()
+        self.max_body = max_body_bytes
+        app_ref.state.in_flight = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
@@ -180,22 +253,63 @@ class Gate:
             return
         path = scope["path"]
         endpoint = path if path in ENDPOINTS else "other"
-        if self.app_ref.state.draining and path.startswith("/v1"):
-            self.metrics.count_request(endpoint, 503)
-            await error_response(503, "the server is shutting down")(scope, receive, send)
+        refusal = self._refusal(scope) if path.startswith("/v1") else None
+        if refusal is not None:
+            self.metrics.count_request(endpoint, refusal.status_code)
+            await refusal(scope, receive, send)
             return
-        status = 500
+        status, started, too_large = 500, False, False
 
         async def send_and_note(message: Message) -> None:
-            nonlocal status
+            nonlocal status, started
+            if too_large:  # the 413 went out already; the app's own answer goes nowhere
+                return
             if message["type"] == "http.response.start":
-                status = message["status"]
+                status, started = message["status"], True
             await send(message)
 
+        seen = 0
+
+        async def capped_receive() -> Message:
+            nonlocal seen, too_large, status
+            message = await receive()
+            if message["type"] == "http.request" and not too_large:
+                seen += len(message.get("body", b""))
+                if seen > self.max_body:  # answer now; the app sees the client gone
+                    too_large, status = True, 413
+                    await self._too_large()(scope, receive, send)
+                    return {"type": "http.disconnect"}
+            return message
+
+        state = self.app_ref.state
+        state.in_flight += 1
         try:
-            await self.app(scope, receive, send_and_note)
+            await self.app(scope, capped_receive, send_and_note)
         finally:
+            state.in_flight -= 1
             self.metrics.count_request(endpoint, status)
+
+    def _refusal(self, scope: Scope) -> JSONResponse | None:
+        if self.app_ref.state.draining:
+            return error_response(503, "the server is shutting down")
+        headers = dict(scope["headers"])
+        if self.expected is not None:
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                return error_response(
+                    401, "missing or wrong API key: send 'Authorization: Bearer KEY'"
+                )
+        length = headers.get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_body:
+            return self._too_large()
+        return None
+
+    def _too_large(self) -> JSONResponse:
+        return error_response(
+            413,
+            f"the request body is over this server's limit of {self.max_body} bytes",
+            code="body_too_large",
+        )
 
 
 class Run:
@@ -226,7 +340,7 @@ class Run:
     def prompt_tokens(self) -> int:
         return sum(h.prompt_tokens for h in self.handles)
 
-    async def events(self) -> AsyncIterator[tuple[int, Event]]:
+    async def events(self) -> AsyncGenerator[tuple[int, Event], None]:
         remaining = len(self.handles)
         try:
             while remaining:
@@ -244,91 +358,131 @@ class Run:
             handle.cancel()
 
 
-class CompletionStream:
-    """Shapes engine events as OpenAI completion or chat-completion objects."""
+async def _disconnected(request: Request) -> None:
+    """Return once the client has gone (the body was read already: the next message is the
+    disconnect, or nothing until the response is sent)."""
+    while (await request.receive())["type"] != "http.disconnect":
+        pass
 
-    def __init__(self, run: Run, model: str, kind: str, body: CompletionRequest | ChatRequest):
-        self.run, self.model, self.kind = run, model, kind
+
+class CompletionStream:
+    """Shapes engine events as typed OpenAI completion or chat-completion objects."""
+
+    def __init__(
+        self, run: Run, model: str, chat: bool, body: CompletionRequest | ChatRequest
+    ) -> None:
+        self.run, self.model, self.chat = run, model, chat
         self.include_usage = body.include_usage
         self.token_ids = body.return_token_ids
-        prefix = "chatcmpl" if kind == "chat.completion" else "cmpl"
-        self.id = f"{prefix}-{uuid.uuid4().hex}"
+        self.id = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
         self.created = int(time.time())
 
-    @property
-    def chat(self) -> bool:
-        return self.kind == "chat.completion"
-
-    def usage(self, completion_tokens: int) -> dict[str, int]:
+    def usage(self, completion_tokens: int) -> Usage:
         prompt = self.run.prompt_tokens
-        return {
-            "prompt_tokens": prompt,
-            "completion_tokens": completion_tokens,
-            "total_tokens": prompt + completion_tokens,
-        }
+        return Usage(
+            prompt_tokens=prompt,
+            completion_tokens=completion_tokens,
+            total_tokens=prompt + completion_tokens,
+        )
 
-    async def whole(self) -> dict[str, Any]:
-        outputs: dict[int, RequestOutput] = {}
-        async for index, event in self.run.events():
-            if event.output is not None:
-                outputs[index] = event.output
+    async def whole(self, request: Request) -> Completion | ChatCompletion:
+        """Collect every output; a client that disconnects first cancels its requests."""
+        collect = asyncio.ensure_future(self._collect())
+        gone = asyncio.ensure_future(_disconnected(request))
+        try:
+            await asyncio.wait({collect, gone}, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            gone.cancel()
+            if not collect.done():
+                collect.cancel()  # closes the event stream, which cancels the engine work
+        if collect.cancelled():
+            raise ApiError(499, "the client closed the request")
+        outputs = collect.result()
         failed = [o for o in outputs.values() if o.finish_reason == "error"]
         if failed:
             raise ApiError(500, f"generation failed: {failed[0].error}")
-        choices = [self._choice(i, outputs[i]) for i in sorted(outputs)]
         completion = sum(len(o.token_ids) for o in outputs.values())
-        return {**self._head(self.kind), "choices": choices, "usage": self.usage(completion)}
-
-    def _choice(self, index: int, out: RequestOutput) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": index, "finish_reason": out.finish_reason}
+        usage = self.usage(completion)
         if self.chat:
-            choice["message"] = {"role": "assistant", "content": out.text}
-        else:
-            choice["text"] = out.text
-        if self.token_ids:
-            choice["token_ids"] = out.token_ids
-        return {**choice, "logprobs": None}
+            choices = [self._chat_choice(i, outputs[i]) for i in sorted(outputs)]
+            return ChatCompletion(
+                id=self.id, created=self.created, model=self.model, choices=choices, usage=usage
+            )
+        texts = [self._text_choice(i, outputs[i]) for i in sorted(outputs)]
+        return Completion(
+            id=self.id, created=self.created, model=self.model, choices=texts, usage=usage
+        )
 
-    def _head(self, obj: str) -> dict[str, Any]:
-        return {"id": self.id, "object": obj, "created": self.created, "model": self.model}
+    async def _collect(self) -> dict[int, RequestOutput]:
+        outputs: dict[int, RequestOutput] = {}
+        events = self.run.events()
+        try:
+            async for index, event in events:
+                if event.output is not None:
+                    outputs[index] = event.output
+        finally:
+            await events.aclose()
+        return outputs
 
-    async def chunks(self) -> AsyncIterator[dict[str, Any]]:
-        obj = "chat.completion.chunk" if self.chat else "text_completion"
-        extra = {"usage": None} if self.include_usage else {}
+    def _ids(self, ids: list[int]) -> list[int] | None:
+        return ids if self.token_ids else None
+
+    def _text_choice(self, index: int, out: RequestOutput) -> CompletionChoice:
+        return CompletionChoice(
+            index=index, text=out.text, finish_reason=out.finish_reason,
+            token_ids=self._ids(out.token_ids),
+        )  # fmt: skip
+
+    def _chat_choice(self, index: int, out: RequestOutput) -> ChatChoice:
+        return ChatChoice(
+            index=index, message=AssistantMessage(content=out.text),
+            finish_reason=out.finish_reason, token_ids=self._ids(out.token_ids),
+        )  # fmt: skip
+
+    def _chunk(self, choices: list[Any], usage: Usage | None = None) -> Chunk:
+        obj: Literal["chat.completion.chunk", "text_completion"] = (
+            "chat.completion.chunk" if self.chat else "text_completion"
+        )
+        return Chunk(
+            id=self.id, object=obj, created=self.created, model=self.model,
+            choices=choices, usage=usage, with_usage=self.include_usage,
+        )  # fmt: skip
+
+    async def chunks(self) -> AsyncIterator[str]:
         if self.chat:
             for i in range(len(self.run.handles)):
-                yield {**self._head(obj), "choices": [self._delta(i, "", None, True)], **extra}
+                first = ChatChunkChoice(
+                    index=i, delta=Delta(role="assistant", content=""), finish_reason=None
+                )
+                yield self._chunk([first]).model_dump_json()
         completion = 0
         async for index, event in self.run.events():
             if event.token_id is not None:
                 completion += 1
             if event.finish_reason == "error":
-                yield error_body(f"generation failed: {event.error}", "internal_error")
+                body = error_body(f"generation failed: {event.error}", "internal_error")
+                yield json.dumps(body, separators=(",", ":"))
                 return
             if event.text or event.finish_reason or self.token_ids:
-                choice = self._delta(index, event.text, event.finish_reason, False)
+                ids = None
                 if self.token_ids:
-                    choice["token_ids"] = [] if event.token_id is None else [event.token_id]
-                yield {**self._head(obj), "choices": [choice], **extra}
+                    ids = [] if event.token_id is None else [event.token_id]
+                choice = self._delta(index, event.text, event.finish_reason, ids)
+                yield self._chunk([choice]).model_dump_json()
         if self.include_usage:
-            yield {**self._head(obj), "choices": [], "usage": self.usage(completion)}
+            yield self._chunk([], self.usage(completion)).model_dump_json()
 
-    def _delta(self, index: int, text: str, finish: str | None, first: bool) -> dict[str, Any]:
-        choice: dict[str, Any] = {"index": index, "finish_reason": finish, "logprobs": None}
+    def _delta(self, index: int, text: str, finish: Any, ids: list[int] | None) -> Any:
         if self.chat:
-            delta: dict[str, Any] = {"role": "assistant", "content": ""} if first else {}
-            if text:
-                delta["content"] = text
-            choice["delta"] = delta
-        else:
-            choice["text"] = text
-        return choice
+            delta = Delta(content=text or None)
+            return ChatChunkChoice(index=index, delta=delta, finish_reason=finish, token_ids=ids)
+        return CompletionChoice(index=index, text=text, finish_reason=finish, token_ids=ids)
 
 
-def sse(chunks: AsyncIterator[dict[str, Any]]) -> StreamingResponse:
+def sse(chunks: AsyncIterator[str]) -> StreamingResponse:
     async def body() -> AsyncIterator[str]:
         async for chunk in chunks:
-            yield f"data: {json.dumps(chunk, separators=(',', ':'))}\n\n"
+            yield f"data: {chunk}\n\n"
         yield "data: [DONE]\n\n"
 
     headers = {"Cache-Control": "no-cache", "X-Accel-Buffering": "no"}
