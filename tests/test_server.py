@@ -214,17 +214,20 @@ def test_malformed_requests_get_openai_error_json(server: Server, client: openai
 
 def test_metrics_are_prometheus_text(server: Server, client: openai.OpenAI) -> None:
     client.completions.create(model=MODEL, prompt="m", max_tokens=3, **GREEDY)
+    from prometheus_client.parser import text_string_to_metric_families
+
     text = httpx.get(server.url + "/metrics").text
     samples = {
-        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
-        for line in text.splitlines()
-        if line and not line.startswith("#")
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
     }
-    assert samples["neuronctl_slots_total"] == 4
-    assert samples["neuronctl_time_to_first_token_seconds_count"] >= 1
-    assert samples["neuronctl_time_per_output_token_seconds_count"] >= 2
-    assert samples['neuronctl_requests_total{endpoint="/v1/completions",code="200"}'] >= 1
-    assert samples["neuronctl_generation_tokens_total"] >= 3
+    assert samples[("neuronctl_slots_total", ())] == 4
+    assert samples[("neuronctl_time_to_first_token_seconds_count", ())] >= 1
+    assert samples[("neuronctl_time_per_output_token_seconds_count", ())] >= 2
+    labels = (("code", "200"), ("endpoint", "/v1/completions"))
+    assert samples[("neuronctl_requests_total", labels)] >= 1
+    assert samples[("neuronctl_generation_tokens_total", ())] >= 3
     assert "# TYPE neuronctl_queue_depth gauge" in text
 
 
