@@ -2,18 +2,22 @@
 
 from __future__ import annotations
 
+import logging
 import re
 import shutil
 from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
+from pydantic import ByteSize, TypeAdapter, ValidationError
+
 from neuronctl.errors import UsageError
 from neuronctl.store.local import Store
 from neuronctl.store.manifest import Manifest
 
+logger = logging.getLogger(__name__)
+
 _DURATION = re.compile(r"^(\d+(?:\.\d+)?)\s*([smhdw])$")
-_SIZE = re.compile(r"^(\d+(?:\.\d+)?)\s*([KMGT]?i?B?)$", re.IGNORECASE)
 _SECONDS = {"s": 1, "m": 60, "h": 3600, "d": 86400, "w": 604800}
 
 
@@ -24,13 +28,32 @@ def parse_duration(text: str) -> timedelta:
     return timedelta(seconds=float(match.group(1)) * _SECONDS[match.group(2)])
 
 
+class BinaryByteSize(ByteSize):
+    """pydantic's ByteSize read with the units --max-size has always had: K, M, G, T, P, E
+    are powers of 1024 with or without "B" or "iB" (1G = 1GB = 1GiB, as `du -h` prints),
+    where ByteSize alone reads "1GB" as 10**9. Plain numbers are bytes."""
+
+    byte_sizes = {"b": 1} | {
+        f"{prefix}{suffix}": 1024 ** (power + 1)
+        for power, prefix in enumerate("kmgtpe")
+        for suffix in ("", "b", "ib")
+    }
+
+
+_SIZE = TypeAdapter(BinaryByteSize)
+
+
 def parse_size(text: str) -> int:
-    match = _SIZE.match(text.strip())
-    if not match:
-        raise UsageError(f"--max-size: {text!r} is not a size", "e.g. 500M, 20G, 1T")
-    unit = match.group(2).upper().rstrip("B").rstrip("I")
-    power = " KMGT".index(unit) if unit else 0
-    return int(float(match.group(1)) * 1024**power)
+    """Bytes in a size such as 500M, 20G, 1.5TiB or 4096; UsageError if it is not one."""
+    # ByteSize's pattern is not anchored at the end: refuse trailing words here.
+    if re.fullmatch(ByteSize.byte_string_pattern + r"\s*", text):
+        try:
+            return int(_SIZE.validate_python(text.strip()))
+        except ValidationError:
+            pass  # a unit ByteSize does not know, e.g. "5x"
+    raise UsageError(
+        f"--max-size: {text!r} is not a size", "e.g. 500M, 20G or 1T (binary: 1G = 1024**3 bytes)"
+    )
 
 
 @dataclass
@@ -101,13 +124,19 @@ def collect(
     report = GcReport(dry_run=dry_run)
     artifacts = [(p, m) for p, m in store.iter_artifacts() if m is not None]
     for path, manifest in doomed_artifacts(artifacts, keep_last, older_than, max_size):
+        logger.info("%s artifact %s (created %s)", _verb(dry_run), path.name, manifest.created)
         report.removed.append(path)
         report.freed_bytes += manifest.total_size()
         if not dry_run:
             store.remove(path)
     for path in leftovers(store):
+        logger.info("%s leftover %s", _verb(dry_run), path)
         report.leftovers.append(path)
         report.freed_bytes += _tree_size(path)
         if not dry_run:
             shutil.rmtree(path, ignore_errors=True)
     return report
+
+
+def _verb(dry_run: bool) -> str:
+    return "would remove" if dry_run else "removing"
