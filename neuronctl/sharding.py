@@ -18,6 +18,7 @@ ever held in memory. Each file's `__metadata__` records the split of every tenso
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass
 from pathlib import Path
 from typing import IO, Any
@@ -26,8 +27,11 @@ import torch
 
 from neuronctl.backends.base import NullProgress, Progress
 from neuronctl.checkpoints import Checkpoint
+from neuronctl.checkpoints.reader import valid_tp_degrees
 from neuronctl.checkpoints.safetensors_format import TensorInfo, header_bytes, write_tensor_bytes
 from neuronctl.errors import CheckpointError, SpecError
+
+logger = logging.getLogger(__name__)
 
 SHARD_NAME = "tp{rank}_sharded_checkpoint.safetensors"
 META_SPLITS = "neuronctl.splits"  # JSON {name: [kind, dim, kv_heads]}
@@ -94,15 +98,6 @@ def check_tp(config: dict[str, Any], tp: int) -> None:
         )
 
 
-def valid_tp_degrees(heads: int, kv_heads: int) -> list[int]:
-    """Degrees that divide the heads and either divide or are a multiple of the KV heads."""
-    return [
-        d
-        for d in range(1, heads + 1)
-        if heads % d == 0 and (kv_heads % d == 0 or d % kv_heads == 0)
-    ]
-
-
 PlanItem = tuple[str, Split, TensorInfo]
 
 
@@ -141,9 +136,10 @@ def shard_checkpoint(
     weights_dir.mkdir(parents=True, exist_ok=True)
     paths = [weights_dir / shard_name(rank) for rank in range(tp)]
     splits = {name: [s.kind, s.dim, s.kv_heads] for name, s, _ in items}
-    advance = (progress or NullProgress()).task(
-        f"sharding weights (tp {tp})", total=sum(info.nbytes for *_, info in items)
-    )
+    total = sum(info.nbytes for *_, info in items)
+    logger.info("sharding %s for tp %d into %s", checkpoint.ref, tp, weights_dir)
+    logger.debug("%d tensors, %d bytes as %s", len(items), total, dtype)
+    advance = (progress or NullProgress()).task(f"sharding weights (tp {tp})", total=total)
     files: list[IO[bytes]] = []
     try:
         for rank, path in enumerate(paths):
@@ -155,6 +151,7 @@ def shard_checkpoint(
             ]
             out.write(header_bytes(infos, _metadata(checkpoint, tp, rank, dtype, splits)))
         for name, split, info in items:
+            logger.debug("%s %s: %s", name, list(info.shape), split.kind)
             tensor = checkpoint.tensor(name).to(info.dtype)
             for rank, f in enumerate(files):
                 write_tensor_bytes(f, split.piece(tensor, rank, tp))
@@ -167,7 +164,9 @@ def shard_checkpoint(
             f.close()
         for path in paths:
             path.unlink(missing_ok=True)
+        logger.debug("sharding failed: removed the partial shard files")
         raise
+    logger.info("wrote %d shard files in %s", len(paths), weights_dir)
     return paths
 
 
@@ -199,6 +198,7 @@ def load_full_tensors(weights_dir: Path) -> dict[str, torch.Tensor]:
         raise CheckpointError(f"{first} was not written by neuronctl (no split metadata)")
     tp = int(meta["neuronctl.tp_degree"])
     splits = json.loads(meta[META_SPLITS])
+    logger.debug("reassembling %d tensors from %d shards in %s", len(splits), tp, weights_dir)
     paths = [weights_dir / shard_name(rank) for rank in range(tp)]
     for path in paths:
         if not path.is_file():

@@ -2,14 +2,18 @@
 
 from __future__ import annotations
 
+import ast
 import json
+import logging
 import os
 import shutil
+import struct
 from pathlib import Path
 
 import pytest
 import torch
 
+import neuronctl.checkpoints
 from neuronctl.checkpoints import digest as digest_mod
 from neuronctl.checkpoints import open_checkpoint
 from neuronctl.checkpoints.registry import check_supported, supported_backends
@@ -70,11 +74,75 @@ def test_truncated_safetensors(tiny_llama: Path, tmp_path: Path) -> None:
     path = copy(tiny_llama, tmp_path / "m")
     weights = path / "model.safetensors"
     os.truncate(weights, weights.stat().st_size - 100)
-    with pytest.raises(CheckpointError, match="truncated: 100 bytes missing"):
+    with pytest.raises(CheckpointError, match="does not match its header: truncated") as info:
         open_checkpoint(str(path))
+    assert_one_line(info.value, weights)
     os.truncate(weights, 5)
-    with pytest.raises(CheckpointError, match="not a valid safetensors file"):
+    with pytest.raises(CheckpointError, match="shorter than a safetensors header") as info:
         open_checkpoint(str(path))
+    assert_one_line(info.value, weights)
+
+
+def write_with_header(path: Path, header: bytes, body: bytes = b"") -> None:
+    path.write_bytes(struct.pack("<Q", len(header)) + header + body)
+
+
+@pytest.mark.parametrize(
+    ("header", "body", "why"),
+    [
+        (b"{not json}", b"", "invalid JSON in header"),
+        (b"[1, 2]", b"", "invalid JSON in header"),
+        (b'{"w": {"dtype": "Q7", "shape": [1], "data_offsets": [0, 4]}}', b"0000", "Q7"),
+        (b'{"w": {"dtype": "F32", "shape": [2], "data_offsets": [0, 4]}}', b"0000", "invalid"),
+        (b'{"w": {"dtype": "U16", "shape": [2], "data_offsets": [0, 4]}}', b"0000", "U16, not"),
+    ],
+    ids=["not-json", "not-an-object", "unknown-dtype", "shape-vs-offsets", "unread-dtype"],
+)
+def test_damaged_safetensors_header(
+    tiny_llama: Path, tmp_path: Path, header: bytes, body: bytes, why: str
+) -> None:
+    path = copy(tiny_llama, tmp_path / "m")
+    weights = path / "model.safetensors"
+    write_with_header(weights, header, body)
+    with pytest.raises(CheckpointError, match="is not a valid safetensors file") as info:
+        open_checkpoint(str(path))
+    assert why in str(info.value)
+    assert_one_line(info.value, weights)
+
+
+def test_header_length_past_the_end(tiny_llama: Path, tmp_path: Path) -> None:
+    path = copy(tiny_llama, tmp_path / "m")
+    weights = path / "model.safetensors"
+    weights.write_bytes(struct.pack("<Q", 4096) + b"{}")
+    with pytest.raises(CheckpointError, match="header length is past the end of the file"):
+        open_checkpoint(str(path))
+
+
+def test_header_gives_names_shapes_dtypes_metadata_in_file_order(tmp_path: Path) -> None:
+    from safetensors.torch import save_file
+
+    from neuronctl.checkpoints.safetensors_format import read_header
+
+    file = tmp_path / "w.safetensors"
+    tensors = {
+        "b": torch.zeros(3, 2, dtype=torch.bfloat16),
+        "a": torch.zeros(5, dtype=torch.int64),
+        "c": torch.zeros(0, 4, dtype=torch.float16),
+    }
+    save_file(tensors, str(file), metadata={"format": "pt", "note": "x"})
+    infos, metadata = read_header(file)
+    assert metadata == {"format": "pt", "note": "x"}
+    assert {n: (i.dtype, i.shape) for n, i in infos.items()} == {
+        n: (t.dtype, tuple(t.shape)) for n, t in tensors.items()
+    }
+    offsets = json.loads(file.read_bytes()[8 : 8 + struct.unpack("<Q", file.read_bytes()[:8])[0]])
+    by_offset = sorted(tensors, key=lambda n: offsets[n]["data_offsets"][0])
+    assert list(infos) == by_offset  # the sharder reads in file order
+
+
+def assert_one_line(error: CheckpointError, file: Path) -> None:
+    assert str(file) in str(error) and "\n" not in str(error)
+    assert "download it again" in (error.hint or "")
 
 
 def test_index_pointing_at_a_missing_shard(sharded_ckpt: Path, tmp_path: Path) -> None:
@@ -155,6 +223,43 @@ def test_digest_is_cached_and_rehashes_changed_files(
     read.clear()
     assert ckpt.digest(rehash=True) == first
     assert sorted(read) == ["config.json", "model.safetensors"]
+
+
+def test_digest_logs_why_it_hashes_or_not(
+    tiny_llama: Path, tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = copy(tiny_llama, tmp_path / "m")
+    caplog.set_level(logging.DEBUG, logger="neuronctl.checkpoints.digest")
+    open_checkpoint(str(path)).digest()
+    assert "model.safetensors" in caplog.text and "not in the digest cache" in caplog.text
+    caplog.clear()
+    open_checkpoint(str(path)).digest()
+    assert "digest cache hit" in caplog.text and "hashing" not in caplog.text
+    caplog.clear()
+    os.utime(path / "config.json", ns=(1, 1))
+    open_checkpoint(str(path)).digest()
+    assert "changed since it was cached" in caplog.text
+
+
+def imported_modules(source: Path) -> set[str]:
+    """Every module a file imports, at the top, in functions or under TYPE_CHECKING."""
+    found: set[str] = set()
+    for node in ast.walk(ast.parse(source.read_text())):
+        if isinstance(node, ast.Import):
+            found.update(alias.name for alias in node.names)
+        elif isinstance(node, ast.ImportFrom) and node.module:
+            found.add(node.module)
+            found.update(f"{node.module}.{alias.name}" for alias in node.names)
+    return found
+
+
+def test_checkpoint_imports_point_one_way() -> None:
+    """digest sits below reader (no cycle), and nothing under checkpoints/ imports the CLI."""
+    package = Path(neuronctl.checkpoints.__file__).parent
+    assert "neuronctl.checkpoints.reader" not in imported_modules(package / "digest.py")
+    for source in package.glob("*.py"):
+        cli_imports = {m for m in imported_modules(source) if m.startswith("neuronctl.cli")}
+        assert not cli_imports, f"{source.name} imports {cli_imports}"
 
 
 def test_digest_follows_content_not_location(tiny_llama: Path, tmp_path: Path) -> None:

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import logging
 import os
 from collections.abc import Iterator
 from pathlib import Path
@@ -188,6 +189,29 @@ def test_cli_download_json_and_gated_exit_code(server: HubServer, tmp_path: Path
     assert gated.returncode == 1
     assert GATED in gated.stderr
     assert "Traceback" not in gated.stderr
+
+
+def test_cli_download_shows_huggingface_hub_bars_unless_turned_off(
+    server: HubServer, tmp_path: Path
+) -> None:
+    server.add_commit(REPO, {"config.json": b"{}", "model.safetensors": b"w"})
+    env = {"HF_ENDPOINT": server.url, "HF_HUB_OFFLINE": "0", "HF_HOME": str(tmp_path / "hf")}
+    bar = "Fetching 2 files"
+    shown = cli("download", REPO, env=env)
+    assert shown.returncode == 0 and bar in shown.stderr, shown.stderr
+    as_json = cli("download", REPO, "--json", env=env)
+    assert as_json.returncode == 0 and bar not in as_json.stderr
+    off = cli("download", REPO, env={**env, "HF_HUB_DISABLE_PROGRESS_BARS": "1"})
+    assert off.returncode == 0 and bar not in off.stderr
+
+
+def test_download_logs_each_step(server: HubServer, caplog: pytest.LogCaptureFixture) -> None:
+    sha = server.add_commit(REPO, {"config.json": b"{}", "model.safetensors": b"w"})
+    caplog.set_level(logging.INFO, logger="neuronctl.checkpoints.hub")
+    got = hub.download(REPO, "main")
+    assert f"{REPO} at main is commit {sha} (2 files)" in caplog.text
+    assert f"fetching 2 of 2 files of {REPO}@{sha}" in caplog.text
+    assert f"{REPO}@{sha} is at {got.path}" in caplog.text
 
 
 def test_cli_download_malformed_hub_id_is_a_usage_error() -> None:

@@ -9,8 +9,9 @@ import torch
 from safetensors import safe_open
 
 from neuronctl.checkpoints import open_checkpoint
+from neuronctl.checkpoints.reader import valid_tp_degrees
 from neuronctl.errors import SpecError
-from neuronctl.sharding import load_full_tensors, shard_checkpoint, valid_tp_degrees
+from neuronctl.sharding import load_full_tensors, shard_checkpoint
 from tests.helpers import make_checkpoint
 
 CASES = {

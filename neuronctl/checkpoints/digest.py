@@ -10,36 +10,34 @@ the weight files. Two ways avoid re-reading gigabytes:
 from __future__ import annotations
 
 import json
+import logging
 import os
 import re
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from filelock import FileLock
 
+from neuronctl.checkpoints.hub import model_files
 from neuronctl.keys import digest as json_digest
 from neuronctl.store.local import user_cache_store
 from neuronctl.store.manifest import sha256_file
 
-if TYPE_CHECKING:
-    from neuronctl.checkpoints.reader import Checkpoint
+logger = logging.getLogger(__name__)
 
 SHA256_RE = re.compile(r"^[0-9a-f]{64}$")
 CACHE_FILE = "digests.json"
 
 
-def checkpoint_digest(checkpoint: Checkpoint, rehash: bool = False) -> str:
-    files = [checkpoint.path / "config.json", *checkpoint.weight_files()]
-    return json_digest(file_hashes(checkpoint.path, files, rehash=rehash))
+def weights_digest(root: Path, weight_files: list[Path], rehash: bool = False) -> str:
+    """Over config.json and the weight files of the checkpoint in `root`."""
+    return json_digest(file_hashes(root, [root / "config.json", *weight_files], rehash=rehash))
 
 
-def model_files_digest(checkpoint: Checkpoint, rehash: bool = False) -> str:
+def model_files_digest(root: Path, rehash: bool = False) -> str:
     """Over the files an artifact carries beside its weights (tokenizer, generation config):
     not weights, but what serve reads (EOS ids, chat template), so the artifact key covers it."""
-    from neuronctl.checkpoints.hub import model_files
-
-    files = model_files(checkpoint.path)
-    return json_digest(file_hashes(checkpoint.path, files, rehash=rehash))
+    return json_digest(file_hashes(root, model_files(root), rehash=rehash))
 
 
 def file_hashes(root: Path, files: list[Path], rehash: bool = False) -> dict[str, str]:
@@ -48,7 +46,10 @@ def file_hashes(root: Path, files: list[Path], rehash: bool = False) -> dict[str
     hashes: dict[str, str] = {}
     for path in files:
         rel = path.relative_to(root).as_posix()
-        hashes[rel] = hub_blob_sha256(path) or cache.sha256(path, rehash=rehash)
+        blob = hub_blob_sha256(path)
+        if blob:
+            logger.debug("digest of %s: named by its Hub cache blob", rel)
+        hashes[rel] = blob or cache.sha256(path, rehash=rehash)
     cache.save()
     return hashes
 
@@ -84,7 +85,9 @@ class DigestCache:
         stamp = {"size": st.st_size, "mtime_ns": st.st_mtime_ns, "inode": st.st_ino}
         entry = self.entries.get(key)
         if not rehash and entry and all(entry.get(k) == v for k, v in stamp.items()):
+            logger.debug("digest cache hit: %s (size, mtime and inode unchanged)", path)
             return str(entry["sha256"])
+        logger.info("hashing %s (%d bytes): %s", path, st.st_size, _miss_reason(entry, rehash))
         sha = sha256_file(path)
         self.entries[key] = self.changed[key] = {**stamp, "sha256": sha}
         return sha
@@ -100,3 +103,11 @@ class DigestCache:
             tmp.write_text(json.dumps(merged, indent=0, sort_keys=True))
             os.replace(tmp, self.path)
         self.changed = {}
+
+
+def _miss_reason(entry: dict[str, Any] | None, rehash: bool) -> str:
+    if rehash:
+        return "--rehash"
+    if not entry:
+        return "not in the digest cache"
+    return "changed since it was cached (size, mtime or inode)"

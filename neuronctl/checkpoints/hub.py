@@ -9,6 +9,7 @@ the cache and transfers no file body.
 from __future__ import annotations
 
 import fnmatch
+import logging
 import os
 import re
 from collections.abc import Iterable, Iterator, Sequence
@@ -35,6 +36,7 @@ ESSENTIAL = (
     "*.tiktoken",
 )
 
+
 def model_files(directory: Path) -> list[Path]:
     """The ESSENTIAL files present in a checkpoint directory (globs expanded): what an artifact
     carries beside its graphs and weights, so what its key must cover."""
@@ -55,6 +57,8 @@ DUPLICATE_WEIGHTS = (
 )
 SHA_RE = re.compile(r"^[0-9a-f]{40}$")
 GATED = "this model is gated: accept its license on the Hub and set HF_TOKEN"
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -117,11 +121,15 @@ def resolve(repo_id: str, revision: str | None) -> tuple[str, list[str]]:
     """(commit sha, file names) of `repo_id` at `revision` (default branch if None)."""
     from huggingface_hub import HfApi
 
+    logger.debug("resolving %s at %s on %s", repo_id, revision or "the default branch", endpoint())
     with hub_errors(repo_id, revision):
         info = HfApi(endpoint=endpoint()).model_info(repo_id, revision=revision)
     if not info.sha:
         raise CheckpointError(f"the Hub did not return a commit for {repo_id}")
-    return info.sha, [s.rfilename for s in info.siblings or []]
+    files = [s.rfilename for s in info.siblings or []]
+    asked = revision or "the default branch"
+    logger.info("%s at %s is commit %s (%d files)", repo_id, asked, info.sha, len(files))
+    return info.sha, files
 
 
 def download(
@@ -133,14 +141,20 @@ def download(
     exclude: Sequence[str] = (),
     show_progress: bool = False,
 ) -> Download:
-    """Download (or find in the cache) `repo_id` at `revision`; see the module docstring."""
+    """Download (or find in the cache) `repo_id` at `revision`; see the module docstring.
+
+    `show_progress` shows huggingface_hub's own bars, as `hf download` does
+    (HF_HUB_DISABLE_PROGRESS_BARS=1 turns them off)."""
     from huggingface_hub import snapshot_download
 
     if offline():
+        logger.info("HF_HUB_OFFLINE is set: looking for %s in the local cache only", repo_id)
         return _from_cache(repo_id, revision, local_dir)
     sha, files = resolve(repo_id, revision)
     chosen = select_files(files, include, exclude)
-    with hub_errors(repo_id, revision), _progress(show_progress) as tqdm_class:
+    logger.info("fetching %d of %d files of %s@%s", len(chosen), len(files), repo_id, sha)
+    logger.debug("chosen: %s", ", ".join(chosen))
+    with hub_errors(repo_id, revision):
         path = snapshot_download(
             repo_id,
             revision=sha,
@@ -148,11 +162,12 @@ def download(
             local_dir=local_dir,
             cache_dir=cache_dir(),
             endpoint=endpoint(),
-            tqdm_class=tqdm_class,
+            tqdm_class=_bars(show_progress),
             max_workers=4,
         )
     if local_dir is None:
         remember_ref(repo_id, revision or "main", sha)
+    logger.info("%s@%s is at %s", repo_id, sha, path)
     return Download(repo_id, revision, sha, Path(path), chosen)
 
 
@@ -169,6 +184,7 @@ def remember_ref(repo_id: str, revision: str, sha: str) -> None:
         tmp = ref.with_name(f".{ref.name}.{os.getpid()}.tmp")
         tmp.write_text(sha)
         os.replace(tmp, ref)
+        logger.debug("recorded %s %s -> %s in the cache", repo_id, revision, sha)
 
 
 def _from_cache(repo_id: str, revision: str | None, local_dir: Path | None) -> Download:
@@ -187,6 +203,7 @@ def _from_cache(repo_id: str, revision: str | None, local_dir: Path | None) -> D
     sha = path.name if SHA_RE.match(path.name) else (revision or "")
     files = sorted(p.relative_to(path).as_posix() for p in path.rglob("*") if p.is_file())
     files = [f for f in files if not f.startswith(".cache/")]
+    logger.info("%s@%s found in the local cache at %s", repo_id, sha or "?", path)
     return Download(repo_id, revision, sha, path, files)
 
 
@@ -210,6 +227,7 @@ def hub_errors(repo_id: str, revision: str | None) -> Iterator[None]:
         mapped = map_hub_error(exc, repo_id, revision)
         if mapped is None:
             raise
+        logger.debug("huggingface_hub raised (shown as: %s)", mapped, exc_info=exc)
         raise mapped from None
 
 
@@ -244,93 +262,16 @@ def map_hub_error(exc: BaseException, repo_id: str, revision: str | None) -> Neu
     return None
 
 
-class _progress:
-    """A rich progress bar fed by huggingface_hub's tqdm hooks (or nothing when off)."""
+def _bars(show: bool) -> Any:
+    """The tqdm class for snapshot_download: None for huggingface_hub's own bars, else that
+    class switched off, for callers that print nothing (--json, and checkpoints opened by
+    compile or serve)."""
+    if show:
+        return None
+    from huggingface_hub.utils import tqdm
 
-    def __init__(self, enabled: bool) -> None:
-        self.enabled = enabled
-        self.bars: Any = None
+    class NoBars(tqdm):  # type: ignore[misc]
+        def __init__(self, *args: Any, **kwargs: Any) -> None:
+            super().__init__(*args, **{**kwargs, "disable": True})
 
-    def __enter__(self) -> Any:
-        from neuronctl.cli._common import err_console
-
-        if not self.enabled or not err_console.is_terminal:
-            return _BarBase
-        from rich.progress import (
-            BarColumn,
-            DownloadColumn,
-            Progress,
-            TextColumn,
-            TransferSpeedColumn,
-        )
-
-        self.bars = Progress(
-            TextColumn("{task.description}"),
-            BarColumn(),
-            DownloadColumn(),
-            TransferSpeedColumn(),
-            console=err_console,
-            transient=False,
-        )
-        self.bars.start()
-        return _rich_bar_class(self.bars)
-
-    def __exit__(self, *exc: Any) -> None:
-        if self.bars is not None:
-            self.bars.stop()
-
-
-class _BarBase:
-    """Just enough of tqdm's interface for what snapshot_download calls."""
-
-    def __init__(self, *args: Any, total: float | None = None, initial: float = 0, **kw: Any):
-        self.n = initial
-        self._total = total
-        self.desc = str(kw.get("desc") or "")
-        self.unit = kw.get("unit", "it")
-        self.format_dict: dict[str, Any] = {}
-
-    @property
-    def total(self) -> float | None:
-        return self._total
-
-    @total.setter
-    def total(self, value: float | None) -> None:
-        self._total = value
-
-    def update(self, n: float | None = 1) -> None:
-        self.n += n or 0
-
-    def __enter__(self) -> _BarBase:
-        return self
-
-    def __exit__(self, *exc: Any) -> None:
-        self.close()
-
-    def close(self) -> None:
-        pass
-
-    def __getattr__(self, name: str) -> Any:
-        # refresh, set_description, set_postfix_str, ...: nothing to do for us.
-        return lambda *args, **kwargs: None
-
-
-def _rich_bar_class(bars: Any) -> type[_BarBase]:
-    class RichBar(_BarBase):
-        def __init__(self, *args: Any, **kw: Any) -> None:
-            super().__init__(*args, **kw)
-            # Show one bar, the bytes written; hide the file count and the network-transfer twin.
-            visible = self.unit == "B" and not self.desc.startswith("Downloading bytes")
-            self.task = bars.add_task("downloading", total=self._total or None, visible=visible)
-            bars.update(self.task, completed=self.n)
-
-        @_BarBase.total.setter  # type: ignore[attr-defined,untyped-decorator]
-        def total(self, value: float | None) -> None:
-            self._total = value
-            bars.update(self.task, total=value or None)
-
-        def update(self, n: float | None = 1) -> None:
-            super().update(n)
-            bars.update(self.task, completed=self.n)
-
-    return RichBar
+    return NoBars

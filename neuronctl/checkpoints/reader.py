@@ -8,16 +8,21 @@ download fails in a second with one line instead of halfway through a compile.
 from __future__ import annotations
 
 import json
+import logging
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
 import torch
+from safetensors import safe_open
 
+from neuronctl.checkpoints.digest import model_files_digest, weights_digest
 from neuronctl.checkpoints.registry import describe_support, supported_backends
 from neuronctl.checkpoints.safetensors_format import TensorInfo, read_header
 from neuronctl.errors import CheckpointError, NotFoundError
 from neuronctl.spec import ModelShape
+
+logger = logging.getLogger(__name__)
 
 CONFIG = "config.json"
 SAFETENSORS_INDEX = "model.safetensors.index.json"
@@ -66,23 +71,18 @@ class Checkpoint:
         """One tensor, read on its own; the file mapping is released before returning."""
         path = self._where[self._check_name(name)]
         if path.suffix == ".safetensors":
-            from safetensors import safe_open
-
             # Open per tensor: keeping the mapping would count every page read toward RSS.
             with safe_open(str(path), framework="pt") as f:
                 return f.get_tensor(name)
         return self._pickle_file(path)[name]
 
     def digest(self, rehash: bool = False) -> str:
-        from neuronctl.checkpoints.digest import checkpoint_digest
-
-        return checkpoint_digest(self, rehash=rehash)
+        """The content digest of config.json and the weights (docs/checkpoints.md)."""
+        return weights_digest(self.path, self.weight_files(), rehash=rehash)
 
     def model_files_digest(self, rehash: bool = False) -> str:
         """The digest of the config, tokenizer and generation files an artifact copies."""
-        from neuronctl.checkpoints.digest import model_files_digest
-
-        return model_files_digest(self, rehash=rehash)
+        return model_files_digest(self.path, rehash=rehash)
 
     def num_parameters(self) -> int:
         tied = bool(self.config.get("tie_word_embeddings"))
@@ -105,6 +105,15 @@ class Checkpoint:
             # mmap keeps memory flat: tensors are paged in when used.
             self._pickled[path] = torch.load(path, map_location="cpu", weights_only=True, mmap=True)
         return self._pickled[path]
+
+
+def valid_tp_degrees(heads: int, kv_heads: int) -> list[int]:
+    """Degrees that divide the heads and either divide or are a multiple of the KV heads."""
+    return [
+        d
+        for d in range(1, heads + 1)
+        if heads % d == 0 and (kv_heads % d == 0 or d % kv_heads == 0)
+    ]
 
 
 def config_dtype(config: dict[str, Any]) -> str | None:
@@ -163,6 +172,13 @@ def open_local(
         _open_pickle(ckpt, allow_pickle)
     if not ckpt._where:
         raise CheckpointError(f"{path} holds no tensors")
+    logger.debug(
+        "opened %s: %s, %d tensors in %d files",
+        path,
+        ckpt.architecture,
+        len(ckpt._where),
+        len(ckpt.weight_files()),
+    )
     return ckpt
 
 

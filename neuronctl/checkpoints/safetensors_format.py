@@ -1,8 +1,9 @@
-"""The safetensors file format, read and written by hand.
+"""The safetensors file format: headers read with `safetensors.safe_open`, files written by hand.
 
 Reading only the header lets us list tensors, validate a file (a truncated download is caught
 before any compile starts) and plan shards without touching tensor bytes. Writing by hand lets
-the sharder stream tensors into several files at once without ever holding a whole shard.
+the sharder stream tensors into several files at once without ever holding a whole shard (the
+safetensors library only writes a file from tensors held in memory).
 
 Layout: 8-byte little-endian header length N, N bytes of JSON
 `{name: {"dtype", "shape", "data_offsets": [begin, end]}, "__metadata__": {str: str}}`, then
@@ -19,10 +20,9 @@ from pathlib import Path
 from typing import IO, Any
 
 import torch
+from safetensors import SafetensorError, safe_open
 
 from neuronctl.errors import CheckpointError
-
-MAX_HEADER = 100 * 1024 * 1024  # safetensors' own limit
 
 DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
@@ -56,41 +56,41 @@ class TensorInfo:
 
 
 def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
-    """Tensor infos in file order and the `__metadata__`; CheckpointError if damaged."""
+    """Tensor infos in file order and the `__metadata__`; CheckpointError if damaged.
+
+    `safe_open` maps the file but reads only its header, and checks it: the JSON, every
+    tensor's offsets against its dtype and shape, and the file size against the last offset.
+    """
     try:
-        size = path.stat().st_size
-        with open(path, "rb") as f:
-            head = f.read(8)
-            if len(head) < 8:
-                raise _damaged(path, "shorter than a safetensors header")
-            (n,) = struct.unpack("<Q", head)
-            if n > MAX_HEADER or 8 + n > size:
-                raise _damaged(path, "header length is past the end of the file")
-            header = json.loads(f.read(n))
+        with safe_open(str(path), framework="pt") as f:
+            metadata = f.metadata() or {}
+            infos = {name: _info(path, name, f.get_slice(name)) for name in f.offset_keys()}
+    except SafetensorError as exc:
+        raise _damaged(path, _reason(exc)) from None
     except OSError as exc:
-        raise CheckpointError(f"cannot read {path}: {exc.strerror}") from None
-    except (json.JSONDecodeError, UnicodeDecodeError):
-        raise _damaged(path, "header is not valid JSON") from None
-    if not isinstance(header, dict):
-        raise _damaged(path, "header is not a JSON object")
-    metadata = header.pop("__metadata__", None) or {}
-    entries = sorted(header.items(), key=lambda item: item[1]["data_offsets"][0])
-    infos: dict[str, TensorInfo] = {}
-    end = 0
-    for name, entry in entries:
-        dtype = DTYPES.get(entry.get("dtype"))
-        if dtype is None:
-            raise _damaged(path, f"tensor {name} has unknown dtype {entry.get('dtype')!r}")
-        info = TensorInfo(dtype, tuple(entry["shape"]))
-        begin, stop = entry["data_offsets"]
-        if stop - begin != info.nbytes:
-            raise _damaged(path, f"tensor {name} has {stop - begin} bytes, expected {info.nbytes}")
-        infos[name] = info
-        end = max(end, stop)
-    if 8 + n + end > size:
-        missing = 8 + n + end - size
-        raise _damaged(path, f"truncated: {missing} bytes missing (an interrupted download?)")
+        raise CheckpointError(f"cannot read {path}: {exc.strerror or exc}") from None
     return infos, metadata
+
+
+def _info(path: Path, name: str, view: Any) -> TensorInfo:
+    dtype = DTYPES.get(view.get_dtype())
+    if dtype is None:
+        raise _damaged(path, f"tensor {name} has dtype {view.get_dtype()}, not one neuronctl reads")
+    return TensorInfo(dtype, tuple(view.get_shape()))
+
+
+# What safetensors says (after "Error while deserializing header: ") -> what it means here.
+_REASONS = {
+    "header too small": "shorter than a safetensors header",
+    "invalid header length": "header length is past the end of the file",
+    "header too large": "header length is past the end of the file",
+    "not fully covered": "its size does not match its header: truncated (an interrupted download?)",
+}
+
+
+def _reason(exc: SafetensorError) -> str:
+    text = str(exc).splitlines()[0].removeprefix("Error while deserializing header: ")
+    return next((ours for theirs, ours in _REASONS.items() if theirs in text), text)
 
 
 def _damaged(path: Path, why: str) -> CheckpointError:

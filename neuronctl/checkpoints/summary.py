@@ -4,9 +4,8 @@ from __future__ import annotations
 
 from typing import Any
 
-from neuronctl.checkpoints.reader import Checkpoint, config_dtype
+from neuronctl.checkpoints.reader import Checkpoint, config_dtype, valid_tp_degrees
 from neuronctl.checkpoints.registry import supported_backends
-from neuronctl.sharding import valid_tp_degrees
 
 
 def summarize(ckpt: Checkpoint) -> dict[str, Any]:
