@@ -75,7 +75,10 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
 def _info(path: Path, name: str, view: Any) -> TensorInfo:
     dtype = DTYPES.get(view.get_dtype())
     if dtype is None:
-        raise _damaged(path, f"tensor {name} has dtype {view.get_dtype()}, not one neuronctl reads")
+        raise CheckpointError(
+            f"{path}: tensor {name} has dtype {view.get_dtype()}, which neuronctl does not read",
+            "supported: " + ", ".join(DTYPES),
+        )
     return TensorInfo(dtype, tuple(view.get_shape()))
 
 
@@ -83,7 +86,7 @@ def _info(path: Path, name: str, view: Any) -> TensorInfo:
 _REASONS = {
     "header too small": "shorter than a safetensors header",
     "invalid header length": "header length is past the end of the file",
-    "header too large": "header length is past the end of the file",
+    "header too large": "header length is over safetensors' limit (100 MB)",
     "not fully covered": "its size does not match its header: truncated (an interrupted download?)",
 }
 
