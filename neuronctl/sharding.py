@@ -24,10 +24,10 @@ from typing import IO, Any
 
 import torch
 
-from neuronctl.backends.base import NullProgress, Progress
 from neuronctl.checkpoints import Checkpoint
 from neuronctl.checkpoints.safetensors_format import TensorInfo, header_bytes, write_tensor_bytes
 from neuronctl.errors import CheckpointError, SpecError
+from neuronctl.progress import NullProgress, Progress
 
 SHARD_NAME = "tp{rank}_sharded_checkpoint.safetensors"
 META_SPLITS = "neuronctl.splits"  # JSON {name: [kind, dim, kv_heads]}

@@ -170,3 +170,26 @@ def test_quick_validate_does_not_import_torch(compiled_artifact: Path) -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.stdout.split() == ["True", "False"], result.stderr
+
+
+def test_readme_tour_compile_then_push_by_key_with_no_environment(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    """`compile ./model` then `artifacts push KEY`: one default store, found by every command
+    (conftest clears NEURONCTL_STORE; the default is the user cache)."""
+    from tests.conftest import TINY_SPEC
+
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in TINY_SPEC.items()]
+    compiled = cli("compile", str(tiny_llama), *flags, "--json")
+    assert compiled.returncode == 0, compiled.stderr
+    data = json.loads(compiled.stdout)
+    key, path = data["artifact_key"][:8], Path(data["path"])
+    assert not (tiny_llama / "neuron-compiled-artifacts").exists()  # the model dir is untouched
+    pushed = cli("artifacts", "push", key, f"file://{tmp_path / 'remote'}")
+    assert pushed.returncode == 0, pushed.stderr
+    remote = tmp_path / "remote" / "neuron-compiled-artifacts" / path.name
+    assert (remote / "manifest.json").is_file()
+    # --store given the directory compile printed the artifact under finds it too
+    shown = cli("artifacts", "show", key, "--store", str(path.parent), "--json")
+    assert shown.returncode == 0 and json.loads(shown.stdout)["path"] == str(path)
+    assert cli("validate", key).returncode == 0

@@ -244,7 +244,7 @@ def test_neuron_cc_flags_must_match_for_neuron_backends(artifact: Path) -> None:
     reason = validate_mod.check_cc_flags(manifest, env).reason
     assert not validate_mod.check_cc_flags(manifest, env).ok and "unset NEURON_CC_FLAGS" in reason
     recorded = manifest.model_copy(
-        update={"spec": {**manifest.spec, "cc_flags": "--model-type=transformer"}}
+        update={"spec": manifest.spec.model_copy(update={"cc_flags": "--model-type=transformer"})}
     )
     assert validate_mod.check_cc_flags(recorded, env).ok
     assert validate_mod.check_cc_flags(
@@ -274,7 +274,7 @@ def test_capacity_check_for_cpu_and_neuron_hosts(
     manifest = read_manifest(artifact)
     monkeypatch.setattr(validate_mod, "available_cpus", lambda: 1)
     assert validate_mod.check_capacity(manifest)[0].ok
-    manifest.spec["tp_degree"] = 2
+    manifest.spec = manifest.spec.model_copy(update={"tp_degree": 2})
     assert "this host has 1" in validate_mod.check_capacity(manifest)[0].reason
     manifest.backend = "nxdi"
     monkeypatch.setattr(doctor, "neuron_cores", lambda: (0, "no /dev/neuron* devices"))

@@ -11,9 +11,9 @@ from typing import Annotated
 import typer
 
 import neuronctl.cli as cli_pkg
-from neuronctl import __version__
+from neuronctl import __version__, log
 from neuronctl.cli._common import err_console, print_json
-from neuronctl.errors import EXIT_FAILED, NeuronctlError
+from neuronctl.errors import EXIT_FAILED, NeuronctlError, UsageError
 
 HELP = """Ahead-of-time compiled LLMs as reproducible, content-addressed build products.
 
@@ -26,6 +26,8 @@ Typical flow:
   neuronctl validate $NEURON_COMPILED_ARTIFACTS
 
   neuronctl serve --artifacts $NEURON_COMPILED_ARTIFACTS
+
+  neuronctl -v compile ./model   (say what it does: key, cache hit or miss and why)
 
 Exit codes: 0 ok, 1 check failed / not found / build failed, 2 usage error.
 """
@@ -54,9 +56,30 @@ def root(
     debug: Annotated[
         bool, typer.Option("--debug", help="Show tracebacks for errors.", envvar="NEURONCTL_DEBUG")
     ] = False,
+    log_level: Annotated[
+        str | None,
+        typer.Option(
+            "--log-level",
+            envvar="NEURONCTL_LOG_LEVEL",
+            help="debug | info | warning | error (default warning: quiet).",
+            show_default=False,
+        ),
+    ] = None,
+    verbose: Annotated[
+        int,
+        typer.Option(
+            "--verbose", "-v", count=True, help="Say what the tool does (-v info, -vv debug)."
+        ),
+    ] = 0,
 ) -> None:
+    # Options before the command apply to every command.
     if debug:
         os.environ["NEURONCTL_DEBUG"] = "1"
+    try:
+        level = log.level_for(log_level, verbose)
+    except ValueError as exc:
+        raise UsageError(f"--log-level: {exc}") from None
+    log.setup(level)
 
 
 def _register_commands() -> None:
