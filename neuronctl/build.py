@@ -17,7 +17,7 @@ from typing import TYPE_CHECKING, Any
 
 from neuronctl.backends import get_backend
 from neuronctl.backends.base import Backend, BuildRequest
-from neuronctl.errors import UsageError
+from neuronctl.errors import CheckpointError, UsageError
 from neuronctl.keys import Keys, compute_keys
 from neuronctl.progress import NullProgress, Progress
 from neuronctl.spec import BuildSpec, finalize, resolve_spec
@@ -129,6 +129,7 @@ def compile_model(
         logger.info("cache hit: %s is intact (every listed file at its size)", build.path)
     else:
         logger.info("cache miss: %s", problem)
+        check_tokenizer(build.checkpoint)
     reuse_from = find_graph_donor(build.store, build.keys)
     if reuse_from is not None:
         logger.info("graph key %s already compiled in %s: reusing its graphs",
@@ -211,6 +212,26 @@ def new_manifest(build: ResolvedBuild, graphs: list[str], extra: Mapping[str, An
         architecture=dict(checkpoint.config),
         graphs=graphs,
     )
+
+
+# Any one of these makes a tokenizer transformers can load (with tokenizer_config.json).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", ".tiktoken")
+
+
+def check_tokenizer(checkpoint: Checkpoint) -> None:
+    """An artifact carries its tokenizer (generate and serve read nothing else): refuse to
+    build one from a checkpoint that has none, before compiling anything."""
+    from neuronctl.checkpoints.hub import model_files
+
+    names = [p.name for p in model_files(checkpoint.path)]
+    if not any(name.endswith(TOKENIZER_FILES) for name in names):
+        raise CheckpointError(
+            f"{checkpoint.path} has no tokenizer files (tokenizer.json, tokenizer.model, "
+            "vocab.json or *.tiktoken): generate and serve could not run the artifact",
+            "copy the tokenizer files of the base model into the checkpoint directory, e.g. "
+            "`huggingface-cli download BASE_MODEL tokenizer.json tokenizer_config.json "
+            f"--local-dir {checkpoint.path}`",
+        )
 
 
 def find_graph_donor(store: Store, keys: Keys) -> Path | None:

@@ -42,11 +42,15 @@ from neuronctl.spec import (
     resolve_spec,
     spec_to_dict,
 )
-from neuronctl.store.manifest import MANIFEST, Manifest, file_problems, sha256_file
+from neuronctl.store.manifest import (
+    MANIFEST,
+    Manifest,
+    file_problems,
+    leftover_problem,
+    sha256_file,
+    stray_files,
+)
 
-# Stray files with these suffixes could be picked up by a loader (a graph, a weight shard,
-# a config), so an unlisted one makes the artifact untrustworthy. Anything else is noted only.
-LOADER_SUFFIXES = (".safetensors", ".pt", ".pt2", ".neff", ".json", ".bin", ".so", ".ntff")
 # Recorded "versions" that describe the build host rather than software (the CPU ISA inductor
 # compiled for). Equality is the wrong test for them (an AVX-512 host runs AVX2 code; export
 # graphs run anywhere): the backend's host_checks judge them.
@@ -182,6 +186,8 @@ def check_artifact(path: Path) -> tuple[Check, Manifest | None]:
         return Check(name, False, f"{path} does not exist"), None
     if not path.is_dir():
         return Check(name, False, f"{path} is a file, not an artifact directory"), None
+    if (leftover := leftover_problem(path)) is not None:
+        return Check(name, False, leftover), None
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
         empty = not any(path.iterdir())
@@ -210,6 +216,8 @@ def check_artifact(path: Path) -> tuple[Check, Manifest | None]:
         first = exc.errors()[0] if hasattr(exc, "errors") else {"msg": str(exc), "loc": ()}
         where = ".".join(str(p) for p in first["loc"]) or "manifest"
         return Check(name, False, f"{MANIFEST} is invalid at {where}: {first['msg']}"), None
+    if (edited := manifest.record_problem()) is not None:
+        return Check(name, False, f"{edited}; copy the artifact again or recompile"), None
     key = manifest.keys.artifact[:12]
     return Check(name, True, f"{manifest.backend} artifact {key}, format {version}"), manifest
 
@@ -264,14 +272,7 @@ def _names(items: list[str], limit: int = 3) -> str:
 
 
 def _stray_check(root: Path, manifest: Manifest) -> Check:
-    listed = set(manifest.files) | {MANIFEST}
-    stray = []
-    for dirpath, _dirs, names in os.walk(root):
-        for name in names:
-            rel = (Path(dirpath) / name).relative_to(root).as_posix()
-            if rel not in listed:
-                stray.append(rel)
-    risky = sorted(s for s in stray if s.endswith(LOADER_SUFFIXES))
+    risky, harmless = stray_files(root, manifest)
     if risky:
         return Check(
             "extra files",
@@ -279,8 +280,8 @@ def _stray_check(root: Path, manifest: Manifest) -> Check:
             f"not part of the build but a loader could read them: {_names(risky)}; "
             "remove them or recompile",
         )
-    if stray:
-        return Check("extra files", True, f"ignored (not read by loaders): {_names(sorted(stray))}")
+    if harmless:
+        return Check("extra files", True, f"ignored (not read by loaders): {_names(harmless)}")
     return Check("extra files", True, "none")
 
 
@@ -441,12 +442,8 @@ def _user_set(requested: BuildSpec, sources: Mapping[str, str] | None) -> list[s
     known = set(GRAPH_FIELDS) | set(WEIGHTS_FIELDS) | set(RUNTIME_FIELDS)
     compared = [f for f in FIELDS if f in known]
     if sources is not None:
-        chosen = [f for f in compared if not sources.get(f, "default").startswith("default")]
-        # max_context_length defaults to seq_len: asking for a seq len asks for that too, as a
-        # compile with the same flags would (an artifact with shorter prompts is another one).
-        if "seq_len" in chosen and "max_context_length" not in chosen:
-            chosen.append("max_context_length")
-        return [f for f in compared if f in chosen]
+        # Only what the user gave: `--seq-len 256` is not also a max_context_length request.
+        return [f for f in compared if not sources.get(f, "default").startswith("default")]
     defaults = spec_to_dict(normalize(BuildSpec.model_validate({})))
     values = spec_to_dict(requested)
     return [f for f in compared if canonical_json(values[f]) != canonical_json(defaults[f])]

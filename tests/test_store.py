@@ -206,3 +206,17 @@ def test_a_store_path_is_refused_where_an_artifact_is_expected(tmp_path: Path) -
     for ref in (str(tmp_path), str(store.artifacts)):
         with pytest.raises(UsageError, match="is an artifact store, not an artifact"):
             store.resolve(ref)
+
+
+def test_rm_racing_gc_is_a_not_found_error_not_an_internal_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = Store(tmp_path)
+    path = store.publish("k" * 20, lambda staging: manifest()).path
+    stale = list(store.iter_artifacts())
+    store.remove(path)  # `rm` wins the race
+    with pytest.raises(NotFoundError, match="already removed"):
+        store.remove(path)
+    monkeypatch.setattr(Store, "iter_artifacts", lambda self: iter(stale))
+    report = collect(store, keep_last=0)  # `gc` listed it before `rm` removed it
+    assert report.removed == []

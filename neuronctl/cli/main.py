@@ -9,6 +9,7 @@ import sys
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 
 import neuronctl.cli as cli_pkg
 from neuronctl import __version__, log
@@ -111,7 +112,7 @@ def main() -> None:
         if os.environ.get("NEURONCTL_DEBUG"):
             raise
         err_console.print(
-            f"[red]internal error:[/red] {type(exc).__name__}: {exc}\n"
+            f"[red]internal error:[/red] {type(exc).__name__}: {escape(str(exc))}\n"
             "Run again with --debug for the traceback, and please report it."
         )
         sys.exit(EXIT_FAILED)
@@ -120,9 +121,10 @@ def main() -> None:
 def _report(exc: NeuronctlError) -> None:
     if "--json" in sys.argv:
         print_json({"error": exc.message, "hint": exc.hint, "exit_code": exc.exit_code})
-    err_console.print(f"[red]error:[/red] {exc.message}", soft_wrap=True)
+    # Messages and hints are plain text: `[[build]]` or `[0, 1]` must print as written.
+    err_console.print(f"[red]error:[/red] {escape(exc.message)}", soft_wrap=True)
     if exc.hint:
-        err_console.print(f"[dim]hint:[/dim] {exc.hint}", soft_wrap=True)
+        err_console.print(f"[dim]hint:[/dim] {escape(exc.hint)}", soft_wrap=True)
 
 
 if __name__ == "__main__":

@@ -99,6 +99,8 @@ def pull_command(
 
     Exit codes: 0 pulled (or already local), 1 not found / corrupted / incomplete, 2 usage.
     """
+    if "://" not in url:  # a plain path is a shared mount, as push takes it
+        url = Path(url).expanduser().absolute().as_uri()
     store_url, key = split_artifact_url(url)
     remote = open_remote(store_url)
     local = open_store(store)

@@ -8,7 +8,7 @@ from dataclasses import dataclass, field
 from datetime import UTC, datetime, timedelta
 from pathlib import Path
 
-from neuronctl.errors import UsageError
+from neuronctl.errors import NotFoundError, UsageError
 from neuronctl.store.local import Store
 from neuronctl.store.manifest import Manifest
 
@@ -101,10 +101,13 @@ def collect(
     report = GcReport(dry_run=dry_run)
     artifacts = [(p, m) for p, m in store.iter_artifacts() if m is not None]
     for path, manifest in doomed_artifacts(artifacts, keep_last, older_than, max_size):
+        if not dry_run:
+            try:
+                store.remove(path)
+            except NotFoundError:  # a concurrent `rm` or `gc` got there first
+                continue
         report.removed.append(path)
         report.freed_bytes += manifest.total_size()
-        if not dry_run:
-            store.remove(path)
     for path in leftovers(store):
         report.leftovers.append(path)
         report.freed_bytes += _tree_size(path)

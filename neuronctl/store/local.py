@@ -219,7 +219,10 @@ class Store:
         """Remove an artifact so that no reader ever sees it half-deleted."""
         with self.lock(path.name):
             doomed = self._private(".trash") / f"{path.name}.{uuid.uuid4().hex[:8]}"
-            path.rename(doomed)
+            try:
+                path.rename(doomed)
+            except FileNotFoundError:  # `rm` and `gc` raced: the other one removed it
+                raise NotFoundError(f"{path} is already removed") from None
             shutil.rmtree(doomed, ignore_errors=True)
 
     def stale_staging(self) -> list[Path]:
