@@ -18,9 +18,11 @@ test-slow:
 test-all:
 	$(PYTEST) -m "not neuron and not hub"
 
+# lint-imports: imports point one way (the layers of docs/architecture.md, pyproject.toml).
 lint:
 	$(PYTHON) -m ruff check neuronctl tests bench
 	$(PYTHON) -m mypy neuronctl
+	PYTHONPATH=$(CURDIR) lint-imports --no-cache
 
 bench:
 	$(PYTHON) bench/shard.py

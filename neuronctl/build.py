@@ -7,8 +7,8 @@ manifest records. The store makes it atomic.
 
 from __future__ import annotations
 
+import logging
 import os
-import shutil
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -16,15 +16,25 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from neuronctl.backends import get_backend
-from neuronctl.backends.base import Backend, BuildRequest, NullProgress, Progress
-from neuronctl.errors import NeuronctlError, UsageError
+from neuronctl.backends.base import Backend, BuildRequest
+from neuronctl.errors import CheckpointError, UsageError
 from neuronctl.keys import Keys, compute_keys
-from neuronctl.spec import BuildSpec, finalize, resolve_spec, spec_to_dict
-from neuronctl.store.local import Published, Store, default_store_root, is_artifact
-from neuronctl.store.manifest import Manifest, Source, host_facts, read_manifest, sha256_file
+from neuronctl.progress import NullProgress, Progress
+from neuronctl.spec import BuildSpec, finalize, resolve_spec
+from neuronctl.store.local import Published, Store, default_store_root
+from neuronctl.store.manifest import (
+    Manifest,
+    Source,
+    host_facts,
+    intact_problem,
+    is_intact,
+    sha256_file,
+)
 
 if TYPE_CHECKING:
     from neuronctl.checkpoints import Checkpoint
+
+logger = logging.getLogger(__name__)
 
 
 @dataclass
@@ -100,8 +110,12 @@ def resolve_build(
         digest,
         model_files=checkpoint.model_files_digest(rehash),
     )
-    local_model = checkpoint.path if checkpoint.revision is None else None
-    store = Store(store_dir or default_store_root(local_model))
+    logger.info(
+        "keys for %s: artifact %s (graph %s, weights %s)",
+        spec.model, keys.artifact[:12], keys.graph[:12], keys.weights[:12],
+    )
+    store = Store(store_dir or default_store_root())
+    logger.info("store: %s", store.artifacts)
     return ResolvedBuild(spec, sources, checkpoint, backend, keys, store, versions, digest)
 
 
@@ -110,7 +124,16 @@ def compile_model(
 ) -> CompileOutcome:
     """Publish the artifact for `build`, compiling only what no artifact already has."""
     started = time.monotonic()
+    problem = intact_problem(build.path)
+    if problem is None:
+        logger.info("cache hit: %s is intact (every listed file at its size)", build.path)
+    else:
+        logger.info("cache miss: %s", problem)
+        check_tokenizer(build.checkpoint)
     reuse_from = find_graph_donor(build.store, build.keys)
+    if reuse_from is not None:
+        logger.info("graph key %s already compiled in %s: reusing its graphs",
+                    build.keys.graph[:12], reuse_from)
     reused: list[bool] = []
 
     def fill(staging: Path) -> Manifest:
@@ -125,10 +148,14 @@ def compile_model(
             )
         )
         reused.append(result.graphs_reused)
+        from neuronctl.checkpoints.hub import copy_model_files
+
         copy_model_files(build.checkpoint.path, staging)
         return new_manifest(build, result.graphs, result.extra)
 
-    published: Published = build.store.publish(build.keys.dirname, fill, reuse=is_intact)
+    published: Published = build.store.publish(
+        build.keys.dirname, fill, reuse=is_intact, on_step=_log_step
+    )
     return CompileOutcome(
         path=published.path,
         keys=build.keys,
@@ -148,6 +175,7 @@ def compile_with_remote(
     remote = open_remote(remote_url)
     dirname = build.keys.dirname
     if not is_intact(build.path) and remote.has(dirname):
+        logger.info("remote %s has %s: pulling instead of compiling", remote_url, dirname)
         published = remote.pull(dirname, build.store, progress)
         return CompileOutcome(
             path=published.path,
@@ -158,8 +186,13 @@ def compile_with_remote(
             pulled=not published.cache_hit,
         )
     outcome = compile_model(build, progress, jobs)
+    logger.info("pushing %s to %s", outcome.path.name, remote_url)
     outcome.pushed = not remote.push(outcome.path, progress).noop
     return outcome
+
+
+def _log_step(name: str) -> None:
+    logger.info("publish: %s", name)
 
 
 def new_manifest(build: ResolvedBuild, graphs: list[str], extra: Mapping[str, Any]) -> Manifest:
@@ -168,8 +201,8 @@ def new_manifest(build: ResolvedBuild, graphs: list[str], extra: Mapping[str, An
         backend=build.spec.backend,
         backend_versions=build.versions,
         host={**host_facts(), **extra},
-        spec=spec_to_dict(build.spec),
-        keys=build.keys.as_dict(),
+        spec=build.spec,
+        keys=build.keys,
         source=Source(
             model=build.spec.model,
             path=str(checkpoint.path),
@@ -181,29 +214,24 @@ def new_manifest(build: ResolvedBuild, graphs: list[str], extra: Mapping[str, An
     )
 
 
-def copy_model_files(model_dir: Path, staging: Path) -> None:
-    """Config and tokenizer files, so an artifact is self-contained: serve/generate need
-    nothing else. They are the files a download always fetches."""
+# Any one of these makes a tokenizer transformers can load (with tokenizer_config.json).
+TOKENIZER_FILES = ("tokenizer.json", "tokenizer.model", "vocab.json", ".tiktoken")
+
+
+def check_tokenizer(checkpoint: Checkpoint) -> None:
+    """An artifact carries its tokenizer (generate and serve read nothing else): refuse to
+    build one from a checkpoint that has none, before compiling anything."""
     from neuronctl.checkpoints.hub import model_files
 
-    for src in model_files(model_dir):
-        if not (staging / src.name).exists():
-            shutil.copyfile(src, staging / src.name)
-
-
-def is_intact(path: Path) -> bool:
-    """Good enough for a cache hit: a manifest, and every file it lists at its size.
-
-    A damaged artifact is rebuilt (and replaced atomically) rather than reused.
-    """
-    from neuronctl.validate import file_problems  # the same rule as validate's files check
-
-    if not is_artifact(path):
-        return False
-    try:
-        return not any(file_problems(path, read_manifest(path)))
-    except (NeuronctlError, OSError):
-        return False
+    names = [p.name for p in model_files(checkpoint.path)]
+    if not any(name.endswith(TOKENIZER_FILES) for name in names):
+        raise CheckpointError(
+            f"{checkpoint.path} has no tokenizer files (tokenizer.json, tokenizer.model, "
+            "vocab.json or *.tiktoken): generate and serve could not run the artifact",
+            "copy the tokenizer files of the base model into the checkpoint directory, e.g. "
+            "`huggingface-cli download BASE_MODEL tokenizer.json tokenizer_config.json "
+            f"--local-dir {checkpoint.path}`",
+        )
 
 
 def find_graph_donor(store: Store, keys: Keys) -> Path | None:
@@ -215,8 +243,8 @@ def find_graph_donor(store: Store, keys: Keys) -> Path | None:
     for path, manifest in store.iter_artifacts():
         if (
             manifest is not None
-            and manifest.keys.get("graph_key") == keys.graph
-            and manifest.keys.get("artifact_key") != keys.artifact
+            and manifest.keys.graph == keys.graph
+            and manifest.keys.artifact != keys.artifact
             and is_intact(path)
             and graphs_match(path, manifest)
         ):

@@ -22,8 +22,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from neuronctl.backends.neuron import NEURON_REPO
-
+NEURON_REPO = "https://pip.repos.neuron.amazonaws.com"
 NEURON_INSTALL = f"pip install --extra-index-url {NEURON_REPO} {{package}}"
 LOW_DISK_BYTES = 20 * 2**30  # a compiled 8B model with sharded weights is ~16 GB
 CORES_PER_DEVICE = 2  # NeuronCore-v2 devices (Inf2, Trn1); used only when neuron-ls is absent

@@ -92,6 +92,15 @@ class Keys:
     def as_dict(self) -> dict[str, str]:
         return {"graph_key": self.graph, "weights_key": self.weights, "artifact_key": self.artifact}
 
+    @classmethod
+    def from_dict(cls, data: Mapping[str, Any]) -> Keys:
+        """The manifest's spelling (graph_key, weights_key, artifact_key) back into Keys."""
+        return cls(
+            graph=str(data["graph_key"]),
+            weights=str(data["weights_key"]),
+            artifact=str(data["artifact_key"]),
+        )
+
 
 def graph_key(
     spec: BuildSpec, config: Mapping[str, Any], backend_versions: Mapping[str, str]

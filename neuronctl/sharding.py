@@ -25,11 +25,11 @@ from typing import IO, Any
 
 import torch
 
-from neuronctl.backends.base import NullProgress, Progress
 from neuronctl.checkpoints import Checkpoint
 from neuronctl.checkpoints.reader import valid_tp_degrees
 from neuronctl.checkpoints.safetensors_format import TensorInfo, header_bytes, write_tensor_bytes
 from neuronctl.errors import CheckpointError, SpecError
+from neuronctl.progress import NullProgress, Progress
 
 logger = logging.getLogger(__name__)
 

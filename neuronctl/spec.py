@@ -326,12 +326,35 @@ def auto_buckets(limit: int) -> list[int]:
 
 
 class ModelShape(BaseModel):
-    """The few facts about a model's architecture the spec is checked against."""
+    """The few facts about a model's architecture the spec is checked against and a runner
+    needs (the whole config.json stays available beside it: Manifest.architecture)."""
+
+    model_config = ConfigDict(frozen=True)
 
     num_attention_heads: int
     num_key_value_heads: int
     max_position_embeddings: int | None = None
     dtype: str | None = None
+    model_type: str | None = None
+    vocab_size: int | None = None
+
+    @classmethod
+    def from_config(cls, config: Mapping[str, Any]) -> ModelShape:
+        """From a config.json, old or new transformers spelling (a nested text_config)."""
+        text_config = config.get("text_config")
+        if isinstance(text_config, Mapping) and "num_attention_heads" not in config:
+            config = {**config, **text_config}
+        heads = int(config.get("num_attention_heads") or 1)
+        dtype = config.get("dtype") or config.get("torch_dtype")
+        vocab = config.get("vocab_size")
+        return cls(
+            num_attention_heads=heads,
+            num_key_value_heads=int(config.get("num_key_value_heads") or heads),
+            max_position_embeddings=config.get("max_position_embeddings"),
+            dtype=str(dtype) if dtype else None,
+            model_type=config.get("model_type"),
+            vocab_size=int(vocab) if vocab else None,
+        )
 
 
 def finalize(spec: BuildSpec, shape: ModelShape) -> BuildSpec:

@@ -21,7 +21,7 @@ from __future__ import annotations
 import json
 import os
 import shlex
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -29,6 +29,7 @@ from typing import Any
 
 from neuronctl.errors import NeuronctlError, SpecError
 from neuronctl.keys import FORMAT_VERSION, canonical_json
+from neuronctl.progress import NullProgress, Progress
 from neuronctl.spec import (
     FIELDS,
     GRAPH_FIELDS,
@@ -36,17 +37,20 @@ from neuronctl.spec import (
     USES_CC_FLAGS,
     WEIGHTS_FIELDS,
     BuildSpec,
-    ModelShape,
     finalize,
     normalize,
     resolve_spec,
     spec_to_dict,
 )
-from neuronctl.store.manifest import MANIFEST, Manifest, sha256_file
+from neuronctl.store.manifest import (
+    MANIFEST,
+    Manifest,
+    file_problems,
+    leftover_problem,
+    sha256_file,
+    stray_files,
+)
 
-# Stray files with these suffixes could be picked up by a loader (a graph, a weight shard,
-# a config), so an unlisted one makes the artifact untrustworthy. Anything else is noted only.
-LOADER_SUFFIXES = (".safetensors", ".pt", ".pt2", ".neff", ".json", ".bin", ".so", ".ntff")
 # Recorded "versions" that describe the build host rather than software (the CPU ISA inductor
 # compiled for). Equality is the wrong test for them (an AVX-512 host runs AVX2 code; export
 # graphs run anywhere): the backend's host_checks judge them.
@@ -97,13 +101,6 @@ class Report:
         return f"{self.path} cannot be reused: {failed[0].name}: {failed[0].reason}{more}"
 
 
-class ProgressLike:
-    """What `deep` reports to: backends.base.Progress (task(description, total) -> advance)."""
-
-    def task(self, description: str, total: float | None = None) -> Callable[[float], None]:
-        return lambda _advance: None
-
-
 def validate_artifact(
     path: Path,
     spec: BuildSpec | None = None,
@@ -111,7 +108,7 @@ def validate_artifact(
     model: str | None = None,
     revision: str | None = None,
     deep: bool = False,
-    progress: Any = None,
+    progress: Progress | None = None,
     sources: Mapping[str, str] | None = None,
 ) -> Report:
     """Every check. `spec` is the requested spec (from resolve_spec, not finalized) and
@@ -128,6 +125,27 @@ def validate_artifact(
     if model is not None:
         report.checks.append(check_checkpoint(manifest, model, revision))
     return report
+
+
+class NotReusableError(NeuronctlError):
+    """The artifact failed the checks run before a load; nothing was loaded."""
+
+
+def check_reusable(
+    path: Path, spec: BuildSpec | None = None, sources: Mapping[str, str] | None = None
+) -> None:
+    """The single call site of the reuse checks before any load (generate, serve, bench).
+
+    With a requested spec (serve's spec flags or -c), the artifact must also match it."""
+    report = (
+        quick_validate(path) if spec is None else validate_artifact(path, spec, sources=sources)
+    )
+    if not report.reusable:
+        reasons = "; ".join(f"{c.name}: {c.reason}" for c in report.failed)
+        raise NotReusableError(
+            f"{path} cannot be used as-is: {reasons}",
+            f"run `neuronctl validate {path}` for details; serve and generate never compile",
+        )
 
 
 def requested_spec(
@@ -168,6 +186,8 @@ def check_artifact(path: Path) -> tuple[Check, Manifest | None]:
         return Check(name, False, f"{path} does not exist"), None
     if not path.is_dir():
         return Check(name, False, f"{path} is a file, not an artifact directory"), None
+    if (leftover := leftover_problem(path)) is not None:
+        return Check(name, False, leftover), None
     manifest_path = path / MANIFEST
     if not manifest_path.is_file():
         empty = not any(path.iterdir())
@@ -196,7 +216,9 @@ def check_artifact(path: Path) -> tuple[Check, Manifest | None]:
         first = exc.errors()[0] if hasattr(exc, "errors") else {"msg": str(exc), "loc": ()}
         where = ".".join(str(p) for p in first["loc"]) or "manifest"
         return Check(name, False, f"{MANIFEST} is invalid at {where}: {first['msg']}"), None
-    key = manifest.keys.get("artifact_key", "?")[:12]
+    if (edited := manifest.record_problem()) is not None:
+        return Check(name, False, f"{edited}; copy the artifact again or recompile"), None
+    key = manifest.keys.artifact[:12]
     return Check(name, True, f"{manifest.backend} artifact {key}, format {version}"), manifest
 
 
@@ -217,36 +239,14 @@ def _format_reason(version: Any) -> str:
 # --- 2. files -------------------------------------------------------------------------------
 
 
-def file_problems(root: Path, manifest: Manifest) -> tuple[list[str], list[str], list[str]]:
-    """Stat only: (missing, wrong size, outside the artifact). Also compile's cache-hit rule."""
-    missing, wrong_size, unsafe = [], [], []
-    for rel, entry in manifest.files.items():
-        if not _inside(rel):
-            unsafe.append(rel)
-            continue
-        try:
-            size = (root / rel).stat().st_size
-        except FileNotFoundError:
-            missing.append(rel)
-            continue
-        if size != entry.size:
-            wrong_size.append(f"{rel} ({size} bytes, recorded {entry.size})")
-    return missing, wrong_size, unsafe
-
-
 def check_files(
-    root: Path, manifest: Manifest, *, deep: bool = False, progress: Any = None
+    root: Path, manifest: Manifest, *, deep: bool = False, progress: Progress | None = None
 ) -> list[Check]:
     checks = [_files_check(manifest, *file_problems(root, manifest))]
     checks.append(_stray_check(root, manifest))
     if deep and checks[0].ok:
         checks.append(check_hashes(root, manifest, progress))
     return checks
-
-
-def _inside(rel: str) -> bool:
-    parts = Path(rel).parts
-    return bool(parts) and not Path(rel).is_absolute() and ".." not in parts
 
 
 def _files_check(
@@ -272,14 +272,7 @@ def _names(items: list[str], limit: int = 3) -> str:
 
 
 def _stray_check(root: Path, manifest: Manifest) -> Check:
-    listed = set(manifest.files) | {MANIFEST}
-    stray = []
-    for dirpath, _dirs, names in os.walk(root):
-        for name in names:
-            rel = (Path(dirpath) / name).relative_to(root).as_posix()
-            if rel not in listed:
-                stray.append(rel)
-    risky = sorted(s for s in stray if s.endswith(LOADER_SUFFIXES))
+    risky, harmless = stray_files(root, manifest)
     if risky:
         return Check(
             "extra files",
@@ -287,16 +280,16 @@ def _stray_check(root: Path, manifest: Manifest) -> Check:
             f"not part of the build but a loader could read them: {_names(risky)}; "
             "remove them or recompile",
         )
-    if stray:
-        return Check("extra files", True, f"ignored (not read by loaders): {_names(sorted(stray))}")
+    if harmless:
+        return Check("extra files", True, f"ignored (not read by loaders): {_names(harmless)}")
     return Check("extra files", True, "none")
 
 
-def check_hashes(root: Path, manifest: Manifest, progress: Any = None) -> Check:
+def check_hashes(root: Path, manifest: Manifest, progress: Progress | None = None) -> Check:
     """Re-hash every byte, several files at a time; name the first file (in manifest order)
     whose content differs."""
     items = list(manifest.files.items())
-    advance = (progress or ProgressLike()).task("verifying sha256", total=manifest.total_size())
+    advance = (progress or NullProgress()).task("verifying sha256", total=manifest.total_size())
 
     def digest(item: tuple[str, Any]) -> str:
         return sha256_file(root / item[0], on_bytes=advance)
@@ -383,7 +376,7 @@ def _host_checks(backend: Any, manifest: Manifest) -> list[Check]:
 def check_cc_flags(manifest: Manifest, env: Mapping[str, str]) -> Check:
     if manifest.backend not in USES_CC_FLAGS:
         return Check("NEURON_CC_FLAGS", True, f"not read by the {manifest.backend} backend")
-    recorded = str(manifest.spec.get("cc_flags") or "")
+    recorded = manifest.spec.cc_flags
     now = env.get("NEURON_CC_FLAGS", "")
     if _flags(recorded) == _flags(now):
         return Check("NEURON_CC_FLAGS", True, f"{recorded!r}" if recorded else "unset, as compiled")
@@ -420,9 +413,7 @@ def check_spec(
         wanted = _requested_values(manifest, requested, user_set)
     except SpecError as exc:
         return [Check("spec", False, f"the requested spec does not fit this model: {exc}")]
-    except ValueError as exc:  # the recorded spec itself does not parse (pydantic)
-        return [Check("spec", False, f"the compiled spec in {MANIFEST} is unreadable: {exc}")]
-    compiled = manifest.spec
+    compiled = spec_to_dict(manifest.spec)
     checks, matched = [], []
     for name in user_set:
         if name == "cc_flags" and (sources or {}).get(name) == "env":
@@ -451,12 +442,8 @@ def _user_set(requested: BuildSpec, sources: Mapping[str, str] | None) -> list[s
     known = set(GRAPH_FIELDS) | set(WEIGHTS_FIELDS) | set(RUNTIME_FIELDS)
     compared = [f for f in FIELDS if f in known]
     if sources is not None:
-        chosen = [f for f in compared if not sources.get(f, "default").startswith("default")]
-        # max_context_length defaults to seq_len: asking for a seq len asks for that too, as a
-        # compile with the same flags would (an artifact with shorter prompts is another one).
-        if "seq_len" in chosen and "max_context_length" not in chosen:
-            chosen.append("max_context_length")
-        return [f for f in compared if f in chosen]
+        # Only what the user gave: `--seq-len 256` is not also a max_context_length request.
+        return [f for f in compared if not sources.get(f, "default").startswith("default")]
     defaults = spec_to_dict(normalize(BuildSpec.model_validate({})))
     values = spec_to_dict(requested)
     return [f for f in compared if canonical_json(values[f]) != canonical_json(defaults[f])]
@@ -468,24 +455,9 @@ def _requested_values(
     """The user's values with "auto" resolved the way a compile would resolve it here: on
     the artifact's model, with the compiled values for the fields the user did not set."""
     mine = spec_to_dict(requested)
-    compiled = BuildSpec.model_validate({k: v for k, v in manifest.spec.items() if k in FIELDS})
-    overlay = compiled.model_copy(update={name: getattr(requested, name) for name in user_set})
-    resolved = spec_to_dict(finalize(overlay, model_shape(manifest.architecture)))
+    overlay = manifest.spec.model_copy(update={name: getattr(requested, name) for name in user_set})
+    resolved = spec_to_dict(finalize(overlay, manifest.shape))
     return {name: resolved[name] if mine[name] == "auto" else mine[name] for name in user_set}
-
-
-def model_shape(config: Mapping[str, Any]) -> ModelShape:
-    """The ModelShape of a config.json, old or new transformers spelling."""
-    text_config = config.get("text_config")
-    if isinstance(text_config, Mapping) and "num_attention_heads" not in config:
-        config = {**config, **text_config}
-    heads = int(config.get("num_attention_heads") or 1)
-    return ModelShape(
-        num_attention_heads=heads,
-        num_key_value_heads=int(config.get("num_key_value_heads") or heads),
-        max_position_embeddings=config.get("max_position_embeddings"),
-        dtype=config.get("dtype") or config.get("torch_dtype"),
-    )
 
 
 def _mismatch(name: str, wanted: Any, have: Any, source: str | None) -> Check:
@@ -543,7 +515,7 @@ def _capacity_unless_done(done: list[Check], manifest: Manifest) -> list[Check]:
 
 
 def check_capacity(manifest: Manifest) -> list[Check]:
-    tp = int(manifest.spec.get("tp_degree") or 1)
+    tp = manifest.spec.tp_degree
     if manifest.backend == "torch":
         cores = available_cpus()
         if tp > cores:

@@ -30,8 +30,6 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
-from pydantic import ValidationError
-
 from neuronctl.errors import NeuronctlError, UsageError
 from neuronctl.spec import BuildSpec
 from neuronctl.store.manifest import Manifest
@@ -276,12 +274,7 @@ def cli_target(manifest: Manifest, requested: str | None, framework: str | None 
 
 
 def artifact_spec(manifest: Manifest) -> BuildSpec:
-    try:
-        spec = BuildSpec.model_validate(manifest.spec)
-    except ValidationError as exc:
-        raise NeuronctlError(
-            f"the artifact's manifest has an unreadable spec: {exc.errors()[0]['msg']}"
-        ) from None
+    spec = manifest.spec  # typed: store.manifest reads it back as a BuildSpec
     if spec.dtype == "auto" or "auto" in (spec.context_buckets, spec.token_gen_buckets):
         raise NeuronctlError("the artifact's manifest spec is not finalized (has 'auto' values)")
     return spec
@@ -317,13 +310,11 @@ def architecture(manifest: Manifest) -> str:
 
 def on_device_sampling(spec: BuildSpec, framework: str) -> bool:
     """Whether the compiled graph samples on device (what the backend built, overrides too)."""
+    from neuronctl.backends import nxdi_neuron_config, tnx_neuron_config
+
     if framework == NXDI:
-        from neuronctl.backends.nxdi.config import neuron_config_kwargs
-
-        return bool(neuron_config_kwargs(spec).get("on_device_sampling_config"))
-    from neuronctl.backends.tnx.config import neuron_config_kwargs as tnx_kwargs
-
-    return bool(tnx_kwargs(spec).get("on_device_generation"))
+        return bool(nxdi_neuron_config(spec).get("on_device_sampling_config"))
+    return bool(tnx_neuron_config(spec).get("on_device_generation"))
 
 
 def prefix_caching(spec: BuildSpec) -> tuple[int, int] | None:
@@ -595,9 +586,9 @@ def override_neuron_config(
     TNx (A, B): the plain NeuronConfig keys the tnx backend compiled with."""
     if generation is Generation.PLUGIN or framework == NXDI:
         return {}
-    from neuronctl.backends.tnx.config import vllm_override
+    from neuronctl.backends import tnx_vllm_override
 
-    return vllm_override(spec)
+    return tnx_vllm_override(spec)
 
 
 # --- argv ----------------------------------------------------------------------------------------
@@ -710,13 +701,11 @@ def vllm_dirname_exact(spec: BuildSpec, config: Mapping[str, Any]) -> tuple[str,
     approximation without it. Only used without NEURON_COMPILED_ARTIFACTS, where vLLM deletes
     the directory and recompiles anyway.
     """
-    from neuronctl.backends.nxdi.config import neuron_config_kwargs
+    from neuronctl.backends import nxdi_inference_config_json, nxdi_neuron_config
 
-    kwargs = neuron_config_kwargs(spec)
+    kwargs = nxdi_neuron_config(spec)
     try:
-        from neuronctl.backends.nxdi.sdk import inference_config_json
-
-        text = inference_config_json(kwargs, config)
+        text = nxdi_inference_config_json(kwargs, config)
         exact = True
     except ImportError:
         data = {**dict(config), "neuron_config": kwargs}

@@ -42,6 +42,7 @@ def _isolated_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         "VLLM_NEURON_FRAMEWORK",
         "NEURON_CC_FLAGS",
         "NEURONCTL_DEBUG",
+        "NEURONCTL_LOG_LEVEL",
     ):
         monkeypatch.delenv(var, raising=False)
 

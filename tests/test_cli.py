@@ -170,3 +170,71 @@ def test_quick_validate_does_not_import_torch(compiled_artifact: Path) -> None:
     )
     result = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True)
     assert result.stdout.split() == ["True", "False"], result.stderr
+
+
+def test_readme_tour_compile_then_push_by_key_with_no_environment(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    """`compile ./model` then `artifacts push KEY`: one default store, found by every command
+    (conftest clears NEURONCTL_STORE; the default is the user cache)."""
+    from tests.conftest import TINY_SPEC
+
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in TINY_SPEC.items()]
+    compiled = cli("compile", str(tiny_llama), *flags, "--json")
+    assert compiled.returncode == 0, compiled.stderr
+    data = json.loads(compiled.stdout)
+    key, path = data["artifact_key"][:8], Path(data["path"])
+    assert not (tiny_llama / "neuron-compiled-artifacts").exists()  # the model dir is untouched
+    pushed = cli("artifacts", "push", key, f"file://{tmp_path / 'remote'}")
+    assert pushed.returncode == 0, pushed.stderr
+    remote = tmp_path / "remote" / "neuron-compiled-artifacts" / path.name
+    assert (remote / "manifest.json").is_file()
+    # --store given the directory compile printed the artifact under finds it too
+    shown = cli("artifacts", "show", key, "--store", str(path.parent), "--json")
+    assert shown.returncode == 0 and json.loads(shown.stdout)["path"] == str(path)
+    assert cli("validate", key).returncode == 0
+
+
+def test_errors_and_hints_keep_their_brackets(tmp_path: Path) -> None:
+    """rich markup used to eat `[[build]]` from plan's hint (and any `[...]` in a message)."""
+    builds = tmp_path / "builds.toml"
+    builds.write_text("[defaults]\n")
+    result = cli("plan", "-c", str(builds))
+    assert result.returncode == 2
+    assert "no [[build]] entries" in result.stderr
+
+
+def test_serve_dry_run_never_compiles(tiny_llama: Path, tmp_path: Path) -> None:
+    from tests.conftest import TINY_SPEC
+
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in TINY_SPEC.items()]
+    store = tmp_path / "store"
+    args = ["serve", "--compile-if-missing", "--model", str(tiny_llama), "--store", str(store)]
+    result = cli(*args, *flags, "--dry-run", "--json")
+    assert result.returncode == 0, result.stderr
+    plan = json.loads(result.stdout)
+    assert plan["action"] == "compile" and plan["artifact"] is None
+    assert "would compile" in plan["reason"]
+    artifacts = store / "neuron-compiled-artifacts"
+    assert not artifacts.exists() or not [p for p in artifacts.iterdir() if p.name[0] != "."]
+
+
+def test_serve_dry_run_of_a_url_never_pulls(compiled_artifact: Path, tmp_path: Path) -> None:
+    remote = tmp_path / "remote"
+    pushed = cli("artifacts", "push", str(compiled_artifact), f"file://{remote}")
+    assert pushed.returncode == 0, pushed.stderr
+    url = f"file://{remote}/{compiled_artifact.name}"
+    result = cli("serve", "--artifacts", url, "--dry-run", "--json")
+    assert result.returncode == 0, result.stderr
+    assert json.loads(result.stdout)["action"] == "pull"
+    assert not (tmp_path / "xdg-cache" / "neuronctl" / "neuron-compiled-artifacts").exists()
+
+
+def test_pull_takes_a_plain_path_as_push_does(compiled_artifact: Path, tmp_path: Path) -> None:
+    mount = tmp_path / "mount"
+    assert cli("artifacts", "push", str(compiled_artifact), str(mount)).returncode == 0
+    store = tmp_path / "store"
+    pulled = cli("artifacts", "pull", str(mount / compiled_artifact.name), "--store", str(store))
+    assert pulled.returncode == 0, pulled.stderr
+    pulled_dir = store / "neuron-compiled-artifacts" / compiled_artifact.name
+    assert (pulled_dir / "manifest.json").is_file()

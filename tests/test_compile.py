@@ -43,8 +43,8 @@ def test_artifact_is_complete_and_self_contained(compiled_artifact: Path) -> Non
         assert name in names
     assert manifest.graphs and all(g in names for g in manifest.graphs)
     assert len(manifest.graphs) == 4  # 2 context buckets + 2 token-generation buckets
-    assert manifest.spec["context_buckets"] == [32, 64]
-    assert manifest.source.digest and manifest.keys["artifact_key"].startswith(
+    assert manifest.spec.context_buckets == [32, 64]
+    assert manifest.source.digest and manifest.keys.artifact.startswith(
         compiled_artifact.name
     )
     # Nothing in the artifact points back at where it was built.
@@ -119,7 +119,7 @@ def test_compile_plan_entry(tiny_llama: Path, tmp_path: Path) -> None:
     result = cli("compile", "--plan", str(plan), "--entry", "1", "--store", str(tmp_path), "--json")
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
-    assert read_manifest(Path(data["path"])).spec["tp_degree"] == 2
+    assert read_manifest(Path(data["path"])).spec.tp_degree == 2
     assert data["artifact_key"] in json.dumps(entries)
     out_of_range = cli("compile", "--plan", str(plan), "--entry", "5", "--store", str(tmp_path))
     assert out_of_range.returncode == 2 and "entries 0..1" in out_of_range.stderr
@@ -172,3 +172,30 @@ def test_tensors_that_do_not_match_the_config_publish_nothing(
     assert result.returncode != 0
     assert "Traceback" not in result.stderr
     assert list(Store(tmp_path / "s").iter_artifacts()) == []
+
+
+@pytest.mark.parametrize("passed", [True, False])
+def test_check_accuracy_is_one_line_and_a_failed_check_exits_1(
+    compiled_artifact: Path, tiny_llama: Path, monkeypatch: pytest.MonkeyPatch, passed: bool
+) -> None:
+    """The check itself is backends' (tests/test_torch_accuracy.py); the CLI renders its
+    verdict in one line (never a raw dict) and exits 1 when it fails, for CI."""
+    from typer.testing import CliRunner
+
+    import neuronctl.backends as backends
+    from neuronctl.cli.main import app
+
+    report = {
+        "mode": "logit-matching", "passed": passed, "dtype": "float32", "prompt_tokens": 7,
+        "new_tokens": 16, "tokens_matched": 16 if passed else 3, "token_agreement": 1.0,
+        "first_divergence": None if passed else 3, "max_logit_diff": 0.5,
+        "tolerance": 1e-3, "artifact_tokens": [], "reference_tokens": [],
+    }  # fmt: skip
+    monkeypatch.setattr(backends, "check_accuracy", lambda *args: report)
+    store = compiled_artifact.parent.parent  # a cache hit: nothing is compiled again
+    args = ["compile", str(tiny_llama), *FLAGS, "--store", str(store)]
+    result = CliRunner().invoke(app, [*args, "--check-accuracy", "logit-matching"])
+    assert result.exit_code == (0 if passed else 1), result.output
+    line = next(x for x in result.output.splitlines() if "accuracy" in x)
+    assert ("passed" if passed else "FAILED") in line and "{" not in line
+    assert "16/16" in line if passed else "first divergence at new token 3" in line

@@ -127,3 +127,69 @@ def test_unreadable_config_file_is_a_spec_error_not_a_crash(tmp_path: Path, kind
         path.write_bytes(b"\xff\xfe\x00bad")
     with pytest.raises(SpecError, match="cannot read the config file"):
         resolve_spec({}, path)
+
+
+NEW_FIELD_PROBE = '''
+import json, sys
+from pathlib import Path
+
+from neuronctl.keys import compute_keys
+from neuronctl.spec import ModelShape, finalize, resolve_spec
+from neuronctl.store.manifest import Manifest, Source, read_manifest, write_manifest
+from neuronctl.validate import check_spec
+
+shape = ModelShape(num_attention_heads=4, num_key_value_heads=2)
+config = {"model_type": "llama", "num_attention_heads": 4, "num_key_value_heads": 2}
+out = {}
+for value in (1.0, 2.0):
+    spec, _ = resolve_spec({"rope_scaling": value}, env={})
+    spec = finalize(spec, shape)
+    keys = compute_keys(spec, config, {"torch": "x"}, "d" * 64)
+    out[str(value)] = keys.graph
+root = Path(sys.argv[1])
+manifest = Manifest(
+    backend="torch", backend_versions={"torch": "x"}, spec=spec, keys=keys,
+    source=Source(digest="d" * 64), architecture=config,
+)
+write_manifest(root, manifest)
+read = read_manifest(root)
+out["read_back"] = read.spec.rope_scaling
+requested, sources = resolve_spec({"rope_scaling": 1.0}, env={})
+out["checks"] = {c.name: c.ok for c in check_spec(read, requested, sources)}
+print(json.dumps(out))
+'''
+
+
+def test_a_new_spec_field_touches_only_spec_py(tmp_path: Path) -> None:
+    """Add a graph-changing field by editing spec.py alone (a copy of the package): the keys,
+    the manifest round trip and validate's spec comparison all carry it, with no other edit."""
+    import json
+    import shutil
+    import subprocess
+    import sys
+
+    import neuronctl
+
+    package = tmp_path / "src" / "neuronctl"
+    shutil.copytree(Path(neuronctl.__file__).parent, package)
+    spec_py = package / "spec.py"
+    text = spec_py.read_text()
+    field = '    cc_flags: str = ""\n'
+    text = text.replace(field, field + "    rope_scaling: float = 1.0\n", 1)
+    text = text.replace('    "cc_flags",\n)', '    "cc_flags",\n    "rope_scaling",\n)', 1)
+    assert "rope_scaling" in text and text.count("rope_scaling") == 2
+    spec_py.write_text(text)
+    (tmp_path / "artifact").mkdir()
+    result = subprocess.run(
+        [sys.executable, "-c", NEW_FIELD_PROBE, str(tmp_path / "artifact")],
+        capture_output=True,
+        text=True,
+        env={"PYTHONPATH": str(tmp_path / "src"), "PATH": "/usr/bin:/bin"},
+        cwd=tmp_path,  # `-c` puts the cwd first on sys.path: not the source tree
+        timeout=120,
+    )
+    assert result.returncode == 0, result.stderr
+    out = json.loads(result.stdout)
+    assert out["1.0"] != out["2.0"]  # the graph key covers it
+    assert out["read_back"] == 2.0  # the typed manifest carries it
+    assert out["checks"]["spec.rope_scaling"] is False  # validate compares it

@@ -185,8 +185,38 @@ def test_parse_size_and_duration() -> None:
         parse_duration("soon")
 
 
-def test_default_store_root(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    assert default_store_root(tmp_path) == tmp_path
-    assert default_store_root(None) == tmp_path / "xdg-cache" / "neuronctl"
+def test_one_default_store_for_every_command(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    assert default_store_root() == tmp_path / "xdg-cache" / "neuronctl"
     monkeypatch.setenv("NEURONCTL_STORE", str(tmp_path / "s"))
-    assert default_store_root(tmp_path) == tmp_path / "s"
+    assert default_store_root() == tmp_path / "s"
+
+
+def test_a_store_is_named_by_its_root_or_its_artifacts_dir(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    path = store.publish("k" * 20, lambda staging: manifest()).path
+    by_dir = Store(tmp_path / "neuron-compiled-artifacts")
+    assert by_dir.root == store.root and by_dir.find("kkk") == path
+
+
+def test_a_store_path_is_refused_where_an_artifact_is_expected(tmp_path: Path) -> None:
+    store = Store(tmp_path)
+    store.publish("k" * 20, lambda staging: manifest())
+    for ref in (str(tmp_path), str(store.artifacts)):
+        with pytest.raises(UsageError, match="is an artifact store, not an artifact"):
+            store.resolve(ref)
+
+
+def test_rm_racing_gc_is_a_not_found_error_not_an_internal_error(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    store = Store(tmp_path)
+    path = store.publish("k" * 20, lambda staging: manifest()).path
+    stale = list(store.iter_artifacts())
+    store.remove(path)  # `rm` wins the race
+    with pytest.raises(NotFoundError, match="already removed"):
+        store.remove(path)
+    monkeypatch.setattr(Store, "iter_artifacts", lambda self: iter(stale))
+    report = collect(store, keep_last=0)  # `gc` listed it before `rm` removed it
+    assert report.removed == []

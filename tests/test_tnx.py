@@ -134,7 +134,8 @@ def test_load_runs_and_finds_its_neffs(neuron_standins, tiny_llama, tmp_path) ->
 def test_load_with_a_changed_setting_finds_no_neff(neuron_standins, tiny_llama, tmp_path) -> None:
     outcome = compile_tnx(tiny_llama, tmp_path / "store")
     manifest = read_manifest(outcome.path)
-    manifest.spec["batch_size"] = 2  # what a mismatched host or flag would do
+    # what a mismatched host or flag would do
+    manifest.spec = manifest.spec.model_copy(update={"batch_size": 2})
     with pytest.raises(NeuronctlError, match="no matching NEFF"):
         get_backend("tnx").load(outcome.path, manifest)
 

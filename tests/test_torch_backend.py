@@ -167,7 +167,7 @@ def test_host_checks_explain_a_foreign_artifact(compiled_artifact: Path) -> None
                 "torch": "1.0.0",
                 "cpu_isa": "sve256",
             },
-            "spec": {**manifest.spec, "compiler": "inductor", "tp_degree": 4096},
+            "spec": manifest.spec.model_copy(update={"compiler": "inductor", "tp_degree": 4096}),
         }
     )
     failed = {c.name: c.reason for c in TorchBackend().host_checks(foreign) if not c.ok}
@@ -178,7 +178,9 @@ def test_host_checks_explain_a_foreign_artifact(compiled_artifact: Path) -> None
 
 def test_passing_host_checks_say_why(compiled_artifact: Path) -> None:
     manifest = read_manifest(compiled_artifact)
-    inductor = manifest.model_copy(update={"spec": {**manifest.spec, "compiler": "inductor"}})
+    inductor = manifest.model_copy(
+        update={"spec": manifest.spec.model_copy(update={"compiler": "inductor"})}
+    )
     checks = TorchBackend().host_checks(inductor)
     assert [c.name for c in checks] == ["cpu isa", "cores"]
     assert all(c.ok and c.reason for c in checks)

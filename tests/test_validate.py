@@ -56,7 +56,9 @@ def _failed(report: Report | dict[str, Any]) -> dict[str, str]:
     return {c["name"]: c["reason"] for c in checks if not c["ok"]}
 
 
-def _edit_manifest(path: Path, **changes: Any) -> None:
+def _edit_manifest(path: Path, reseal: bool = True, **changes: Any) -> None:
+    """Change recorded values as if the artifact had been built that way (elsewhere, with
+    other versions); `reseal=False` leaves record_sha256 as it was: a hand edit."""
     data = json.loads((path / MANIFEST).read_text())
     for dotted, value in changes.items():
         *parents, leaf = dotted.split("__")
@@ -64,6 +66,13 @@ def _edit_manifest(path: Path, **changes: Any) -> None:
         for p in parents:
             target = target[p]
         target[leaf] = value
+    if reseal:
+        from neuronctl.store.manifest import Manifest
+
+        try:
+            data["record_sha256"] = Manifest.model_validate(data).recorded_sha256()
+        except ValueError:
+            pass  # not a valid manifest: the test is about that
     (path / MANIFEST).write_text(json.dumps(data))
 
 
@@ -198,14 +207,6 @@ def test_stray_loader_file_fails_but_other_stray_files_do_not(artifact: Path) ->
     assert "weights/tp1_sharded_checkpoint.safetensors" in reason
 
 
-def test_manifest_path_outside_the_artifact_is_refused(artifact: Path) -> None:
-    _edit_manifest(artifact, files__x={"size": 1, "sha256": "0" * 64})
-    data = json.loads((artifact / MANIFEST).read_text())
-    data["files"]["../../etc/passwd"] = data["files"].pop("x")
-    (artifact / MANIFEST).write_text(json.dumps(data))
-    assert "outside the artifact" in _failed(quick_validate(artifact))["files"]
-
-
 # --- versions and host ----------------------------------------------------------------------
 
 
@@ -244,7 +245,7 @@ def test_neuron_cc_flags_must_match_for_neuron_backends(artifact: Path) -> None:
     reason = validate_mod.check_cc_flags(manifest, env).reason
     assert not validate_mod.check_cc_flags(manifest, env).ok and "unset NEURON_CC_FLAGS" in reason
     recorded = manifest.model_copy(
-        update={"spec": {**manifest.spec, "cc_flags": "--model-type=transformer"}}
+        update={"spec": manifest.spec.model_copy(update={"cc_flags": "--model-type=transformer"})}
     )
     assert validate_mod.check_cc_flags(recorded, env).ok
     assert validate_mod.check_cc_flags(
@@ -274,7 +275,7 @@ def test_capacity_check_for_cpu_and_neuron_hosts(
     manifest = read_manifest(artifact)
     monkeypatch.setattr(validate_mod, "available_cpus", lambda: 1)
     assert validate_mod.check_capacity(manifest)[0].ok
-    manifest.spec["tp_degree"] = 2
+    manifest.spec = manifest.spec.model_copy(update={"tp_degree": 2})
     assert "this host has 1" in validate_mod.check_capacity(manifest)[0].reason
     manifest.backend = "nxdi"
     monkeypatch.setattr(doctor, "neuron_cores", lambda: (0, "no /dev/neuron* devices"))
@@ -363,12 +364,14 @@ def test_defaults_the_user_did_not_set_are_not_compared(artifact: Path) -> None:
     assert code == 0, _failed(data)
 
 
-def test_seq_len_alone_asks_for_max_context_length_equal_to_it(artifact: Path) -> None:
-    # `compile --seq-len 128` would build max context 128, not this artifact's 64: prompts
-    # of 65..128 tokens would be refused, so it is not the artifact that was asked for.
+def test_only_the_fields_given_are_compared(artifact: Path) -> None:
+    # Compiled: seq len 128, max context 64. `--seq-len` asks about seq_len alone: the
+    # max_context_length it would default to in a compile was not given, so it is not compared.
     code, data = _cli(str(artifact), "--seq-len", "128")
+    assert code == 0, _failed(data)
+    code, data = _cli(str(artifact), "--seq-len", "256")
     assert code == 1
-    assert set(_failed(data)) == {"spec.max_context_length"}
+    assert set(_failed(data)) == {"spec.seq_len"}
 
 
 def test_spec_from_config_file_and_environment(
@@ -429,3 +432,73 @@ def test_model_digest_must_match(artifact: Path, tiny_llama: Path, tmp_path: Pat
 
 def test_manifest_reader_agrees_with_the_artifact_check(artifact: Path) -> None:
     assert read_manifest(artifact).keys == quick_validate(artifact).manifest.keys
+
+
+# --- one path rule, one verdict (issue 13) --------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "rel",
+    ["../outside", "/etc/passwd", "graphs\\x.pt2", "manifest.json.tmp", "./config.json", "a//b"],
+)
+def test_a_manifest_naming_a_path_outside_the_rule_is_not_an_artifact(
+    artifact: Path, rel: str
+) -> None:
+    data = json.loads((artifact / MANIFEST).read_text())
+    data["files"][rel] = {"size": 1, "sha256": "0" * 64}
+    (artifact / MANIFEST).write_text(json.dumps(data))
+    failed = _failed(quick_validate(artifact))
+    assert "not allowed" in failed["artifact"]
+    from neuronctl.errors import NotFoundError
+    from neuronctl.store.manifest import is_intact
+
+    with pytest.raises(NotFoundError):
+        read_manifest(artifact)
+    assert not is_intact(artifact)
+
+
+def test_a_listed_file_replaced_by_a_symlink_is_refused(artifact: Path, tmp_path: Path) -> None:
+    from neuronctl.store.manifest import is_intact
+
+    rel = "config.json"
+    outside = tmp_path / "outside.json"
+    shutil.copyfile(artifact / rel, outside)  # same size, same bytes: only the link differs
+    (artifact / rel).unlink()
+    (artifact / rel).symlink_to(outside)
+    assert "a symlink" in _failed(validate_artifact(artifact, deep=True))["files"]
+    assert not is_intact(artifact)
+
+
+def test_a_symlinked_directory_on_the_way_is_refused(artifact: Path, tmp_path: Path) -> None:
+    moved = tmp_path / "graphs-elsewhere"
+    shutil.move(str(artifact / "graphs"), moved)
+    (artifact / "graphs").symlink_to(moved, target_is_directory=True)
+    assert "a symlink" in _failed(quick_validate(artifact))["files"]
+
+
+def test_an_unlisted_symlink_is_a_risky_extra_file(artifact: Path) -> None:
+    (artifact / "notes").symlink_to("/etc/hostname")
+    assert "notes" in _failed(quick_validate(artifact))["extra files"]
+
+
+def test_a_manifest_entry_naming_a_directory_fails_deep_validate_cleanly(artifact: Path) -> None:
+    data = json.loads((artifact / MANIFEST).read_text())
+    data["files"]["graphs"] = {"size": 4096, "sha256": "0" * 64}
+    (artifact / MANIFEST).write_text(json.dumps(data))
+    report = validate_artifact(artifact, deep=True)  # used to raise IsADirectoryError
+    assert "a directory" in _failed(report)["files"]
+
+
+@pytest.mark.parametrize("private", [".staging", ".failed", ".trash"])
+def test_nothing_under_a_store_private_directory_validates(
+    compiled_artifact: Path, tmp_path: Path, private: str
+) -> None:
+    """A killed build's staging dir or a failed pull's leftovers can hold a manifest that
+    matches their files: still never an artifact."""
+    from neuronctl.store.manifest import is_intact
+
+    leftover = tmp_path / "neuron-compiled-artifacts" / private / f"{compiled_artifact.name}.1"
+    shutil.copytree(compiled_artifact, leftover)
+    for deep in (False, True):
+        assert "not an artifact" in _failed(validate_artifact(leftover, deep=deep))["artifact"]
+    assert not is_intact(leftover)

@@ -539,11 +539,11 @@ def test_read_prompts_text_and_jsonl(tmp_path: Path) -> None:
 
 
 def test_vllm_dirname_follows_the_nxdi_config(tmp_path: Path) -> None:
-    spec = vllm.artifact_spec(make_manifest())
+    spec = make_manifest().spec  # typed: the manifest reads it back as a BuildSpec
     name, exact = vllm.vllm_dirname_exact(spec, ARCH)
     assert len(name) == 32 and int(name, 16) >= 0
     assert not exact  # no SDK here
-    other = vllm.artifact_spec(make_manifest(batch_size=2))
+    other = make_manifest(batch_size=2).spec
     assert vllm.vllm_dirname(other, ARCH) != name
     assert vllm.vllm_dirname(spec, ARCH) == name
 

@@ -1,11 +1,22 @@
-"""Backend registry. Backends import lazily: the Neuron SDK is only on Neuron hosts."""
+"""Backend registry, and the few backend services other layers use, behind one door.
+
+Backends import lazily: the Neuron SDK is only on Neuron hosts. Nothing outside
+`backends/<name>/` imports a backend's internals (the import contract in pyproject.toml
+enforces it): it asks `get_backend` for a Backend, or calls one of the functions below.
+"""
 
 from __future__ import annotations
 
 import importlib
+from collections.abc import Mapping
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
 
 from neuronctl.backends.base import Backend
 from neuronctl.errors import UsageError
+
+if TYPE_CHECKING:
+    from neuronctl.spec import BuildSpec
 
 # name -> "module:attribute" of a zero-argument factory returning a Backend.
 BACKENDS = {
@@ -23,3 +34,44 @@ def get_backend(name: str) -> Backend:
     factory = getattr(importlib.import_module(module_name), attr)
     backend: Backend = factory()
     return backend
+
+
+def check_accuracy(
+    artifact: Path, checkpoint: Path, mode: str, backend: str = "torch"
+) -> dict[str, Any]:
+    """`compile --check-accuracy`: the artifact against transformers (torch backend only)."""
+    if backend != "torch":
+        raise UsageError(
+            "--check-accuracy runs on the torch backend here; on Neuron use inference_demo"
+        )
+    from neuronctl.backends.torch.accuracy import check_accuracy as run
+
+    return run(artifact, checkpoint, mode)
+
+
+def nxdi_neuron_config(spec: BuildSpec) -> dict[str, Any]:
+    """The NxD Inference NeuronConfig kwargs a spec compiles to (vLLM's override)."""
+    from neuronctl.backends.nxdi.config import neuron_config_kwargs
+
+    return neuron_config_kwargs(spec)
+
+
+def nxdi_inference_config_json(kwargs: Mapping[str, Any], config: Mapping[str, Any]) -> str:
+    """NxDI's InferenceConfig.to_json_string(); raises ImportError without the SDK."""
+    from neuronctl.backends.nxdi.sdk import inference_config_json
+
+    return inference_config_json(kwargs, config)
+
+
+def tnx_neuron_config(spec: BuildSpec) -> dict[str, Any]:
+    """The Transformers NeuronX NeuronConfig kwargs a spec compiles to."""
+    from neuronctl.backends.tnx.config import neuron_config_kwargs
+
+    return neuron_config_kwargs(spec)
+
+
+def tnx_vllm_override(spec: BuildSpec) -> dict[str, Any]:
+    """What vLLM's Transformers NeuronX path takes as --override-neuron-config."""
+    from neuronctl.backends.tnx.config import vllm_override
+
+    return vllm_override(spec)

@@ -13,10 +13,12 @@ The shape fits all three backends:
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, Protocol
+
+from neuronctl.progress import NullProgress, Progress
 
 if TYPE_CHECKING:
     import torch
@@ -24,17 +26,6 @@ if TYPE_CHECKING:
     from neuronctl.checkpoints import Checkpoint
     from neuronctl.spec import BuildSpec
     from neuronctl.store.manifest import Manifest
-
-
-class Progress(Protocol):
-    """Where a backend reports long work. `task` returns a callback taking an advance."""
-
-    def task(self, description: str, total: float | None = None) -> Callable[[float], None]: ...
-
-
-class NullProgress:
-    def task(self, description: str, total: float | None = None) -> Callable[[float], None]:
-        return lambda _advance: None
 
 
 @dataclass

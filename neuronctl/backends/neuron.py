@@ -7,9 +7,8 @@ from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from importlib import metadata
 
+from neuronctl.doctor import NEURON_REPO
 from neuronctl.errors import BackendUnavailableError, BuildError, NeuronctlError
-
-NEURON_REPO = "https://pip.repos.neuron.amazonaws.com"
 
 
 def install_hint(packages: Sequence[str]) -> str:

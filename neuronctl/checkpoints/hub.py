@@ -12,6 +12,7 @@ import fnmatch
 import logging
 import os
 import re
+import shutil
 from collections.abc import Iterable, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -42,6 +43,14 @@ def model_files(directory: Path) -> list[Path]:
     carries beside its graphs and weights, so what its key must cover."""
     found = {p for pattern in ESSENTIAL for p in directory.glob(pattern) if p.is_file()}
     return sorted(found)
+
+
+def copy_model_files(model_dir: Path, staging: Path) -> None:
+    """Config and tokenizer files into an artifact being built, so it is self-contained:
+    serve/generate need nothing else. A file the backend already wrote is kept."""
+    for src in model_files(model_dir):
+        if not (staging / src.name).exists():
+            shutil.copyfile(src, staging / src.name)
 
 
 # Skipped when the repository has safetensors weights: the same weights in other formats.

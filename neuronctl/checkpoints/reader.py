@@ -49,13 +49,7 @@ class Checkpoint:
         return str(self.config["architectures"][0])
 
     def shape(self) -> ModelShape:
-        heads = int(self.config["num_attention_heads"])
-        return ModelShape(
-            num_attention_heads=heads,
-            num_key_value_heads=int(self.config.get("num_key_value_heads") or heads),
-            max_position_embeddings=self.config.get("max_position_embeddings"),
-            dtype=config_dtype(self.config),
-        )
+        return ModelShape.from_config(self.config)
 
     def weight_files(self) -> list[Path]:
         return sorted(set(self._where.values()))

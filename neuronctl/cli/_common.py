@@ -27,8 +27,8 @@ StoreOpt = Annotated[
     Path | None,
     typer.Option(
         "--store",
-        help="Artifact store root (default: $NEURONCTL_STORE, else the model directory for a "
-        "local model, else ~/.cache/neuronctl).",
+        help="Artifact store: its root or its neuron-compiled-artifacts directory "
+        "(default: $NEURONCTL_STORE, else ~/.cache/neuronctl).",
         show_default=False,
     ),
 ]
@@ -41,7 +41,8 @@ ArtifactsOpt = Annotated[
     typer.Option(
         "--artifacts",
         envvar="NEURON_COMPILED_ARTIFACTS",
-        help="Artifact directory (default: $NEURON_COMPILED_ARTIFACTS).",
+        help="Artifact: KEY, unique key prefix, PATH or URL/KEY "
+        "(default: $NEURON_COMPILED_ARTIFACTS).",
         show_default=False,
     ),
 ]

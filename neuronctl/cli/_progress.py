@@ -15,8 +15,8 @@ from rich.progress import (
     TimeElapsedColumn,
 )
 
-from neuronctl.backends.base import NullProgress
 from neuronctl.cli._common import err_console
+from neuronctl.progress import NullProgress
 
 
 class RichProgress:

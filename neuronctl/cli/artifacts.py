@@ -10,15 +10,12 @@ import typer
 from neuronctl.cli._common import JsonOpt, StoreOpt, console, human_size, print_json, table
 from neuronctl.cli._groups import artifacts_app
 from neuronctl.store.gc import collect, parse_duration, parse_size
-from neuronctl.store.local import Store, default_store_root
+from neuronctl.store.local import Store
 from neuronctl.store.manifest import Manifest, read_manifest
+from neuronctl.store.resolve import open_store
 
 ORDER = 40
 KeyArg = typer.Argument(help="Artifact key, directory name or a unique prefix; or a path.")
-
-
-def open_store(store: Path | None) -> Store:
-    return Store(store or default_store_root())
 
 
 def summary(path: Path, manifest: Manifest) -> dict[str, Any]:
@@ -28,10 +25,10 @@ def summary(path: Path, manifest: Manifest) -> dict[str, Any]:
         "path": str(path),
         "model": manifest.source.model,
         "backend": manifest.backend,
-        "tp_degree": spec.get("tp_degree"),
-        "seq_len": spec.get("seq_len"),
-        "batch_size": spec.get("batch_size"),
-        "dtype": spec.get("dtype"),
+        "tp_degree": spec.tp_degree,
+        "seq_len": spec.seq_len,
+        "batch_size": spec.batch_size,
+        "dtype": spec.dtype,
         "size": manifest.total_size(),
         "created": manifest.created,
     }
@@ -89,7 +86,7 @@ def show_command(key: str = KeyArg, store: StoreOpt = None, json_out: JsonOpt = 
     info = summary(path, manifest)
     info["size"] = human_size(manifest.total_size())
     rows = [[k, v] for k, v in info.items() if k not in ("key", "path")]
-    rows += [[name, value] for name, value in manifest.keys.items()]
+    rows += [[name, value] for name, value in manifest.keys.as_dict().items()]
     rows += [["source digest", manifest.source.digest], ["revision", manifest.source.revision]]
     rows += [[f"version {k}", v] for k, v in manifest.backend_versions.items()]
     console.print(table(None, ["field", "value"], rows))

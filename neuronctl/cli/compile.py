@@ -18,7 +18,7 @@ from neuronctl.cli._common import (
     with_spec_options,
 )
 from neuronctl.cli._progress import progress_for
-from neuronctl.errors import UsageError
+from neuronctl.errors import EXIT_FAILED, UsageError
 
 ORDER = 20
 ACCURACY_MODES = ("token-matching", "logit-matching")
@@ -100,6 +100,7 @@ def compile_command(
         data["accuracy"] = _check_accuracy(build, outcome.path, check_accuracy)
     if json_out:
         print_json(data)
+        _exit_if_inaccurate(data)
         return
     verb = "pulled" if outcome.pulled else "reused" if outcome.cache_hit else "compiled"
     extra = " (graphs reused, weights re-sharded)" if outcome.graphs_reused else ""
@@ -107,9 +108,31 @@ def compile_command(
     console.print(
         f"artifact key {outcome.keys.artifact}  ({outcome.compile_seconds:.1f} s)", soft_wrap=True
     )
-    if "accuracy" in data:
-        console.print(f"accuracy: {data['accuracy']}")
     console.print(f"[dim]export NEURON_COMPILED_ARTIFACTS={outcome.path}[/dim]", soft_wrap=True)
+    if "accuracy" in data:
+        console.print(accuracy_line(data["accuracy"]), soft_wrap=True)
+        _exit_if_inaccurate(data)
+
+
+def accuracy_line(report: dict[str, Any]) -> str:
+    """One line: the verdict, then the figures that decided it."""
+    verdict = "[green]accuracy passed[/green]" if report["passed"] else "[red]accuracy FAILED[/red]"
+    parts = [
+        f"{report['mode']} ({report['dtype']})",
+        f"{report['tokens_matched']}/{report['new_tokens']} tokens matched",
+        f"max logit diff {report['max_logit_diff']:.3g}",
+    ]
+    if report.get("tolerance") is not None:
+        parts.append(f"tolerance {report['tolerance']:.3g}")
+    if report.get("first_divergence") is not None:
+        parts.append(f"first divergence at new token {report['first_divergence']}")
+    return f"{verdict}: " + ", ".join(parts)
+
+
+def _exit_if_inaccurate(data: dict[str, Any]) -> None:
+    """The artifact is published either way; a failed check is exit 1, for CI."""
+    if "accuracy" in data and not data["accuracy"]["passed"]:
+        raise typer.Exit(EXIT_FAILED)
 
 
 def _from_plan(
@@ -132,14 +155,9 @@ def _from_plan(
 
 
 def _check_accuracy(build: Any, path: Any, mode: str) -> dict[str, Any]:
-    if build.spec.backend != "torch":
-        raise UsageError(
-            "--check-accuracy runs on the torch backend here; on Neuron use inference_demo"
-        )
-    from neuronctl.backends.torch.accuracy import check_accuracy
+    from neuronctl.backends import check_accuracy
 
-    report: dict[str, Any] = check_accuracy(path, build.checkpoint.path, mode)
-    return report
+    return check_accuracy(path, build.checkpoint.path, mode, build.spec.backend)
 
 
 def register(app: typer.Typer) -> None:

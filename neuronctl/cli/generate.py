@@ -6,7 +6,6 @@ import json
 import sys
 import tempfile
 import time
-from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -14,6 +13,7 @@ import typer
 
 from neuronctl.cli._common import ArtifactsOpt, JsonOpt, console, err_console
 from neuronctl.errors import UsageError
+from neuronctl.prompts import Prompt, collect_prompts, params_for
 from neuronctl.vllm import TARGET_HELP as VLLM_TARGET_HELP
 
 if TYPE_CHECKING:  # the engine imports torch: keep it off every command's start-up
@@ -21,20 +21,6 @@ if TYPE_CHECKING:  # the engine imports torch: keep it off every command's start
 
 ORDER = 35
 ENGINES = ("builtin", "vllm")
-# Per-line sampling fields a --jsonl line may set, over the flags.
-JSONL_FIELDS = ("max_tokens", "temperature", "top_k", "top_p", "seed", "stop", "ignore_eos")
-
-
-@dataclass
-class Prompt:
-    text: str | None = None
-    messages: list[dict[str, Any]] | None = None
-    overrides: dict[str, Any] | None = None
-
-    def label(self) -> str:
-        if self.text is not None:
-            return self.text
-        return str((self.messages or [{}])[-1].get("content", ""))
 
 
 def generate_command(
@@ -114,73 +100,6 @@ def generate_command(
     _generate_builtin(artifacts, prompts, params, stream, json_out)
 
 
-def collect_prompts(
-    texts: list[str], file: Path | None, jsonl: Path | None, chat: bool
-) -> list[Prompt]:
-    if file is not None and jsonl is not None:
-        raise UsageError("give --file or --jsonl, not both")
-    prompts = [Prompt(text=t) for t in texts]
-    if file is not None:
-        lines = _read(file).splitlines()
-        prompts += [Prompt(text=line) for line in lines if line.strip()]
-    if jsonl is not None:
-        prompts += _read_jsonl(jsonl)
-    if not prompts:
-        raise UsageError("no prompts", "pass --prompt TEXT, --file FILE or --jsonl FILE")
-    if chat:
-        prompts = [
-            Prompt(messages=[{"role": "user", "content": p.text}], overrides=p.overrides)
-            if p.text is not None
-            else p
-            for p in prompts
-        ]
-    return prompts
-
-
-def _read(path: Path) -> str:
-    if str(path) == "-":
-        return sys.stdin.read()
-    try:
-        return path.read_text()
-    except OSError as exc:
-        raise UsageError(f"cannot read {path}: {exc.strerror}") from None
-    except UnicodeDecodeError:
-        raise UsageError(f"cannot read {path}: not UTF-8 text") from None
-
-
-def _read_jsonl(path: Path) -> list[Prompt]:
-    prompts = []
-    for number, line in enumerate(_read(path).splitlines(), 1):
-        if not line.strip():
-            continue
-        try:
-            obj = json.loads(line)
-        except json.JSONDecodeError as exc:
-            raise UsageError(f"{path}:{number}: not JSON: {exc.msg}") from None
-        if not isinstance(obj, dict) or not (
-            isinstance(obj.get("prompt"), str) or isinstance(obj.get("messages"), list)
-        ):
-            raise UsageError(
-                f'{path}:{number}: expected {{"prompt": "..."}} or {{"messages": [...]}}'
-            )
-        overrides = {k: obj[k] for k in JSONL_FIELDS if k in obj}
-        if isinstance(overrides.get("stop"), str):
-            overrides["stop"] = [overrides["stop"]]
-        if isinstance(overrides.get("stop"), list):  # anything else: the engine refuses it
-            overrides["stop"] = tuple(overrides["stop"])
-        prompts.append(Prompt(obj.get("prompt"), obj.get("messages"), overrides or None))
-    return prompts
-
-
-def _params_for(prompt: Prompt, params: SamplingParams) -> SamplingParams:
-    if not prompt.overrides:
-        return params
-    try:
-        return replace(params, **prompt.overrides)
-    except TypeError as exc:
-        raise UsageError(f"bad sampling field in --jsonl: {exc}") from None
-
-
 def _generate_builtin(
     artifacts: str | None,
     prompts: list[Prompt],
@@ -201,7 +120,7 @@ def _generate_builtin(
         ]
         started = time.perf_counter()
         handles = [
-            engine.submit(i, _params_for(p, params)) for i, p in zip(ids, prompts, strict=True)
+            engine.submit(i, params_for(p, params)) for i, p in zip(ids, prompts, strict=True)
         ]
         outputs = []
         for index, (prompt, handle) in enumerate(zip(prompts, handles, strict=True)):
@@ -264,15 +183,18 @@ def _generate_vllm(
 ) -> None:
     import os
 
-    from neuronctl.cli.serve import print_launch
-    from neuronctl.engine.loader import check_reusable, resolve_artifact_path
+    from neuronctl.cli.serve import print_launch, print_plan
     from neuronctl.store.manifest import read_manifest
+    from neuronctl.target import artifact_to_run
     from neuronctl.vllm import cli_target, generate_launch
 
     if any(p.messages is not None for p in prompts):
         raise UsageError("--engine vllm takes plain prompts (no --chat / messages)")
-    path = resolve_artifact_path(artifacts)
-    check_reusable(path)
+    run = artifact_to_run(artifacts, dry_run=dry_run)
+    if run.path is None:  # --dry-run with a URL not pulled yet: nothing is fetched
+        print_plan(run.plan(), json_out)
+        return
+    path = run.path
     target = cli_target(read_manifest(path), vllm_target)
     prompts_file = Path(tempfile.mkstemp(prefix="neuronctl-prompts-", suffix=".jsonl")[1])
     prompts_file.write_text("".join(json.dumps({"prompt": p.text}) + "\n" for p in prompts))

@@ -9,11 +9,12 @@ import sys
 from typing import Annotated
 
 import typer
+from rich.markup import escape
 
 import neuronctl.cli as cli_pkg
-from neuronctl import __version__
+from neuronctl import __version__, log
 from neuronctl.cli._common import err_console, print_json
-from neuronctl.errors import EXIT_FAILED, NeuronctlError
+from neuronctl.errors import EXIT_FAILED, NeuronctlError, UsageError
 
 HELP = """Ahead-of-time compiled LLMs as reproducible, content-addressed build products.
 
@@ -26,6 +27,8 @@ Typical flow:
   neuronctl validate $NEURON_COMPILED_ARTIFACTS
 
   neuronctl serve --artifacts $NEURON_COMPILED_ARTIFACTS
+
+  neuronctl -v compile ./model   (say what it does: key, cache hit or miss and why)
 
 Exit codes: 0 ok, 1 check failed / not found / build failed, 2 usage error.
 """
@@ -54,9 +57,30 @@ def root(
     debug: Annotated[
         bool, typer.Option("--debug", help="Show tracebacks for errors.", envvar="NEURONCTL_DEBUG")
     ] = False,
+    log_level: Annotated[
+        str | None,
+        typer.Option(
+            "--log-level",
+            envvar="NEURONCTL_LOG_LEVEL",
+            help="debug | info | warning | error (default warning: quiet).",
+            show_default=False,
+        ),
+    ] = None,
+    verbose: Annotated[
+        int,
+        typer.Option(
+            "--verbose", "-v", count=True, help="Say what the tool does (-v info, -vv debug)."
+        ),
+    ] = 0,
 ) -> None:
+    # Options before the command apply to every command.
     if debug:
         os.environ["NEURONCTL_DEBUG"] = "1"
+    try:
+        level = log.level_for(log_level, verbose)
+    except ValueError as exc:
+        raise UsageError(f"--log-level: {exc}") from None
+    log.setup(level)
 
 
 def _register_commands() -> None:
@@ -88,7 +112,7 @@ def main() -> None:
         if os.environ.get("NEURONCTL_DEBUG"):
             raise
         err_console.print(
-            f"[red]internal error:[/red] {type(exc).__name__}: {exc}\n"
+            f"[red]internal error:[/red] {type(exc).__name__}: {escape(str(exc))}\n"
             "Run again with --debug for the traceback, and please report it."
         )
         sys.exit(EXIT_FAILED)
@@ -97,9 +121,10 @@ def main() -> None:
 def _report(exc: NeuronctlError) -> None:
     if "--json" in sys.argv:
         print_json({"error": exc.message, "hint": exc.hint, "exit_code": exc.exit_code})
-    err_console.print(f"[red]error:[/red] {exc.message}", soft_wrap=True)
+    # Messages and hints are plain text: `[[build]]` or `[0, 1]` must print as written.
+    err_console.print(f"[red]error:[/red] {escape(exc.message)}", soft_wrap=True)
     if exc.hint:
-        err_console.print(f"[dim]hint:[/dim] {exc.hint}", soft_wrap=True)
+        err_console.print(f"[dim]hint:[/dim] {escape(exc.hint)}", soft_wrap=True)
 
 
 if __name__ == "__main__":

@@ -10,9 +10,9 @@ import typer
 from neuronctl.cli._common import JsonOpt, StoreOpt, console, human_size, print_json
 from neuronctl.cli._groups import artifacts_app
 from neuronctl.cli._progress import progress_for
-from neuronctl.store.local import Store, default_store_root
 from neuronctl.store.manifest import read_manifest
 from neuronctl.store.remote import open_remote, split_artifact_url
+from neuronctl.store.resolve import open_store
 
 ORDER = 41
 REMOTE_ENV = "NEURONCTL_REMOTE"
@@ -29,7 +29,7 @@ UrlArg = Annotated[
 
 
 def _local_artifact(key_or_path: str, store: Path | None) -> Path:
-    return Store(store or default_store_root()).resolve(key_or_path)
+    return open_store(store).resolve(key_or_path)
 
 
 @artifacts_app.command("push")
@@ -99,9 +99,11 @@ def pull_command(
 
     Exit codes: 0 pulled (or already local), 1 not found / corrupted / incomplete, 2 usage.
     """
+    if "://" not in url:  # a plain path is a shared mount, as push takes it
+        url = Path(url).expanduser().absolute().as_uri()
     store_url, key = split_artifact_url(url)
     remote = open_remote(store_url)
-    local = Store(store or default_store_root())
+    local = open_store(store)
     dirname = remote.resolve(key)
     with progress_for(json_out, bytes_=True) as progress:
         published = remote.pull(dirname, local, progress)

@@ -18,7 +18,7 @@ from neuronctl.cli._common import (
     print_json,
     with_spec_options,
 )
-from neuronctl.errors import NeuronctlError, UsageError
+from neuronctl.errors import UsageError
 from neuronctl.vllm import TARGET_HELP as VLLM_TARGET_HELP
 
 if TYPE_CHECKING:
@@ -112,7 +112,21 @@ def serve_command(
             f"--log-level: unknown level {log_level!r}", "use " + " | ".join(LOG_LEVELS)
         )
     log_level = log_level.lower()
-    path = _artifact_path(artifacts, compile_if_missing, model, spec_flags, config, store)
+    from neuronctl.target import artifact_to_run
+
+    target = artifact_to_run(
+        artifacts,
+        spec_flags=spec_flags,
+        config=config,
+        store=store,
+        compile_if_missing=compile_if_missing,
+        model=model,
+        dry_run=dry_run,
+    )
+    if target.path is None:  # a dry run that would pull or compile first: nothing to load
+        print_plan(target.plan(), json_out)
+        return
+    path = target.path
     if engine == "vllm":
         _serve_vllm(path, host, port, served_model_name, vllm_target, dry_run, json_out)
         return
@@ -125,44 +139,6 @@ def serve_command(
         path, host, port, api_key, served_model_name, max_queue, dry_run, json_out, log_level,
         limits,
     )  # fmt: skip
-
-
-def _artifact_path(
-    artifacts: str | None,
-    compile_if_missing: bool,
-    model: str | None,
-    spec_flags: dict[str, Any],
-    config: Path | None,
-    store: Path | None,
-) -> Path:
-    from neuronctl.engine.loader import check_reusable, resolve_artifact_path
-    from neuronctl.validate import requested_spec
-
-    spec, sources = requested_spec(spec_flags, config)
-    if not compile_if_missing:
-        if model:
-            raise UsageError("--model is only used with --compile-if-missing")
-        path = resolve_artifact_path(artifacts)
-        check_reusable(path, spec, sources)
-        return path
-    try:
-        path = resolve_artifact_path(artifacts)
-        check_reusable(path, spec, sources)
-        return path
-    except NeuronctlError as exc:
-        if not model:
-            raise UsageError("--compile-if-missing needs --model MODEL to compile") from None
-        err_console.print(f"[yellow]compiling:[/yellow] {exc.message}")
-    return _compile(model, spec_flags, config, store)
-
-
-def _compile(
-    model: str, spec_flags: dict[str, Any], config: Path | None, store: Path | None
-) -> Path:
-    from neuronctl.build import compile_model, resolve_build
-
-    build = resolve_build(model, spec_flags, config, store_dir=store)
-    return compile_model(build).path
 
 
 def _serve_vllm(
@@ -188,6 +164,13 @@ def _serve_vllm(
     _print_notes(launch)
     # exec, so that signals (SIGTERM from an orchestrator) reach vLLM directly.
     os.execvpe(launch.argv[0], launch.argv, {**os.environ, **launch.env})
+
+
+def print_plan(plan: dict[str, Any], json_out: bool) -> None:
+    if json_out:
+        print_json(plan)
+    else:
+        console.print(" ".join(f"{k}={v}" for k, v in plan.items()), soft_wrap=True)
 
 
 def print_launch(launch: VllmLaunch, json_out: bool) -> None:
@@ -239,10 +222,7 @@ def _serve_builtin(
         "auth": api_key is not None,
     }
     if dry_run:
-        if json_out:
-            print_json(plan)
-        else:
-            console.print(" ".join(f"{k}={v}" for k, v in plan.items()), soft_wrap=True)
+        print_plan(plan, json_out)
         return
     def banner() -> None:  # once the port is bound: a busy port never prints it
         err_console.print(

@@ -86,15 +86,15 @@ def validate_command(
 
 
 def resolve_target(path: str | None, store: Path | None) -> Path:
-    """PATH, else $NEURON_COMPILED_ARTIFACTS; a bare key is looked up in the store."""
+    """KEY|PATH|URL, else $NEURON_COMPILED_ARTIFACTS (store.resolve's one rule)."""
     text = path or os.environ.get(ARTIFACTS_ENV)
     if not text:
         raise UsageError(
-            "no artifact given", f"pass PATH or set {ARTIFACTS_ENV} to an artifact directory"
+            "no artifact given", f"pass KEY or PATH, or set {ARTIFACTS_ENV} to an artifact"
         )
-    from neuronctl.store.local import Store, default_store_root
+    from neuronctl.store.resolve import resolve_artifact
 
-    return Store(store or default_store_root()).resolve(text)
+    return resolve_artifact(text, store)
 
 
 def render(report: Report) -> None:

@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from neuronctl.backends import get_backend
 from neuronctl.backends.base import Runner
@@ -17,15 +17,11 @@ from neuronctl.engine.engine import Engine
 from neuronctl.engine.errors import RequestError
 from neuronctl.engine.sampling import DEFAULT_GLOBAL_TOPK
 from neuronctl.engine.tokenizer import EngineTokenizer
-from neuronctl.errors import NeuronctlError, NotFoundError, UsageError
+from neuronctl.errors import NotFoundError, UsageError
 from neuronctl.store.manifest import Manifest, read_manifest
+from neuronctl.validate import NotReusableError, check_reusable
 
-if TYPE_CHECKING:
-    from neuronctl.spec import BuildSpec
-
-
-class NotReusableError(NeuronctlError):
-    """The artifact failed the quick validation checks; nothing was loaded."""
+__all__ = ["LoadedArtifact", "NotReusableError", "check_reusable", "open_artifact"]
 
 
 @dataclass
@@ -51,18 +47,16 @@ class LoadedArtifact:
         return self.tokenizer.encode_chat(messages)
 
 
-def resolve_artifact_path(path: str | Path | None) -> Path:
+def resolve_artifact_path(path: str | Path | None, store: Path | None = None) -> Path:
+    """KEY | PATH | URL (store.resolve's one rule); a URL is pulled (verified) first."""
     if not path:
         raise UsageError(
             "no artifact given",
-            "pass --artifacts PATH or set NEURON_COMPILED_ARTIFACTS",
+            "pass --artifacts KEY|PATH|URL or set NEURON_COMPILED_ARTIFACTS",
         )
-    if "://" in str(path):  # s3://bucket/prefix/KEY: pull (verified) into the local store first
-        from neuronctl.store.local import Store, default_store_root
-        from neuronctl.store.remote import resolve_artifacts_arg
+    from neuronctl.store.resolve import resolve_artifact
 
-        return resolve_artifacts_arg(str(path), Store(default_store_root()))
-    resolved = Path(path).expanduser()
+    resolved = resolve_artifact(path, store)
     if not resolved.is_dir():
         raise NotFoundError(
             f"artifact directory {resolved} does not exist",
@@ -82,25 +76,6 @@ def open_artifact(path: str | Path | None, validate: bool = True) -> LoadedArtif
     if not eos and tokenizer.eos_token_id is not None:
         eos = [tokenizer.eos_token_id]
     return LoadedArtifact(root, manifest, runner, tokenizer, eos, global_topk(manifest))
-
-
-def check_reusable(
-    path: Path, spec: BuildSpec | None = None, sources: dict[str, str] | None = None
-) -> None:
-    """The single call site of the reuse checks before any load (generate, serve, bench).
-
-    With a requested spec (serve's spec flags or -c), the artifact must also match it."""
-    from neuronctl.validate import quick_validate, validate_artifact
-
-    report = (
-        quick_validate(path) if spec is None else validate_artifact(path, spec, sources=sources)
-    )
-    if not report.reusable:
-        reasons = "; ".join(f"{c.name}: {c.reason}" for c in report.failed)
-        raise NotReusableError(
-            f"{path} cannot be used as-is: {reasons}",
-            f"run `neuronctl validate {path}` for details; serve and generate never compile",
-        )
 
 
 def make_engine(loaded: LoadedArtifact, max_queue: int | None = None) -> Engine:
@@ -132,5 +107,5 @@ def eos_token_ids(path: Path) -> list[int]:
 
 
 def global_topk(manifest: Manifest) -> int:
-    sampling = manifest.spec.get("on_device_sampling") or {}
-    return int(sampling.get("global_topk", DEFAULT_GLOBAL_TOPK))
+    sampling = manifest.spec.on_device_sampling
+    return sampling.global_topk if sampling is not None else DEFAULT_GLOBAL_TOPK

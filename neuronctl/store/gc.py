@@ -11,7 +11,7 @@ from pathlib import Path
 
 from pydantic import ByteSize, TypeAdapter, ValidationError
 
-from neuronctl.errors import UsageError
+from neuronctl.errors import NotFoundError, UsageError
 from neuronctl.store.local import Store
 from neuronctl.store.manifest import Manifest
 
@@ -125,10 +125,13 @@ def collect(
     artifacts = [(p, m) for p, m in store.iter_artifacts() if m is not None]
     for path, manifest in doomed_artifacts(artifacts, keep_last, older_than, max_size):
         logger.info("%s artifact %s (created %s)", _verb(dry_run), path.name, manifest.created)
+        if not dry_run:
+            try:
+                store.remove(path)
+            except NotFoundError:  # a concurrent `rm` or `gc` got there first
+                continue
         report.removed.append(path)
         report.freed_bytes += manifest.total_size()
-        if not dry_run:
-            store.remove(path)
     for path in leftovers(store):
         logger.info("%s leftover %s", _verb(dry_run), path)
         report.leftovers.append(path)

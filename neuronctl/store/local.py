@@ -33,12 +33,12 @@ def user_cache_store() -> Path:
     return Path(base) / "neuronctl"
 
 
-def default_store_root(model_dir: Path | None = None) -> Path:
-    """NEURONCTL_STORE, else the model directory (as vLLM does), else the user cache."""
+def default_store_root() -> Path:
+    """The one default store of every command: $NEURONCTL_STORE, else the user cache
+    (~/.cache/neuronctl). `compile` publishes there and `artifacts push KEY`, `validate KEY`,
+    `--artifacts KEY` look there, so a key printed by one command is found by the next."""
     if env := os.environ.get(STORE_ENV):
         return Path(env)
-    if model_dir is not None and os.access(model_dir, os.W_OK):
-        return model_dir
     return user_cache_store()
 
 
@@ -62,6 +62,11 @@ def is_artifact(path: Path) -> bool:
     return (path / MANIFEST).is_file()
 
 
+def is_store(path: Path) -> bool:
+    """A store root or its neuron-compiled-artifacts directory."""
+    return path.name == ARTIFACTS_DIR or (path / ARTIFACTS_DIR).is_dir()
+
+
 @dataclass(frozen=True)
 class Published:
     path: Path
@@ -70,7 +75,9 @@ class Published:
 
 class Store:
     def __init__(self, root: Path) -> None:
-        self.root = Path(root).expanduser().absolute()
+        root = Path(root).expanduser().absolute()
+        # The directory compile prints (`<root>/neuron-compiled-artifacts`) names the same store.
+        self.root = root.parent if root.name == ARTIFACTS_DIR else root
         self.artifacts = self.root / ARTIFACTS_DIR
 
     @classmethod
@@ -171,9 +178,17 @@ class Store:
 
     def resolve(self, key_or_path: str) -> Path:
         """What a command's KEY|PATH argument names: a path when it is spelled like one (or
-        an existing directory), else an artifact of this store by key or unique prefix."""
+        an existing directory), else an artifact of this store by key or unique prefix.
+
+        A path to a store (its root or its neuron-compiled-artifacts directory) is refused
+        with a hint: it holds artifacts, it is not one."""
         path = Path(key_or_path).expanduser()
         if path.is_dir() or os.sep in key_or_path or key_or_path.startswith("."):
+            if not is_artifact(path) and is_store(path):
+                raise UsageError(
+                    f"{path} is an artifact store, not an artifact",
+                    f"name an artifact by key: --store {path} KEY (see `neuronctl artifacts list`)",
+                )
             return path
         return self.find(key_or_path)
 
@@ -204,7 +219,10 @@ class Store:
         """Remove an artifact so that no reader ever sees it half-deleted."""
         with self.lock(path.name):
             doomed = self._private(".trash") / f"{path.name}.{uuid.uuid4().hex[:8]}"
-            path.rename(doomed)
+            try:
+                path.rename(doomed)
+            except FileNotFoundError:  # `rm` and `gc` raced: the other one removed it
+                raise NotFoundError(f"{path} is already removed") from None
             shutil.rmtree(doomed, ignore_errors=True)
 
     def stale_staging(self) -> list[Path]:

@@ -1,8 +1,17 @@
-"""manifest.json: the single source of truth about an artifact.
+"""manifest.json: the single source of truth about an artifact, read back typed.
 
-Every command that consumes an artifact reads what it needs from here, never from flags.
-It is written last, after every other file is complete and fsynced, so its presence means
-the files it lists were complete when it was written.
+Every command that consumes an artifact reads what it needs from a `Manifest` (never from
+flags, never from a backend's own config file). It is written last, after every other file is
+complete and fsynced, so its presence means the files it lists were complete when it was
+written. `is_intact` (compile's and pull's cache-hit rule) and `file_problems` /
+`stray_files` (validate's files checks) are one stat-only rule, here beside the record they
+check, so what compile reuses is exactly what validate calls reusable.
+
+The path rule, for every file a manifest names (applied when a manifest is read, so publish,
+validate, load, push and pull all get it): relative, POSIX separators only, no `..` or `.`
+component, not manifest.json or its .tmp. On disk every listed file is a regular file reached
+through no symlink. `record_sha256` covers what the build recorded (spec, keys, backend and
+versions, architecture, source, graphs): an edited spec is noticed before any load.
 """
 
 from __future__ import annotations
@@ -11,19 +20,51 @@ import hashlib
 import json
 import os
 import platform
-from collections.abc import Callable, Iterator
+import stat
+from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
-from pydantic import BaseModel, Field, ValidationError
+from pydantic import (
+    BaseModel,
+    Field,
+    ValidationError,
+    field_serializer,
+    field_validator,
+)
 
 from neuronctl import __version__
-from neuronctl.errors import NotFoundError
-from neuronctl.keys import FORMAT_VERSION
+from neuronctl.errors import NeuronctlError, NotFoundError
+from neuronctl.keys import FORMAT_VERSION, Keys, canonical_json
+from neuronctl.spec import BuildSpec, ModelShape
 
 MANIFEST = "manifest.json"
+MANIFEST_TMP = MANIFEST + ".tmp"
 HASH_CHUNK = 8 * 1024 * 1024
+# A store's private directories: what is under them is never an artifact (store/local.py).
+PRIVATE_DIRS = frozenset({".staging", ".failed", ".trash", ".locks"})
+# Stray files with these suffixes could be picked up by a loader (a graph, a weight shard,
+# a config), so an unlisted one makes the artifact untrustworthy. Anything else is noted only.
+LOADER_SUFFIXES = (".safetensors", ".pt", ".pt2", ".neff", ".json", ".bin", ".so", ".ntff")
+# What record_sha256 covers: what the build decided. Not files (their own sha256s), host
+# facts or timestamps.
+RECORDED = ("format_version", "backend", "backend_versions", "spec", "keys", "source",
+            "architecture", "graphs")
+
+
+def path_rule(rel: str) -> str | None:
+    """Why `rel` may not name a file of an artifact (None when it may)."""
+    if not rel or "\\" in rel or "\x00" in rel:
+        return "empty, or has a backslash or NUL"
+    if rel.startswith("/") or (len(rel) > 1 and rel[1] == ":"):
+        return "absolute"
+    parts = rel.split("/")
+    if any(part in ("", ".", "..") for part in parts):
+        return "has an empty, '.' or '..' component"
+    if rel in (MANIFEST, MANIFEST_TMP):
+        return "is the manifest itself"
+    return None
 
 
 class FileEntry(BaseModel):
@@ -41,25 +82,79 @@ class Source(BaseModel):
 
 
 class Manifest(BaseModel):
+    """Typed: `spec` is the finalized BuildSpec, `keys` the Keys, `shape` the parsed model
+    shape. On disk the same JSON as ever (keys spelled graph_key/weights_key/artifact_key)."""
+
     format_version: int = FORMAT_VERSION
     neuronctl_version: str = __version__
     created: str = Field(default_factory=lambda: datetime.now(UTC).isoformat(timespec="seconds"))
     backend: str
     backend_versions: dict[str, str]
     host: dict[str, Any] = Field(default_factory=dict)
-    spec: dict[str, Any]
-    keys: dict[str, str]  # graph_key, weights_key, artifact_key
+    spec: BuildSpec
+    keys: Keys
     source: Source
     architecture: dict[str, Any]  # the model's config.json as compiled
     graphs: list[str] = Field(default_factory=list)  # relative paths of compiled graphs
     files: dict[str, FileEntry] = Field(default_factory=dict)
+    record_sha256: str | None = None  # over RECORDED; None in manifests made before it
+
+    @field_validator("files")
+    @classmethod
+    def _files_follow_the_path_rule(cls, files: dict[str, FileEntry]) -> dict[str, FileEntry]:
+        _check_paths(files)
+        return files
+
+    @field_validator("graphs")
+    @classmethod
+    def _graphs_follow_the_path_rule(cls, graphs: list[str]) -> list[str]:
+        _check_paths(graphs)
+        return graphs
+
+    @field_validator("keys", mode="before")
+    @classmethod
+    def _read_keys(cls, value: Any) -> Any:
+        if isinstance(value, Mapping):
+            try:
+                return Keys.from_dict(value)
+            except KeyError as exc:
+                raise ValueError(f"keys has no {exc.args[0]}") from None
+        return value
+
+    @field_serializer("keys")
+    def _write_keys(self, keys: Keys) -> dict[str, str]:
+        return keys.as_dict()
 
     @property
     def artifact_key(self) -> str:
-        return self.keys["artifact_key"]
+        return self.keys.artifact
+
+    @property
+    def shape(self) -> ModelShape:
+        return ModelShape.from_config(self.architecture)
 
     def total_size(self) -> int:
         return sum(entry.size for entry in self.files.values())
+
+    def recorded_sha256(self) -> str:
+        data = self.model_dump(mode="json", include=set(RECORDED))
+        return hashlib.sha256(canonical_json(data).encode()).hexdigest()
+
+    def record_problem(self) -> str | None:
+        """Why the recorded build facts cannot be trusted (None when they can)."""
+        if self.record_sha256 is not None and self.record_sha256 != self.recorded_sha256():
+            return (
+                f"{MANIFEST} was edited after the build (its spec, keys or versions no longer "
+                "match record_sha256)"
+            )
+        return None
+
+
+def _check_paths(paths: Any) -> None:
+    for rel in paths:
+        why = path_rule(rel)
+        if why is not None:
+            raise ValueError(f"file path {rel!r} is not allowed: {why}")
 
 
 def host_facts() -> dict[str, Any]:
@@ -79,7 +174,9 @@ def sha256_file(path: Path, on_bytes: Callable[[int], None] | None = None) -> st
 
 
 def iter_files(root: Path) -> Iterator[Path]:
-    for dirpath, _dirs, names in os.walk(root):
+    for dirpath, dirs, names in os.walk(root):
+        dirs.sort()
+        names = names + [d for d in dirs if os.path.islink(os.path.join(dirpath, d))]
         for name in sorted(names):
             path = Path(dirpath) / name
             if path.relative_to(root).as_posix() != MANIFEST:
@@ -87,15 +184,29 @@ def iter_files(root: Path) -> Iterator[Path]:
 
 
 def record_files(root: Path, manifest: Manifest) -> Manifest:
-    files = {
-        p.relative_to(root).as_posix(): FileEntry(size=p.stat().st_size, sha256=sha256_file(p))
-        for p in iter_files(root)
-    }
-    return manifest.model_copy(update={"files": dict(sorted(files.items()))})
+    """The manifest to publish: every file (plain files only) with its size and sha256, and
+    the record digest. Validated, so a path the rule refuses fails the build, not a reader.
+    A manifest that arrives with a record digest (a pull) must still match it."""
+    if (edited := manifest.record_problem()) is not None:
+        raise NeuronctlError(edited)
+    files = {}
+    for p in iter_files(root):
+        rel = p.relative_to(root).as_posix()
+        mode = p.lstat().st_mode
+        if not stat.S_ISREG(mode):
+            raise NeuronctlError(f"the build left {rel}, which is not a plain file (a symlink?)")
+        files[rel] = FileEntry(size=p.stat().st_size, sha256=sha256_file(p))
+    data = manifest.model_dump(mode="json")
+    data["files"] = dict(sorted((k, v.model_dump()) for k, v in files.items()))
+    try:
+        recorded = Manifest.model_validate(data)
+    except ValidationError as exc:
+        raise NeuronctlError(f"the build's manifest is invalid: {exc.errors()[0]['msg']}") from None
+    return recorded.model_copy(update={"record_sha256": recorded.recorded_sha256()})
 
 
 def write_manifest(root: Path, manifest: Manifest) -> None:
-    tmp = root / (MANIFEST + ".tmp")
+    tmp = root / MANIFEST_TMP
     tmp.write_text(manifest.model_dump_json(indent=2) + "\n")
     with open(tmp, "rb") as f:
         os.fsync(f.fileno())
@@ -119,3 +230,101 @@ def read_manifest(root: Path) -> Manifest:
         raise NotFoundError(
             f"{path} is not a neuronctl manifest: {exc.errors()[0]['msg']}"
         ) from None
+
+
+def file_problems(root: Path, manifest: Manifest) -> tuple[list[str], list[str], list[str]]:
+    """Stat only: (missing, wrong size, unsafe). Unsafe: a path the rule refuses (a manifest
+    built by hand), a symlink anywhere on the way, or something that is not a plain file."""
+    missing, wrong_size, unsafe = [], [], []
+    for rel, entry in manifest.files.items():
+        if path_rule(rel) is not None:
+            unsafe.append(rel)
+            continue
+        try:
+            why = _not_plain(root, rel)
+        except FileNotFoundError:
+            missing.append(rel)
+            continue
+        if why:
+            unsafe.append(f"{rel} ({why})")
+            continue
+        size = (root / rel).lstat().st_size
+        if size != entry.size:
+            wrong_size.append(f"{rel} ({size} bytes, recorded {entry.size})")
+    return missing, wrong_size, unsafe
+
+
+def _not_plain(root: Path, rel: str) -> str | None:
+    """Why root/rel is not a plain file reached through plain directories (lstat each part)."""
+    path = root
+    parts = rel.split("/")
+    for i, part in enumerate(parts):
+        path = path / part
+        mode = path.lstat().st_mode
+        if stat.S_ISLNK(mode):
+            return "a symlink"
+        last = i == len(parts) - 1
+        if last and stat.S_ISDIR(mode):
+            return "a directory"
+        if last and not stat.S_ISREG(mode):
+            return "not a plain file"
+    return None
+
+
+def stray_files(root: Path, manifest: Manifest) -> tuple[list[str], list[str]]:
+    """Files (and symlinks) in the artifact its manifest does not list: (risky, harmless).
+    Risky ones a loader could read (LOADER_SUFFIXES) or are symlinks."""
+    listed = set(manifest.files) | {MANIFEST}
+    risky, harmless = [], []
+    for path in iter_files(root):
+        rel = path.relative_to(root).as_posix()
+        if rel in listed:
+            continue
+        if path.is_symlink() or rel.endswith(LOADER_SUFFIXES):
+            risky.append(rel)
+        else:
+            harmless.append(rel)
+    return sorted(risky), sorted(harmless)
+
+
+def leftover_problem(path: Path) -> str | None:
+    """A store's private directories (.staging, .failed, .trash) hold what a killed or failed
+    build or pull left: never an artifact, whatever its manifest says."""
+    for parent in Path(path).absolute().parts:
+        if parent in PRIVATE_DIRS:
+            return (
+                f"{path} is under a store's {parent}/ (what an interrupted or failed build or "
+                "pull left): not an artifact; `neuronctl artifacts gc` removes it"
+            )
+    return None
+
+
+def is_intact(path: Path) -> bool:
+    """Good enough for a cache hit: exactly what validate's artifact and files checks accept.
+
+    A stat, not a hash, so a hit costs milliseconds whatever the model size. A damaged
+    artifact is rebuilt (and replaced atomically) rather than reused.
+    """
+    return intact_problem(path) is None
+
+
+def intact_problem(path: Path) -> str | None:
+    """Why `path` is not intact (None when it is): what `-v` says about a cache miss."""
+    if (leftover := leftover_problem(path)) is not None:
+        return leftover
+    if not (path / MANIFEST).is_file():
+        return f"no artifact at {path}"
+    try:
+        manifest = read_manifest(path)
+        missing, wrong_size, unsafe = file_problems(path, manifest)
+        risky, _ = stray_files(path, manifest)
+    except (NeuronctlError, OSError) as exc:
+        return f"unreadable manifest: {exc}"
+    if (edited := manifest.record_problem()) is not None:
+        return edited
+    problems = (("missing", missing), ("wrong size", wrong_size), ("unsafe", unsafe),
+                ("unlisted files a loader could read", risky))
+    for what, items in problems:
+        if items:
+            return f"{what}: {', '.join(items[:3])}"
+    return None

@@ -27,11 +27,11 @@ from typing import Any
 
 from fsspec.callbacks import Callback
 
-from neuronctl.backends.base import NullProgress, Progress
 from neuronctl.errors import NeuronctlError, NotFoundError, UsageError
 from neuronctl.keys import KEY_LENGTH
+from neuronctl.progress import NullProgress, Progress
 from neuronctl.store.local import ARTIFACTS_DIR, Published, Store
-from neuronctl.store.manifest import MANIFEST, FileEntry, Manifest, read_manifest
+from neuronctl.store.manifest import MANIFEST, FileEntry, Manifest, is_intact, read_manifest
 
 SHA_METADATA = "sha256"  # S3 user metadata key holding an object's sha256
 TRANSFER_THREADS = 4  # files moved at once; s3fs also splits large files into ranged parts
@@ -360,8 +360,6 @@ class RemoteStore:
             # checking that record against the remote manifest verifies every byte once.
             if step == "manifest-written":
                 self._verify(dirname, state["manifest"], read_manifest(state["staging"]))
-
-        from neuronctl.build import is_intact  # the same cache-hit rule as compile
 
         return store.publish(dirname, build, reuse=is_intact, on_step=on_step)
 

@@ -81,7 +81,7 @@ class NxdiBackend:
                 f"NxD Inference compile did not write {', '.join(missing)}",
                 "check that this NxD Inference honours save_sharded_checkpoint",
             )
-        from neuronctl.build import copy_model_files  # the tokenizer, saved beside
+        from neuronctl.checkpoints.hub import copy_model_files  # the tokenizer, saved beside
 
         copy_model_files(model_path, staging)
         return BuildResult(graphs=[GRAPH], extra={"NEURON_CC_FLAGS": spec.cc_flags})
@@ -106,10 +106,10 @@ class NxdiBackend:
     def load(self, path: Path, manifest: Manifest) -> Runner:
         from neuronctl.backends.nxdi.runner import NxdiRunner
 
-        model_type = str(manifest.architecture.get("model_type"))
+        model_type = str(manifest.shape.model_type)
         model_cls, _ = sdk.model_classes(model_type)
         missing = [
-            f for f in expected_files(int(manifest.spec["tp_degree"])) if not (path / f).is_file()
+            f for f in expected_files(manifest.spec.tp_degree) if not (path / f).is_file()
         ]
         if missing:
             # NxDI itself would raise FileNotFoundError / ValueError deep in load().
@@ -118,13 +118,12 @@ class NxdiBackend:
         # the weights are the pre-sharded ones, so the original checkpoint is not needed.
         model = model_cls(str(path))
         model.load(str(path))
-        vocab = int(manifest.architecture.get("vocab_size") or 0)
-        return NxdiRunner(model, manifest.spec, vocab)
+        return NxdiRunner(model, manifest.spec, manifest.shape.vocab_size or 0)
 
     def host_checks(self, manifest: Manifest) -> list[HostCheck]:
         from neuronctl.doctor import neuron_cores
 
-        tp = int(manifest.spec.get("tp_degree", 1))
+        tp = manifest.spec.tp_degree
         cores, how = neuron_cores()
         return [
             HostCheck(

@@ -10,24 +10,28 @@ NOT confirmed on a Neuron host (see the `neuron` marked tests).
 from __future__ import annotations
 
 from collections.abc import Sequence
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
+
+if TYPE_CHECKING:
+    from neuronctl.spec import BuildSpec
 
 PAD_ID = 0
 
 
 class NxdiRunner:
-    def __init__(self, model: Any, spec: dict[str, Any], vocab_size: int) -> None:
+    def __init__(self, model: Any, spec: BuildSpec, vocab_size: int) -> None:
+        assert isinstance(spec.context_buckets, list) and isinstance(spec.token_gen_buckets, list)
         self.model = model
-        self.batch_size = int(spec["batch_size"])
-        self.seq_len = int(spec["seq_len"])
-        self.max_context_length = int(spec["max_context_length"] or spec["seq_len"])
-        self.context_buckets: Sequence[int] = [int(b) for b in spec["context_buckets"]]
-        self.token_gen_buckets: Sequence[int] = [int(b) for b in spec["token_gen_buckets"]]
+        self.batch_size = spec.batch_size
+        self.seq_len = spec.seq_len
+        self.max_context_length = spec.effective_max_context_length()
+        self.context_buckets: Sequence[int] = list(spec.context_buckets)
+        self.token_gen_buckets: Sequence[int] = list(spec.token_gen_buckets)
         self.vocab_size = vocab_size
         # With on-device sampling the model returns token ids, not logits.
-        self.on_device_sampling = spec.get("on_device_sampling") is not None
+        self.on_device_sampling = spec.on_device_sampling is not None
 
     def prefill(self, slot: int, token_ids: Sequence[int]) -> torch.Tensor:
         n = len(token_ids)

@@ -115,16 +115,14 @@ class TnxBackend:
         graphs = sorted(p.name for p in staging.glob("*.neff"))
         if not graphs:
             raise BuildError("Transformers NeuronX saved no .neff files")
-        from neuronctl.build import copy_model_files  # tokenizer; keeps TNx's config.json
+        from neuronctl.checkpoints.hub import copy_model_files  # tokenizer; keeps TNx's config.json
 
         copy_model_files(model_path, staging)
         return BuildResult(graphs=graphs, extra={"NEURON_CC_FLAGS": spec.cc_flags})
 
     def load(self, path: Path, manifest: Manifest) -> TnxRunner:
-        from neuronctl.spec import BuildSpec
-
-        spec = BuildSpec.model_validate(manifest.spec)
-        model = self._model(path, spec, str(manifest.architecture.get("model_type")))
+        spec = manifest.spec
+        model = self._model(path, spec, str(manifest.shape.model_type))
         model.load(str(path))
         try:
             with cc_flags_env(spec.cc_flags), compile_cache_env(path / COMPILE_CACHE):
@@ -134,7 +132,7 @@ class TnxBackend:
                 f"Transformers NeuronX found no matching NEFF in {path}: {exc}",
                 "the SDK version or a setting differs from the build; run `neuronctl validate`",
             ) from None
-        return TnxRunner(model, spec, int(manifest.architecture.get("vocab_size") or 0))
+        return TnxRunner(model, spec, manifest.shape.vocab_size or 0)
 
     def host_checks(self, manifest: Manifest) -> list[HostCheck]:
         return NxdiBackend().host_checks(manifest)

@@ -156,7 +156,7 @@ class TorchBackend:
     def load(self, path: Path, manifest: Manifest) -> TorchRunner:
         from neuronctl.backends.torch.runner import TorchRunner
 
-        return TorchRunner(path, manifest.spec, manifest.architecture)
+        return TorchRunner(path, manifest.spec, manifest.architecture, manifest.graphs)
 
     def host_checks(self, manifest: Manifest) -> list[HostCheck]:
         return host_checks(manifest, self.versions())
@@ -270,9 +270,9 @@ def host_checks(manifest: Manifest, here: Mapping[str, str]) -> list[HostCheck]:
     (torch and modeling versions are compared by validate from `versions()`.)
     """
     checks = []
-    if manifest.spec.get("compiler") == "inductor":
+    if manifest.spec.compiler == "inductor":
         checks.append(isa_check(manifest, here))
-    tp, cores = int(manifest.spec.get("tp_degree", 1)), os.cpu_count() or 1
+    tp, cores = manifest.spec.tp_degree, os.cpu_count() or 1
     checks.append(
         HostCheck("cores", True, f"tp degree {tp}, {cores} cores")
         if tp <= cores

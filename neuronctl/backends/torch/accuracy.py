@@ -37,7 +37,7 @@ def check_accuracy(
         raise UsageError(f"unknown accuracy mode {mode!r}", "use " + " or ".join(MODES))
     manifest = read_manifest(artifact_path)
     runner = get_backend(manifest.backend).load(artifact_path, manifest)
-    dtype = str(manifest.spec["dtype"])
+    dtype = str(manifest.spec.dtype)
     prompt_ids = _encode(artifact_path, prompt)
     if len(prompt_ids) > max(runner.context_buckets):
         raise UsageError(

@@ -22,9 +22,9 @@ from typing import Any
 
 import torch
 
-from neuronctl.backends.base import Progress
 from neuronctl.backends.torch import modeling
 from neuronctl.errors import BuildError
+from neuronctl.progress import Progress
 from neuronctl.workers import die_with_parent
 
 GRAPHS_DIR = "graphs"

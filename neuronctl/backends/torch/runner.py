@@ -6,13 +6,16 @@ import bisect
 import json
 from collections.abc import Callable, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from neuronctl.backends.torch import modeling
 from neuronctl.backends.torch.graphs import CONTEXT, DTYPES, TOKEN_GEN
 from neuronctl.errors import CheckpointError, NotFoundError, UsageError
+
+if TYPE_CHECKING:
+    from neuronctl.spec import BuildSpec
 
 NEURON_CONFIG = "neuron_config.json"
 Graph = Callable[[list[torch.Tensor]], Any]
@@ -21,17 +24,20 @@ Graph = Callable[[list[torch.Tensor]], Any]
 class TorchRunner:
     """Implements base.Runner. Not thread-safe: one engine drives it, one step at a time."""
 
-    def __init__(self, path: Path, spec: dict[str, Any], config: dict[str, Any]) -> None:
+    def __init__(
+        self, path: Path, spec: BuildSpec, config: dict[str, Any], graphs: Sequence[str]
+    ) -> None:
+        assert isinstance(spec.context_buckets, list) and isinstance(spec.token_gen_buckets, list)
         self.path = path
         self.args = modeling.args_from_config(config)
-        self.batch_size = int(spec["batch_size"])
-        self.seq_len = int(spec["seq_len"])
-        self.max_context_length = int(spec["max_context_length"] or self.seq_len)
-        self.context_buckets = list(spec["context_buckets"])
-        self.token_gen_buckets = list(spec["token_gen_buckets"])
+        self.batch_size = spec.batch_size
+        self.seq_len = spec.seq_len
+        self.max_context_length = spec.effective_max_context_length()
+        self.context_buckets = list(spec.context_buckets)
+        self.token_gen_buckets = list(spec.token_gen_buckets)
         self.vocab_size = self.args.vocab_size
-        self.dtype = DTYPES[spec["dtype"]]
-        self.compiler = spec["compiler"]
+        self.dtype = DTYPES[str(spec.dtype)]
+        self.compiler = str(spec.compiler)
         config_data = _neuron_config(path)
         # Inductor artifacts above the GEMV's batch range read oneDNN-prepacked weights
         # (modeling.packed_linear); the graph files are the same whatever the weights.
@@ -49,7 +55,8 @@ class TorchRunner:
             *self.k_cache,
             *self.v_cache,
         ]
-        graph_files = dict(config_data["graphs"])
+        # The manifest lists the graphs (graphs/<kind>_<bucket>.pt2): no second map to trust.
+        graph_files = {Path(rel).stem: rel for rel in graphs}
         self._context = {b: self._load_graph(path, graph_files, CONTEXT, b)
                          for b in self.context_buckets}
         self._token_gen = {b: self._load_graph(path, graph_files, TOKEN_GEN, b)

@@ -1,4 +1,5 @@
-"""Review regressions: what an artifact key covers, damaged graph donors, the store's trash."""
+"""What compile reuses and what it rebuilds: the artifact key's coverage, graph donors, the
+store's trash, and one verdict with validate (a cache hit is exactly a reusable artifact)."""
 
 from __future__ import annotations
 
@@ -111,3 +112,65 @@ def test_removing_an_artifact_survives_a_concurrent_publish(tmp_path: Path) -> N
     assert (store.path("b" * 20) / "manifest.json").is_file()
 
 
+
+
+def _copied_store(compiled_artifact: Path, tmp_path: Path) -> tuple[Path, Path]:
+    store = tmp_path / "store"
+    shutil.copytree(compiled_artifact.parent.parent, store)
+    return store, store / "neuron-compiled-artifacts" / compiled_artifact.name
+
+
+def _edit_spec(artifact: Path, **changes: object) -> None:
+    path = artifact / "manifest.json"
+    data = json.loads(path.read_text())
+    data["spec"].update(changes)
+    path.write_text(json.dumps(data))
+
+
+def test_an_unlisted_graph_file_is_neither_reusable_nor_a_cache_hit(
+    compiled_artifact: Path, tiny_llama: Path, tmp_path: Path
+) -> None:
+    """compile used to call this a hit while validate refused it, leaving the user stuck."""
+    from neuronctl.store.manifest import is_intact
+    from neuronctl.validate import quick_validate
+
+    store, artifact = _copied_store(compiled_artifact, tmp_path)
+    (artifact / "graphs" / "context_encoding_999.pt2").write_bytes(b"not a graph")
+    assert not quick_validate(artifact).reusable and not is_intact(artifact)
+    out = _compile(tiny_llama, store)
+    assert not out.cache_hit and out.path == artifact  # rebuilt, replaced atomically
+    assert quick_validate(artifact).reusable and is_intact(artifact)
+    assert not (artifact / "graphs" / "context_encoding_999.pt2").exists()
+
+
+def test_an_edited_spec_in_the_manifest_is_noticed_by_validate_and_compile(
+    compiled_artifact: Path, tmp_path: Path
+) -> None:
+    from neuronctl.store.manifest import is_intact
+    from neuronctl.validate import quick_validate
+
+    _store, artifact = _copied_store(compiled_artifact, tmp_path)
+    _edit_spec(artifact, batch_size=2)
+    report = quick_validate(artifact)
+    assert not report.reusable and "edited after the build" in report.summary()
+    assert not is_intact(artifact)
+
+
+def test_a_checkpoint_without_tokenizer_files_is_refused_before_compiling(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    import pytest
+
+    from neuronctl.errors import CheckpointError
+
+    model = tmp_path / "model"
+    shutil.copytree(tiny_llama, model)
+    for name in ("tokenizer.json", "tokenizer_config.json", "special_tokens_map.json"):
+        (model / name).unlink(missing_ok=True)
+    store = tmp_path / "store"
+    with pytest.raises(CheckpointError, match="no tokenizer files") as caught:
+        _compile(model, store)
+    assert caught.value.hint and "tokenizer.json" in caught.value.hint
+    assert not (store / "neuron-compiled-artifacts").exists() or not any(
+        p for p in (store / "neuron-compiled-artifacts").iterdir() if not p.name.startswith(".")
+    )

@@ -1,0 +1,1 @@
+"""Where artifacts live: the local store, the manifest, gc and remote stores."""

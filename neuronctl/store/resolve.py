@@ -1,0 +1,69 @@
+"""The one rule for what names an artifact, used by every command that takes one.
+
+- a URL (`s3://bucket/prefix/KEY`, `file:///…/KEY`, optionally with a
+  `/neuron-compiled-artifacts/` segment): the artifact in that remote store, pulled (verified)
+  into the local store first;
+- a path (contains a separator, starts with `.`, or is an existing directory): that directory;
+- anything else: a key, directory name or unique prefix in the local store.
+
+The local store is `--store` (its root or its `neuron-compiled-artifacts` directory), else the
+one default (`store.local.default_store_root`: $NEURONCTL_STORE, else ~/.cache/neuronctl).
+"""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+
+from neuronctl.errors import NotFoundError, UsageError
+from neuronctl.progress import Progress
+from neuronctl.store.local import Store, default_store_root
+from neuronctl.store.manifest import is_intact
+
+logger = logging.getLogger(__name__)
+
+
+def open_store(store: Path | None = None) -> Store:
+    return Store(store if store is not None else default_store_root())
+
+
+def is_url(ref: str) -> bool:
+    return "://" in ref
+
+
+def resolve_artifact(
+    ref: str | Path | None,
+    store: Path | Store | None = None,
+    *,
+    fetch: bool = True,
+    progress: Progress | None = None,
+) -> Path:
+    """The local artifact directory `ref` names. With `fetch=False` a URL is never pulled:
+    an artifact not yet in the local store is a NotFoundError (what --dry-run reports)."""
+    if ref is None or not str(ref).strip():
+        raise UsageError(
+            "no artifact given",
+            "pass an artifact KEY, PATH or URL (--artifacts, or $NEURON_COMPILED_ARTIFACTS)",
+        )
+    local = store if isinstance(store, Store) else open_store(store)
+    text = str(ref)
+    if not is_url(text):
+        path = local.resolve(text)
+        logger.info("artifact %s -> %s", text, path)
+        return path
+    from neuronctl.store.remote import resolve_artifacts_arg, split_artifact_url
+
+    if not fetch:
+        _url, key = split_artifact_url(text)
+        try:
+            found: Path | None = local.find(key)
+        except NotFoundError:
+            found = None
+        if found is None or not is_intact(found):
+            raise NotFoundError(
+                f"{text} is not in the local store {local.artifacts} yet",
+                "without --dry-run it is pulled (sha256-verified) first",
+            )
+        return found
+    logger.info("pulling %s into %s", text, local.artifacts)
+    return resolve_artifacts_arg(text, local, progress)

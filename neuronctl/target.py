@@ -1,0 +1,81 @@
+"""Which artifact `serve` / `generate` run: resolve the reference, check it is reusable, and
+(only with --compile-if-missing) compile it when it is not. A dry run never compiles and
+never pulls: it says what it would do."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Mapping
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+from neuronctl.errors import NeuronctlError, NotFoundError, UsageError
+from neuronctl.store.manifest import is_intact
+from neuronctl.store.resolve import is_url, open_store, resolve_artifact
+from neuronctl.validate import check_reusable, requested_spec
+
+logger = logging.getLogger(__name__)
+
+
+@dataclass
+class Target:
+    path: Path | None  # None only for a dry run that would pull or compile first
+    action: str  # "use" | "pull" | "compile"
+    reason: str = ""  # why a pull or compile is (or would be) needed
+
+    def plan(self) -> dict[str, Any]:
+        return {"artifact": str(self.path) if self.path else None, "action": self.action,
+                "reason": self.reason}
+
+
+def artifact_to_run(
+    artifacts: str | None,
+    *,
+    spec_flags: Mapping[str, Any] | None = None,
+    config: Path | None = None,
+    store: Path | None = None,
+    compile_if_missing: bool = False,
+    model: str | None = None,
+    dry_run: bool = False,
+) -> Target:
+    """The artifact to load. With a requested spec (flags or -c) it must match it too."""
+    if model and not compile_if_missing:
+        raise UsageError("--model is only used with --compile-if-missing")
+    if compile_if_missing and not model:
+        raise UsageError("--compile-if-missing needs --model MODEL to compile")
+    spec, sources = requested_spec(dict(spec_flags or {}), config)
+    try:
+        path = resolve_artifact(artifacts, store, fetch=not dry_run)
+        check_reusable(path, spec, sources)
+        return Target(path, "use")
+    except NotFoundError as exc:
+        missing: NeuronctlError = exc
+        if dry_run and artifacts and is_url(artifacts) and not compile_if_missing:
+            where = open_store(store).artifacts
+            return Target(None, "pull", f"{artifacts} would be pulled into {where}")
+    except NeuronctlError as exc:
+        missing = exc
+    if not compile_if_missing:
+        raise missing
+    return _compile(model or "", spec_flags or {}, config, store, dry_run, missing.message)
+
+
+def _compile(
+    model: str,
+    spec_flags: Mapping[str, Any],
+    config: Path | None,
+    store: Path | None,
+    dry_run: bool,
+    why: str,
+) -> Target:
+    from neuronctl.build import compile_model, resolve_build
+
+    build = resolve_build(model, spec_flags, config, store_dir=store)
+    if dry_run and is_intact(build.path):
+        return Target(build.path, "use", f"{model} is already compiled: {build.path}")
+    if dry_run:
+        logger.info("dry run: would compile %s into %s", model, build.path)
+        return Target(None, "compile", f"would compile {model} into {build.path}: {why}")
+    logger.warning("compiling %s: %s", model, why)
+    return Target(compile_model(build).path, "compile", why)
