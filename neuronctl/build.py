@@ -25,6 +25,7 @@ from neuronctl.store.manifest import Manifest, Source, host_facts, read_manifest
 
 if TYPE_CHECKING:
     from neuronctl.checkpoints import Checkpoint
+    from neuronctl.store.signing import Signer, TrustPolicy
 
 
 @dataclass
@@ -139,16 +140,22 @@ def compile_model(
 
 
 def compile_with_remote(
-    build: ResolvedBuild, remote_url: str, progress: Progress | None = None, jobs: int | None = None
+    build: ResolvedBuild,
+    remote_url: str,
+    progress: Progress | None = None,
+    jobs: int | None = None,
+    signer: Signer | None = None,
+    policy: TrustPolicy | None = None,
 ) -> CompileOutcome:
-    """A remote hit is pulled, not compiled; a fresh compile is pushed."""
+    """A remote hit is pulled (signature checked against `policy`), not compiled; a fresh
+    compile is pushed (signed by `signer` when given)."""
     from neuronctl.store.remote import open_remote
 
     started = time.monotonic()
     remote = open_remote(remote_url)
     dirname = build.keys.dirname
     if not is_intact(build.path) and remote.has(dirname):
-        published = remote.pull(dirname, build.store, progress)
+        published = remote.pull(dirname, build.store, progress, policy)
         return CompileOutcome(
             path=published.path,
             keys=build.keys,
@@ -158,7 +165,7 @@ def compile_with_remote(
             pulled=not published.cache_hit,
         )
     outcome = compile_model(build, progress, jobs)
-    outcome.pushed = not remote.push(outcome.path, progress).noop
+    outcome.pushed = not remote.push(outcome.path, progress, signer=signer).noop
     return outcome
 
 

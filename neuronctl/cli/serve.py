@@ -9,10 +9,12 @@ from typing import TYPE_CHECKING, Any
 import typer
 
 from neuronctl.cli._common import (
+    AllowUnsignedOpt,
     ArtifactsOpt,
     ConfigOpt,
     JsonOpt,
     StoreOpt,
+    TrustKeyOpt,
     console,
     err_console,
     print_json,
@@ -22,6 +24,7 @@ from neuronctl.errors import NeuronctlError, UsageError
 from neuronctl.vllm import TARGET_HELP as VLLM_TARGET_HELP
 
 if TYPE_CHECKING:
+    from neuronctl.store.signing import TrustPolicy
     from neuronctl.vllm import VllmLaunch
 
 ORDER = 40
@@ -83,6 +86,8 @@ def serve_command(
     log_level: str = typer.Option(
         "info", "--log-level", help="uvicorn log level: " + " | ".join(LOG_LEVELS) + "."
     ),
+    trust_key: TrustKeyOpt = None,
+    allow_unsigned: AllowUnsignedOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Serve an artifact over the OpenAI API: /v1/models, /v1/completions,
@@ -112,8 +117,15 @@ def serve_command(
             f"--log-level: unknown level {log_level!r}", "use " + " | ".join(LOG_LEVELS)
         )
     log_level = log_level.lower()
-    path = _artifact_path(artifacts, compile_if_missing, model, spec_flags, config, store)
+    from neuronctl.store.signing import TrustPolicy
+
+    policy = TrustPolicy.load(trust_key, allow_unsigned)
+    path = _artifact_path(artifacts, compile_if_missing, model, spec_flags, config, store, policy)
     if engine == "vllm":
+        from neuronctl.cli.generate import say_vouch
+        from neuronctl.engine.loader import vouch_for
+
+        say_vouch(vouch_for(path, policy))  # vLLM loads the artifact's code itself
         _serve_vllm(path, host, port, served_model_name, vllm_target, dry_run, json_out)
         return
     if vllm_target:
@@ -123,7 +135,7 @@ def serve_command(
     limits = Limits(max_body_bytes, max_prompt_chars or None)
     _serve_builtin(
         path, host, port, api_key, served_model_name, max_queue, dry_run, json_out, log_level,
-        limits,
+        limits, policy,
     )  # fmt: skip
 
 
@@ -134,6 +146,7 @@ def _artifact_path(
     spec_flags: dict[str, Any],
     config: Path | None,
     store: Path | None,
+    policy: TrustPolicy,
 ) -> Path:
     from neuronctl.engine.loader import check_reusable, resolve_artifact_path
     from neuronctl.validate import requested_spec
@@ -142,11 +155,11 @@ def _artifact_path(
     if not compile_if_missing:
         if model:
             raise UsageError("--model is only used with --compile-if-missing")
-        path = resolve_artifact_path(artifacts)
+        path = resolve_artifact_path(artifacts, policy)
         check_reusable(path, spec, sources)
         return path
     try:
-        path = resolve_artifact_path(artifacts)
+        path = resolve_artifact_path(artifacts, policy)
         check_reusable(path, spec, sources)
         return path
     except NeuronctlError as exc:
@@ -221,11 +234,12 @@ def _serve_builtin(
     json_out: bool,
     log_level: str,
     limits: Any,
+    policy: TrustPolicy,
 ) -> None:
     from neuronctl.engine.loader import make_engine, open_artifact
     from neuronctl.server.run import run_server
 
-    loaded = open_artifact(path, validate=False)  # validated just before
+    loaded = open_artifact(path, validate=False, policy=policy)  # validated just before
     name = served_model_name or loaded.model_name
     runner = loaded.runner
     plan = {
@@ -237,6 +251,7 @@ def _serve_builtin(
         "max_prompt_tokens": min(runner.max_context_length, max(runner.context_buckets)),
         "max_queue": max_queue,
         "auth": api_key is not None,
+        "trusted": loaded.vouch.describe() if loaded.vouch else None,
     }
     if dry_run:
         if json_out:
@@ -244,6 +259,10 @@ def _serve_builtin(
         else:
             console.print(" ".join(f"{k}={v}" for k, v in plan.items()), soft_wrap=True)
         return
+    from neuronctl.cli.generate import say_vouch
+
+    say_vouch(loaded.vouch)
+
     def banner() -> None:  # once the port is bound: a busy port never prints it
         err_console.print(
             f"serving [bold]{name}[/bold] from {path} on {plan['url']} "

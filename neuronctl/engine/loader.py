@@ -22,6 +22,7 @@ from neuronctl.store.manifest import Manifest, read_manifest
 
 if TYPE_CHECKING:
     from neuronctl.spec import BuildSpec
+    from neuronctl.store.signing import TrustPolicy, Vouch
 
 
 class NotReusableError(NeuronctlError):
@@ -36,6 +37,7 @@ class LoadedArtifact:
     tokenizer: EngineTokenizer
     eos_ids: list[int]
     global_topk: int = DEFAULT_GLOBAL_TOPK
+    vouch: Vouch | None = None  # who vouches for the code in it (signing.check_origin)
 
     @property
     def model_name(self) -> str:
@@ -51,7 +53,7 @@ class LoadedArtifact:
         return self.tokenizer.encode_chat(messages)
 
 
-def resolve_artifact_path(path: str | Path | None) -> Path:
+def resolve_artifact_path(path: str | Path | None, policy: TrustPolicy | None = None) -> Path:
     if not path:
         raise UsageError(
             "no artifact given",
@@ -61,7 +63,7 @@ def resolve_artifact_path(path: str | Path | None) -> Path:
         from neuronctl.store.local import Store, default_store_root
         from neuronctl.store.remote import resolve_artifacts_arg
 
-        return resolve_artifacts_arg(str(path), Store(default_store_root()))
+        return resolve_artifacts_arg(str(path), Store(default_store_root()), policy=policy)
     resolved = Path(path).expanduser()
     if not resolved.is_dir():
         raise NotFoundError(
@@ -71,17 +73,30 @@ def resolve_artifact_path(path: str | Path | None) -> Path:
     return resolved
 
 
-def open_artifact(path: str | Path | None, validate: bool = True) -> LoadedArtifact:
-    root = resolve_artifact_path(path)
+def open_artifact(
+    path: str | Path | None, validate: bool = True, policy: TrustPolicy | None = None
+) -> LoadedArtifact:
+    root = resolve_artifact_path(path, policy)
     if validate:
         check_reusable(root)
     manifest = read_manifest(root)
+    vouch = vouch_for(root, policy)  # before loading: graphs and libraries are code
     runner = get_backend(manifest.backend).load(root, manifest)
     tokenizer = load_tokenizer(root)
     eos = eos_token_ids(root)
     if not eos and tokenizer.eos_token_id is not None:
         eos = [tokenizer.eos_token_id]
-    return LoadedArtifact(root, manifest, runner, tokenizer, eos, global_topk(manifest))
+    return LoadedArtifact(
+        root, manifest, runner, tokenizer, eos, global_topk(manifest), vouch=vouch
+    )
+
+
+def vouch_for(path: Path, policy: TrustPolicy | None = None) -> Vouch:
+    """Who vouches for an artifact's code: a build on this host, a trusted signature, or
+    --allow-unsigned; a pulled artifact with none of them is refused (SignatureError)."""
+    from neuronctl.store.signing import TrustPolicy, check_origin
+
+    return check_origin(path, read_manifest(path), policy or TrustPolicy.load())
 
 
 def check_reusable(
