@@ -249,3 +249,15 @@ def test_signed_remote_is_pulled_and_served_unsigned_refused(
         server.stop()
     log = server.proc.stdout.read() if server.proc.stdout else ""
     assert f"signature by trusted key {SIGNER.key_id}" in log
+
+
+def test_a_relay_never_signs_what_it_pulled_unverified(tmp_path: Path) -> None:
+    artifact = make_artifact(tmp_path / "a", sample_files(big=20_000))
+    open_remote(str(tmp_path / "origin")).push(artifact)  # unsigned
+    pulled = open_remote(str(tmp_path / "origin")).pull(
+        artifact.name, Store(tmp_path / "relay"), policy=TrustPolicy(allow_unsigned=True)
+    )
+
+    with pytest.raises(SignatureError, match="refusing to sign"):
+        open_remote(str(tmp_path / "mirror")).push(pulled.path, signer=SIGNER)
+    assert not (tmp_path / "mirror").exists()

@@ -46,6 +46,7 @@ from neuronctl.store.signing import (
     PROVENANCE,
     SIGNATURE,
     Provenance,
+    SignatureError,
     Signer,
     TrustPolicy,
     Vouch,
@@ -291,7 +292,7 @@ class RemoteStore:
 
         Reads only the files the manifest lists, inside `artifact`, and writes only under
         `<root>/neuron-compiled-artifacts/<key>/` (check_entries refuses anything else)."""
-        source = PushSource.read(Path(artifact))
+        source = PushSource.read(Path(artifact), signing=signer is not None)
         local = source.manifest
         dirname = local.artifact_key[:KEY_LENGTH]
         result = PushResult(self.artifact_url(dirname), dirname, local.artifact_key)
@@ -671,7 +672,7 @@ class PushSource:
     signature: bytes | None = None
 
     @classmethod
-    def read(cls, root: Path) -> PushSource:
+    def read(cls, root: Path, signing: bool = False) -> PushSource:
         local = read_manifest(root)
         origin = read_provenance(root)
         if origin is None:
@@ -680,6 +681,15 @@ class PushSource:
             problem = differs_from(local, origin.manifest_bytes)
             if problem:
                 raise RemoteArtifactError(f"{root} changed since it was pulled: {problem}")
+            if signing:  # a signature vouches: only for what a trusted key vouched for first
+                try:
+                    check_origin(root, local, TrustPolicy.load())
+                except SignatureError as exc:
+                    raise SignatureError(
+                        f"refusing to sign {root}: it was pulled without a trusted signature "
+                        f"({exc.message})",
+                        "sign artifacts where they are built",
+                    ) from None
             remote = Manifest.model_validate_json(origin.manifest_bytes)
             source = cls(root, remote, origin.manifest_bytes, origin.signature)
         source.check()
