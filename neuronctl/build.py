@@ -226,9 +226,22 @@ def find_graph_donor(store: Store, keys: Keys) -> Path | None:
             and manifest.keys.get("artifact_key") != keys.artifact
             and is_intact(path)
             and graphs_match(path, manifest)
+            and _vouched(path, manifest)
         ):
             return path
     return None
+
+
+def _vouched(path: Path, manifest: Manifest) -> bool:
+    """Graphs are code: a donor pulled without a trusted signature must not pass its graphs
+    into an artifact that then looks built here."""
+    from neuronctl.store.signing import SignatureError, TrustPolicy, check_origin
+
+    try:
+        check_origin(path, manifest, TrustPolicy.load())
+    except SignatureError:
+        return False
+    return True
 
 
 def graphs_match(path: Path, manifest: Manifest) -> bool:

@@ -261,3 +261,27 @@ def test_a_relay_never_signs_what_it_pulled_unverified(tmp_path: Path) -> None:
     with pytest.raises(SignatureError, match="refusing to sign"):
         open_remote(str(tmp_path / "mirror")).push(pulled.path, signer=SIGNER)
     assert not (tmp_path / "mirror").exists()
+
+
+def test_an_unverified_pull_never_donates_graphs_to_a_local_build(tmp_path: Path) -> None:
+    from neuronctl.build import find_graph_donor
+    from neuronctl.keys import Keys
+
+    artifact = make_artifact(tmp_path / "a", sample_files(big=20_000))
+    manifest = read_manifest(artifact)
+    with_graphs = manifest.model_copy(update={"graphs": ["graphs/ctx_128.pt2"]})
+    from neuronctl.store.manifest import write_manifest
+
+    write_manifest(artifact, with_graphs)
+    remote = open_remote(str(tmp_path / "remote"))
+    remote.push(artifact)  # unsigned
+    store = Store(tmp_path / "host")
+    remote.pull(artifact.name, store, policy=TrustPolicy(allow_unsigned=True))
+    graph_key = manifest.model_dump(mode="json")["keys"]["graph_key"]
+    fine_tune = Keys(graph=graph_key, weights="x" * 64, artifact="y" * 64)
+
+    assert find_graph_donor(store, fine_tune) is None
+    remote.push(artifact, signer=SIGNER)  # now signed: the same bytes are a donor
+    signed_store = Store(tmp_path / "host2")
+    remote.pull(artifact.name, signed_store, policy=TRUST)
+    assert find_graph_donor(signed_store, fine_tune) == signed_store.path(artifact.name)
