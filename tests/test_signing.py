@@ -285,3 +285,23 @@ def test_an_unverified_pull_never_donates_graphs_to_a_local_build(tmp_path: Path
     signed_store = Store(tmp_path / "host2")
     remote.pull(artifact.name, signed_store, policy=TRUST)
     assert find_graph_donor(signed_store, fine_tune) == signed_store.path(artifact.name)
+
+
+def test_compile_remote_refuses_an_unsigned_hit_instead_of_using_it(
+    tmp_path: Path, tiny_llama: Path, compiled_artifact: Path
+) -> None:
+    from tests.conftest import TINY_SPEC
+    from tests.test_security import _spec_flags
+
+    url = (tmp_path / "shared").as_uri()
+    open_remote(url).push(compiled_artifact)  # unsigned, under the key this compile computes
+    args = ["compile", str(tiny_llama), *_spec_flags(TINY_SPEC), "--remote", url,
+            "--store", str(tmp_path / "host")]  # fmt: skip
+
+    refused = cli(*args)
+    assert refused.returncode == 1 and "is not signed" in refused.stderr, refused.stderr
+    assert visible(Store(tmp_path / "host")) == []
+
+    allowed = cli(*args, "--allow-unsigned", "--json")
+    assert allowed.returncode == 0, allowed.stderr
+    assert json.loads(allowed.stdout)["pulled"] is True
