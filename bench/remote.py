@@ -6,8 +6,9 @@ A synthetic artifact (random bytes: a few weight shards and graphs, >= 500 MB by
 pushed to a moto server running in its own process. Then, alternating, each repeat times
   raw:  s3fs `get` of every file of the artifact into an empty directory (what a hand-written
         `aws s3 cp --recursive` style download costs), and
-  pull: `neuronctl artifacts pull` (RemoteStore.pull): download into staging, sha256 of every
-        byte, fsync, verify against the manifest, atomic rename under the per-key lock.
+  pull: `neuronctl artifacts pull` (RemoteStore.pull): signature check, download into staging,
+        sha256 of every byte (while downloading, then again when the store records it), fsync,
+        verify against the manifest, atomic rename under the per-key lock.
 The ratio is pull throughput / raw throughput of the same run (target >= 0.8); the best of the
 repeats of each is compared, since the server shares the machine with the client.
 """
@@ -25,12 +26,20 @@ import tempfile
 import time
 from pathlib import Path
 
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
 from neuronctl.store.local import Store  # noqa: E402
 from neuronctl.store.manifest import Manifest, Source  # noqa: E402
 from neuronctl.store.remote import open_remote  # noqa: E402
+from neuronctl.store.signing import Signer, TrustedKey, TrustPolicy, key_id  # noqa: E402
+
+# The pull path measured is the production one: a signed manifest, checked, then every byte.
+_KEY = Ed25519PrivateKey.generate()
+SIGNER = Signer(_KEY, key_id(_KEY.public_key()))
+TRUST = TrustPolicy((TrustedKey(_KEY.public_key(), SIGNER.key_id, "bench"),))
 
 MB = 1024 * 1024
 
@@ -107,7 +116,7 @@ def raw_get(remote_url: str, dirname: str, rels: list[str], dest: Path) -> float
 
 def pull(remote_url: str, dirname: str, dest: Path) -> float:
     started = time.perf_counter()
-    published = open_remote(remote_url).pull(dirname, Store(dest))
+    published = open_remote(remote_url).pull(dirname, Store(dest), policy=TRUST)
     elapsed = time.perf_counter() - started
     assert not published.cache_hit
     return elapsed
@@ -151,10 +160,10 @@ def run(work: Path, size_mb: int, repeat: int) -> dict[str, object]:
     total = sum(files.values())
 
     started = time.perf_counter()
-    open_remote(url).push(artifact)
+    open_remote(url).push(artifact, signer=SIGNER)
     push_s = time.perf_counter() - started
     started = time.perf_counter()
-    noop = open_remote(url).push(artifact)
+    noop = open_remote(url).push(artifact, signer=SIGNER)
     repush_s = time.perf_counter() - started
     assert noop.noop
 

@@ -33,6 +33,7 @@ from neuronctl.store.manifest import (
 
 if TYPE_CHECKING:
     from neuronctl.checkpoints import Checkpoint
+    from neuronctl.store.signing import Signer, TrustPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -166,9 +167,15 @@ def compile_model(
 
 
 def compile_with_remote(
-    build: ResolvedBuild, remote_url: str, progress: Progress | None = None, jobs: int | None = None
+    build: ResolvedBuild,
+    remote_url: str,
+    progress: Progress | None = None,
+    jobs: int | None = None,
+    signer: Signer | None = None,
+    policy: TrustPolicy | None = None,
 ) -> CompileOutcome:
-    """A remote hit is pulled, not compiled; a fresh compile is pushed."""
+    """A remote hit is pulled (signature checked against `policy`), not compiled; a fresh
+    compile is pushed (signed by `signer` when given)."""
     from neuronctl.store.remote import open_remote
 
     started = time.monotonic()
@@ -176,7 +183,7 @@ def compile_with_remote(
     dirname = build.keys.dirname
     if not is_intact(build.path) and remote.has(dirname):
         logger.info("remote %s has %s: pulling instead of compiling", remote_url, dirname)
-        published = remote.pull(dirname, build.store, progress)
+        published = remote.pull(dirname, build.store, progress, policy)
         return CompileOutcome(
             path=published.path,
             keys=build.keys,
@@ -187,7 +194,7 @@ def compile_with_remote(
         )
     outcome = compile_model(build, progress, jobs)
     logger.info("pushing %s to %s", outcome.path.name, remote_url)
-    outcome.pushed = not remote.push(outcome.path, progress).noop
+    outcome.pushed = not remote.push(outcome.path, progress, signer=signer).noop
     return outcome
 
 
@@ -247,9 +254,22 @@ def find_graph_donor(store: Store, keys: Keys) -> Path | None:
             and manifest.keys.artifact != keys.artifact
             and is_intact(path)
             and graphs_match(path, manifest)
+            and _vouched(path, manifest)
         ):
             return path
     return None
+
+
+def _vouched(path: Path, manifest: Manifest) -> bool:
+    """Graphs are code: a donor pulled without a trusted signature must not pass its graphs
+    into an artifact that then looks built here."""
+    from neuronctl.store.signing import SignatureError, TrustPolicy, check_origin
+
+    try:
+        check_origin(path, manifest, TrustPolicy.load())
+    except SignatureError:
+        return False
+    return True
 
 
 def graphs_match(path: Path, manifest: Manifest) -> bool:

@@ -8,12 +8,15 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from neuronctl.errors import NeuronctlError, NotFoundError, UsageError
 from neuronctl.store.manifest import is_intact
 from neuronctl.store.resolve import is_url, open_store, resolve_artifact
 from neuronctl.validate import check_reusable, requested_spec
+
+if TYPE_CHECKING:
+    from neuronctl.store.signing import TrustPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -38,6 +41,7 @@ def artifact_to_run(
     compile_if_missing: bool = False,
     model: str | None = None,
     dry_run: bool = False,
+    policy: TrustPolicy | None = None,
 ) -> Target:
     """The artifact to load. With a requested spec (flags or -c) it must match it too."""
     if model and not compile_if_missing:
@@ -46,7 +50,7 @@ def artifact_to_run(
         raise UsageError("--compile-if-missing needs --model MODEL to compile")
     spec, sources = requested_spec(dict(spec_flags or {}), config)
     try:
-        path = resolve_artifact(artifacts, store, fetch=not dry_run)
+        path = resolve_artifact(artifacts, store, fetch=not dry_run, policy=policy)
         check_reusable(path, spec, sources)
         return Target(path, "use")
     except NotFoundError as exc:

@@ -246,7 +246,18 @@ def check_files(
     checks.append(_stray_check(root, manifest))
     if deep and checks[0].ok:
         checks.append(check_hashes(root, manifest, progress))
+        checks.append(check_payloads(root, manifest))
     return checks
+
+
+def check_payloads(root: Path, manifest: Manifest) -> Check:
+    """Deep: graphs that are data by design (torch export) must not carry code (pickles)."""
+    from neuronctl.backends import payload_problem
+
+    problem = payload_problem(root, manifest)
+    if problem:
+        return Check("payloads", False, problem)
+    return Check("payloads", True, "no graph carries code beyond what its backend compiles")
 
 
 def _files_check(

@@ -14,7 +14,11 @@ from neuronctl.store.local import Store
 from neuronctl.store.manifest import read_manifest
 from tests.conftest import TINY_SPEC
 from tests.helpers import cli, make_checkpoint
-from tests.test_remote import bucket, s3server  # noqa: F401  (fixtures: moto on 127.0.0.1)
+from tests.test_remote import (  # noqa: F401  (fixtures)
+    bucket,  # moto on 127.0.0.1
+    s3server,
+    trusted_env,  # the publisher's signing key and the pullers' trust, as env vars
+)
 
 FLAGS = [
     "--compiler", "export", "--dtype", "float32", "--seq-len", "128",

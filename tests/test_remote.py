@@ -15,6 +15,8 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from cryptography.hazmat.primitives import serialization
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from neuronctl.store.local import Store
 from neuronctl.store.manifest import MANIFEST, Manifest, Source, read_manifest
@@ -24,9 +26,53 @@ from neuronctl.store.remote import (
     resolve_artifacts_arg,
     split_artifact_url,
 )
+from neuronctl.store.signing import (
+    PROVENANCE,
+    SIGNATURE,
+    SIGNED,
+    SIGNING_KEY_ENV,
+    TRUSTED_KEYS_ENV,
+    Signer,
+    TrustedKey,
+    TrustPolicy,
+    check_origin,
+    differs_from,
+    key_id,
+)
 from tests.s3server import S3Server, new_bucket
 
 ROOT = Path(__file__).resolve().parents[1]
+# The publisher's key: tests push signed, and every pull trusts it (through the environment,
+# so subprocesses and the CLI trust it too; see `trusted_env`).
+_KEY = Ed25519PrivateKey.generate()
+SIGNER = Signer(_KEY, key_id(_KEY.public_key()))
+TRUST = TrustPolicy((TrustedKey(_KEY.public_key(), SIGNER.key_id, "tests"),))
+
+
+def write_keypair(key: Ed25519PrivateKey, prefix: Path) -> tuple[Path, Path]:
+    private, public = prefix.with_suffix(".key"), prefix.with_suffix(".pub")
+    private.write_bytes(
+        key.private_bytes(
+            serialization.Encoding.PEM,
+            serialization.PrivateFormat.PKCS8,
+            serialization.NoEncryption(),
+        )
+    )
+    public.write_bytes(
+        key.public_key().public_bytes(
+            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+        )
+    )
+    return private, public
+
+
+@pytest.fixture(autouse=True)
+def trusted_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> tuple[Path, Path]:
+    """The test publisher's key pair on disk, named by the environment variables users set."""
+    private, public = write_keypair(_KEY, tmp_path / "publisher")
+    monkeypatch.setenv(SIGNING_KEY_ENV, str(private))
+    monkeypatch.setenv(TRUSTED_KEYS_ENV, str(public))
+    return private, public
 
 
 @pytest.fixture(scope="module")
@@ -78,8 +124,11 @@ def sample_files(big: int = 3 * 1024 * 1024) -> dict[str, bytes]:
 
 
 def tree_bytes(root: Path) -> dict[str, bytes]:
+    """The artifact's own files, bit for bit (not the store's records: the manifest, which a
+    pull re-records, and the provenance a pull adds)."""
     files = sorted(p for p in root.rglob("*") if p.is_file())
-    return {p.relative_to(root).as_posix(): p.read_bytes() for p in files}
+    rels = {p.relative_to(root).as_posix(): p for p in files}
+    return {rel: p.read_bytes() for rel, p in rels.items() if rel not in (MANIFEST, PROVENANCE)}
 
 
 def visible(store: Store) -> list[str]:
@@ -103,7 +152,7 @@ def test_s3_push_pull_round_trip_is_bit_for_bit(tmp_path: Path, bucket: str) -> 
     remote = open_remote(f"s3://{bucket}/team")
     assert not remote.has(artifact.name)
 
-    pushed = remote.push(artifact)
+    pushed = remote.push(artifact, signer=SIGNER)
     assert remote.has(artifact.name)
     assert pushed.uploaded[-1] == MANIFEST
     keys = boto_client_keys(bucket)
@@ -115,15 +164,18 @@ def test_s3_push_pull_round_trip_is_bit_for_bit(tmp_path: Path, bucket: str) -> 
     assert published.path == dest.path(artifact.name)
     assert tree_bytes(published.path) == tree_bytes(artifact)
     assert not list((dest.artifacts / ".staging").iterdir())
+    vouch = check_origin(published.path, read_manifest(published.path), TRUST)
+    assert (vouch.kind, vouch.key_id) == (SIGNED, SIGNER.key_id)
+    assert differs_from(read_manifest(published.path), (artifact / MANIFEST).read_bytes()) is None
 
 
 def test_repush_uploads_nothing(tmp_path: Path, bucket: str, s3server: S3Server) -> None:
     artifact = make_artifact(tmp_path / "a", sample_files())
-    first = open_remote(f"s3://{bucket}").push(artifact)
+    first = open_remote(f"s3://{bucket}").push(artifact, signer=SIGNER)
     assert first.uploaded_bytes == read_manifest(artifact).total_size()
     s3server.reset_counts()
 
-    again = open_remote(f"s3://{bucket}").push(artifact)
+    again = open_remote(f"s3://{bucket}").push(artifact, signer=SIGNER)
 
     assert again.noop and again.uploaded_bytes == 0
     assert s3server.uploads() == 0 and s3server.bytes_uploaded == 0
@@ -134,7 +186,7 @@ def test_interrupted_push_resumes_from_object_metadata(
 ) -> None:
     artifact = make_artifact(tmp_path / "a", sample_files())
     remote = open_remote(f"s3://{bucket}")
-    remote.push(artifact)
+    remote.push(artifact, signer=SIGNER)
     # A push killed before its last step: every file there, no manifest.
     _client().delete_object(
         Bucket=bucket, Key=f"neuron-compiled-artifacts/{artifact.name}/{MANIFEST}"
@@ -142,10 +194,10 @@ def test_interrupted_push_resumes_from_object_metadata(
     assert not remote.has(artifact.name)
     s3server.reset_counts()
 
-    resumed = remote.push(artifact)
+    resumed = remote.push(artifact, signer=SIGNER)
 
-    assert resumed.uploaded == [MANIFEST]
-    assert s3server.requests["PUT"] == 1
+    assert resumed.uploaded == [SIGNATURE, MANIFEST]
+    assert s3server.requests["PUT"] == 2
     assert remote.has(artifact.name)
 
 
@@ -154,16 +206,16 @@ def test_push_after_remote_damage_reuploads_only_the_damaged_file(
 ) -> None:
     artifact = make_artifact(tmp_path / "a", sample_files())
     remote = open_remote(f"s3://{bucket}")
-    remote.push(artifact)
+    remote.push(artifact, signer=SIGNER)
     _client().put_object(
         Bucket=bucket,
         Key=f"neuron-compiled-artifacts/{artifact.name}/graphs/tkg_128.pt2",
         Body=b"short",
     )
 
-    repaired = remote.push(artifact)
+    repaired = remote.push(artifact, signer=SIGNER)
 
-    assert repaired.uploaded == ["graphs/tkg_128.pt2", MANIFEST]
+    assert repaired.uploaded == ["graphs/tkg_128.pt2", SIGNATURE, MANIFEST]
     pulled = remote.pull(artifact.name, Store(tmp_path / "b"))
     assert tree_bytes(pulled.path) == tree_bytes(artifact)
 
@@ -172,7 +224,7 @@ def test_corrupted_remote_object_is_refused_naming_the_file(tmp_path: Path, buck
     files = sample_files()
     artifact = make_artifact(tmp_path / "a", files)
     remote = open_remote(f"s3://{bucket}")
-    remote.push(artifact)
+    remote.push(artifact, signer=SIGNER)
     rel = "weights/tp0_sharded_checkpoint.safetensors"
     flipped = bytearray(files[rel])
     flipped[1000] ^= 0xFF  # same size: only a hash can tell
@@ -191,7 +243,7 @@ def test_corrupted_remote_object_is_refused_naming_the_file(tmp_path: Path, buck
 def test_truncated_remote_object_is_refused_before_download(tmp_path: Path, bucket: str) -> None:
     artifact = make_artifact(tmp_path / "a", sample_files())
     remote = open_remote(f"s3://{bucket}")
-    remote.push(artifact)
+    remote.push(artifact, signer=SIGNER)
     _client().delete_object(
         Bucket=bucket, Key=f"neuron-compiled-artifacts/{artifact.name}/graphs/ctx_128.pt2"
     )
@@ -202,7 +254,7 @@ def test_truncated_remote_object_is_refused_before_download(tmp_path: Path, buck
 def test_incomplete_remote_artifact_is_refused(tmp_path: Path, bucket: str) -> None:
     artifact = make_artifact(tmp_path / "a", sample_files())
     remote = open_remote(f"s3://{bucket}")
-    remote.push(artifact)
+    remote.push(artifact, signer=SIGNER)
     _client().delete_object(
         Bucket=bucket, Key=f"neuron-compiled-artifacts/{artifact.name}/{MANIFEST}"
     )
@@ -217,7 +269,7 @@ def test_pull_of_a_local_artifact_is_a_cache_hit_without_download(
 ) -> None:
     artifact = make_artifact(tmp_path / "a", sample_files())
     remote = open_remote(f"s3://{bucket}")
-    remote.push(artifact)
+    remote.push(artifact, signer=SIGNER)
     dest = Store(tmp_path / "b")
     remote.pull(artifact.name, dest)
     s3server.reset_counts()
@@ -274,7 +326,7 @@ def wait_for(path: Path, timeout: float = 60) -> None:
 def test_pull_killed_with_sigkill_leaves_no_visible_artifact(tmp_path: Path, bucket: str) -> None:
     artifact = make_artifact(tmp_path / "a", sample_files())
     url = f"s3://{bucket}"
-    open_remote(url).push(artifact)
+    open_remote(url).push(artifact, signer=SIGNER)
     store_dir, marker, go = tmp_path / "b", tmp_path / "marker", tmp_path / "go"
     go.touch()
     proc = pull_process(url, artifact.name, store_dir, marker, go, pause=120)
@@ -295,7 +347,7 @@ def test_two_concurrent_pulls_download_once(
 ) -> None:
     artifact = make_artifact(tmp_path / "a", sample_files())
     url = f"s3://{bucket}"
-    open_remote(url).push(artifact)
+    open_remote(url).push(artifact, signer=SIGNER)
     size = read_manifest(artifact).total_size()
     store_dir, go = tmp_path / "b", tmp_path / "go"
     s3server.reset_counts()
@@ -319,8 +371,8 @@ def test_shared_mount_round_trip(tmp_path: Path) -> None:
     mount = tmp_path / "mount"
     remote = open_remote(f"file://{mount}")
 
-    pushed = remote.push(artifact)
-    again = remote.push(artifact)
+    pushed = remote.push(artifact, signer=SIGNER)
+    again = remote.push(artifact, signer=SIGNER)
     published = open_remote(str(mount)).pull(artifact.name, Store(tmp_path / "b"))
 
     assert (mount / "neuron-compiled-artifacts" / artifact.name / MANIFEST).is_file()
@@ -331,7 +383,7 @@ def test_shared_mount_round_trip(tmp_path: Path) -> None:
 
 def test_resolve_artifacts_arg_pulls_remote_urls(tmp_path: Path, bucket: str) -> None:
     artifact = make_artifact(tmp_path / "a", sample_files(big=10_000))
-    open_remote(f"s3://{bucket}/p").push(artifact)
+    open_remote(f"s3://{bucket}/p").push(artifact, signer=SIGNER)
     store = Store(tmp_path / "b")
 
     short = resolve_artifacts_arg(f"s3://{bucket}/p/{artifact.name[:6]}", store)
@@ -356,7 +408,7 @@ def test_real_compiled_artifact_round_trip_validates(
     from neuronctl.validate import validate_artifact
 
     url = f"s3://{bucket}/fleet"
-    open_remote(url).push(compiled_artifact)
+    open_remote(url).push(compiled_artifact, signer=SIGNER)
 
     pulled = resolve_artifacts_arg(f"{url}/{compiled_artifact.name}", Store(tmp_path / "host"))
 

@@ -7,6 +7,7 @@ from pathlib import Path
 
 from neuronctl.store.remote import open_remote
 from tests.helpers import cli
+from tests.test_remote import SIGNER, trusted_env  # noqa: F401  (fixture)
 
 
 def generate(artifacts: str, store: Path) -> list[int]:
@@ -20,7 +21,7 @@ def generate(artifacts: str, store: Path) -> list[int]:
 
 def test_generate_from_a_remote_artifact(compiled_artifact: Path, tmp_path: Path) -> None:
     url = (tmp_path / "remote").as_uri()
-    open_remote(url).push(compiled_artifact)
+    open_remote(url).push(compiled_artifact, signer=SIGNER)
     remote_tokens = generate(f"{url}/{compiled_artifact.name}", tmp_path / "host")
     assert (tmp_path / "host" / "neuron-compiled-artifacts" / compiled_artifact.name).is_dir()
     assert remote_tokens == generate(str(compiled_artifact), tmp_path / "other")

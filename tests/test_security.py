@@ -2,16 +2,46 @@
 
 from __future__ import annotations
 
+import hashlib
+import io
+import json
 import os
+import pickle
+import shutil
 import signal
 import subprocess
 import sys
 import time
+import zipfile
 from pathlib import Path
 
 import psutil
+import pytest
 
+from neuronctl.store.local import Store
+from neuronctl.store.manifest import (
+    MANIFEST,
+    FileEntry,
+    read_manifest,
+    record_files,
+    write_manifest,
+)
+from neuronctl.store.remote import RemoteArtifactError, open_remote
+from neuronctl.store.signing import SIGNATURE, sign
 from tests.conftest import TINY_SPEC
+from tests.helpers import cli
+from tests.test_remote import (  # noqa: F401  (fixtures)
+    SIGNER,
+    TRUST,
+    _client,
+    bucket,
+    make_artifact,
+    s3server,
+    sample_files,
+    tree_bytes,
+    trusted_env,
+    visible,
+)
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -59,3 +89,233 @@ def test_sigkill_of_compile_leaves_no_worker_behind(tiny_llama: Path, tmp_path: 
         orphan.kill()
     assert not alive, f"orphaned compile workers: {[p.pid for p in alive]}"
     assert len(gone) == len(workers)
+
+
+# -- a .pt2 that would run code when torch unpickles it ---------------------------------------
+
+
+class _Touch:
+    """Unpickling this creates a file: the stand-in for any command an attacker runs."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[object, tuple[str, str]]:
+        return (open, (self.path, "w"))
+
+
+def poison_graph(pt2: Path, marker: Path) -> None:
+    """Put a pickle payload where torch.export.load unpickles with weights_only=False as a
+    fallback (the sample inputs), keeping everything else of the archive."""
+    with zipfile.ZipFile(pt2) as archive:
+        members = [(info, archive.read(info)) for info in archive.infolist()]
+    payload = pickle.dumps(_Touch(str(marker)), protocol=2)
+    with zipfile.ZipFile(pt2, "w") as archive:
+        for info, data in members:
+            poisoned = info.filename.endswith("data/sample_inputs/model.pt")
+            archive.writestr(info, payload if poisoned else data)
+
+
+@pytest.fixture()
+def poisoned_artifact(compiled_artifact: Path, tmp_path: Path) -> tuple[Path, Path]:
+    """A copy of the tiny artifact whose graphs carry the payload, with its manifest
+    re-recorded the way an attacker would (so every sha256 matches)."""
+    artifact = tmp_path / "store" / "neuron-compiled-artifacts" / compiled_artifact.name
+    shutil.copytree(compiled_artifact, artifact)
+    marker = tmp_path / "pwned"
+    for rel in read_manifest(artifact).graphs:
+        poison_graph(artifact / rel, marker)
+    write_manifest(artifact, record_files(artifact, read_manifest(artifact)))
+    return artifact, marker
+
+
+def test_the_payload_is_live_when_torch_loads_it_directly(
+    poisoned_artifact: tuple[Path, Path],
+) -> None:
+    artifact, marker = poisoned_artifact
+    graph = artifact / read_manifest(artifact).graphs[0]
+    code = f"import torch\ntry:\n    torch.export.load({str(graph)!r})\nexcept Exception:\n    pass"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300, capture_output=True)
+    assert marker.exists()  # so the refusals below are refusals of a real exploit
+
+
+def test_validate_deep_refuses_a_pickled_payload(poisoned_artifact: tuple[Path, Path]) -> None:
+    artifact, marker = poisoned_artifact
+    result = cli("validate", str(artifact), "--deep", "--json")
+    assert result.returncode == 1, result.stdout + result.stderr
+    checks = {c["name"]: c for c in json.loads(result.stdout)["checks"]}
+    assert checks["sha256"]["ok"]  # every hash matches: only the content scan can tell
+    assert not checks["payloads"]["ok"]
+    assert "a pickle that references io.open" in checks["payloads"]["reason"]
+    assert not marker.exists()
+
+
+@pytest.mark.parametrize("command", ["generate", "serve"])
+def test_generate_and_serve_refuse_a_pickled_payload_without_running_it(
+    poisoned_artifact: tuple[Path, Path], command: str
+) -> None:
+    artifact, marker = poisoned_artifact
+    extra = ["-p", "hello", "--max-tokens", "2"] if command == "generate" else ["--dry-run"]
+    result = cli(command, "--artifacts", str(artifact), *extra)
+    assert result.returncode == 1, result.stderr
+    assert "refusing to load" in result.stderr and "references io.open" in result.stderr
+    assert "Traceback" not in result.stderr
+    assert not marker.exists()
+
+
+def _opcodes_problem(obj: object, protocol: int) -> str | None:
+    from neuronctl.backends.torch.safeload import _pickle_problem
+
+    return _pickle_problem(pickle.dumps(obj, protocol=protocol))
+
+
+@pytest.mark.parametrize("protocol", [0, 2, 4, 5])
+def test_pickle_scan_names_the_global_in_every_protocol(protocol: int, tmp_path: Path) -> None:
+    problem = _opcodes_problem(_Touch(str(tmp_path / "x")), protocol)
+    assert problem is not None and problem.endswith("references io.open"), problem
+    assert _opcodes_problem({"a": [1, 2.0, "s"]}, protocol) is None
+    assert not (tmp_path / "x").exists()
+
+
+def test_pickle_scan_accepts_tensors_and_refuses_tricks() -> None:
+    import torch
+
+    from neuronctl.backends.torch.safeload import _pickle_problem, _torch_save_problem
+
+    saved = io.BytesIO()
+    torch.save({"w": torch.ones(3), "p": torch.nn.Parameter(torch.zeros(2))}, saved)
+    assert _torch_save_problem(saved.getvalue()) is None
+    computed = b"\x80\x04(\x8c\x02osK\x01\x93."  # STACK_GLOBAL whose name is not a string
+    assert "computed" in str(_pickle_problem(computed))
+    assert "after its pickle" in str(_pickle_problem(pickle.dumps(1, protocol=2) + b"junk"))
+    assert "not data" in str(_pickle_problem(b"cos\nsystem\n(S'x'\ntR"[:9]))
+
+
+# -- push and pull stay inside the artifact and the remote root -------------------------------
+
+
+def _list_entry(artifact: Path, rel: str, data: bytes) -> None:
+    """Make the local manifest list `rel` (as a hostile or broken manifest would)."""
+    manifest = read_manifest(artifact)
+    files = dict(manifest.files)
+    files[rel] = FileEntry(size=len(data), sha256=hashlib.sha256(data).hexdigest())
+    write_manifest(artifact, manifest.model_copy(update={"files": files}))
+
+
+@pytest.mark.parametrize("escape", ["../../outside.bin", "/ABS/outside.bin", "a/../../x.bin"])
+def test_push_never_reads_or_writes_outside(tmp_path: Path, escape: str) -> None:
+    artifact = make_artifact(tmp_path / "store", sample_files(big=10_000))
+    secret = b"secret bytes from outside the artifact"
+    outside = tmp_path / "outside.bin"
+    outside.write_bytes(secret)
+    rel = escape.replace("/ABS", str(tmp_path))
+    _list_entry(artifact, rel, secret)
+    remote_root = tmp_path / "remote" / "root"
+
+    with pytest.raises(RemoteArtifactError, match="refusing to read or upload"):
+        open_remote(str(remote_root)).push(artifact, signer=SIGNER)
+
+    written = [p for p in (tmp_path / "remote").rglob("*") if p.is_file()]
+    assert written == []  # refused before anything was uploaded, inside or out
+    assert outside.read_bytes() == secret
+
+
+def test_push_refuses_a_symlink_to_outside(tmp_path: Path) -> None:
+    artifact = make_artifact(tmp_path / "store", sample_files(big=10_000))
+    target = tmp_path / "private.key"
+    target.write_bytes(b"k" * 2000)
+    (artifact / "graphs" / "tkg_128.pt2").unlink()
+    (artifact / "graphs" / "tkg_128.pt2").symlink_to(target)
+    write_manifest(artifact, record_files(artifact, read_manifest(artifact)))  # follows it
+
+    with pytest.raises(RemoteArtifactError, match="symbolic link"):
+        open_remote(str(tmp_path / "remote")).push(artifact, signer=SIGNER)
+    assert not (tmp_path / "remote").exists()
+
+
+@pytest.mark.parametrize("reserved", ["manifest.json.tmp", "provenance.json", "manifest.sig"])
+def test_pull_refuses_a_remote_manifest_listing_reserved_names(
+    tmp_path: Path, reserved: str
+) -> None:
+    artifact = make_artifact(tmp_path / "a", sample_files(big=10_000))
+    remote = open_remote(str(tmp_path / "remote"))
+    remote.push(artifact, signer=SIGNER)
+    directory = tmp_path / "remote" / "neuron-compiled-artifacts" / artifact.name
+    # Even the publisher's own key cannot make a reserved name acceptable.
+    (directory / reserved).write_bytes(b"{}")
+    _list_entry(directory, reserved, b"{}")
+    (directory / SIGNATURE).write_bytes(sign((directory / MANIFEST).read_bytes(), SIGNER))
+    dest = Store(tmp_path / "host")
+
+    with pytest.raises(RemoteArtifactError, match="reserves"):
+        remote.pull(artifact.name, dest, policy=TRUST)
+    assert visible(dest) == []
+
+
+def test_a_failed_pull_leaves_nothing_that_validates(tmp_path: Path) -> None:
+    artifact = make_artifact(tmp_path / "a", sample_files(big=10_000))
+    remote = open_remote(str(tmp_path / "remote"))
+    remote.push(artifact, signer=SIGNER)
+    rel = "graphs/tkg_128.pt2"
+    remote_file = tmp_path / "remote" / "neuron-compiled-artifacts" / artifact.name / rel
+    flipped = bytearray(remote_file.read_bytes())
+    flipped[0] ^= 0xFF  # same size, signed manifest untouched: only the hash can tell
+    remote_file.write_bytes(bytes(flipped))
+    dest = Store(tmp_path / "host")
+
+    with pytest.raises(RemoteArtifactError, match=f"{rel} is corrupted"):
+        remote.pull(artifact.name, dest, policy=TRUST)
+
+    leftovers = [p for p in dest.artifacts.glob(".*/*") if p.is_dir()]
+    assert leftovers, "the failed pull's staging directory is kept for inspection"
+    for leftover in leftovers:
+        assert not (leftover / MANIFEST).exists()
+        result = cli("validate", str(leftover), "--deep", "--json")
+        assert result.returncode == 1 and not json.loads(result.stdout)["reusable"]
+    assert visible(dest) == []
+
+
+def test_pull_accepts_a_plain_path_as_push_does(tmp_path: Path) -> None:
+    artifact = make_artifact(tmp_path / "a", sample_files(big=10_000))
+    mount = tmp_path / "mount"
+    assert cli("artifacts", "push", str(artifact), str(mount)).returncode == 0
+
+    pulled = cli("artifacts", "pull", str(mount / artifact.name[:8]), "--store",
+                 str(tmp_path / "host"), "--json")  # fmt: skip
+
+    assert pulled.returncode == 0, pulled.stderr
+    assert tree_bytes(Path(json.loads(pulled.stdout)["path"])) == tree_bytes(artifact)
+
+
+def test_push_repairs_remote_bytes_changed_at_the_same_size(tmp_path: Path) -> None:
+    artifact = make_artifact(tmp_path / "a", sample_files(big=10_000))
+    remote = open_remote(str(tmp_path / "remote"))
+    remote.push(artifact, signer=SIGNER)
+    rel = "weights/tp0_sharded_checkpoint.safetensors"
+    remote_file = tmp_path / "remote" / "neuron-compiled-artifacts" / artifact.name / rel
+    remote_file.write_bytes(bytes(len(remote_file.read_bytes())))  # same size, other bytes
+
+    repaired = remote.push(artifact, signer=SIGNER)
+
+    assert repaired.uploaded == [rel, SIGNATURE, MANIFEST]
+    assert remote_file.read_bytes() == (artifact / rel).read_bytes()
+    assert remote.push(artifact, signer=SIGNER).noop
+
+
+def test_s3_push_repairs_an_object_rewritten_at_the_same_size(
+    tmp_path: Path,
+    bucket: str,  # noqa: F811
+) -> None:
+    artifact = make_artifact(tmp_path / "a", sample_files(big=10_000))
+    remote = open_remote(f"s3://{bucket}")
+    remote.push(artifact, signer=SIGNER)
+    rel = "graphs/tkg_128.pt2"
+    key = f"neuron-compiled-artifacts/{artifact.name}/{rel}"
+    size = len((artifact / rel).read_bytes())
+    _client().put_object(Bucket=bucket, Key=key, Body=bytes(size))  # another tool, no metadata
+
+    repaired = remote.push(artifact, signer=SIGNER)
+
+    assert repaired.uploaded == [rel, SIGNATURE, MANIFEST]
+    body = _client().get_object(Bucket=bucket, Key=key)["Body"].read()
+    assert body == (artifact / rel).read_bytes()

@@ -75,3 +75,10 @@ def tnx_vllm_override(spec: BuildSpec) -> dict[str, Any]:
     from neuronctl.backends.tnx.config import vllm_override
 
     return vllm_override(spec)
+
+
+def payload_problem(root: Path, manifest: Any) -> str | None:
+    """validate --deep: a graph that should be pure data but carries code (a pickle), or None."""
+    from neuronctl.backends.torch.safeload import artifact_problem
+
+    return artifact_problem(root, manifest)

@@ -46,6 +46,31 @@ ArtifactsOpt = Annotated[
         show_default=False,
     ),
 ]
+TrustKeyOpt = Annotated[
+    list[Path] | None,
+    typer.Option(
+        "--trust-key",
+        help="Trust signatures by this public key (.pub); repeat for several. Also "
+        "$NEURONCTL_TRUSTED_KEYS and ~/.config/neuronctl/trusted-keys/*.pub.",
+        show_default=False,
+    ),
+]
+AllowUnsignedOpt = Annotated[
+    bool,
+    typer.Option(
+        "--allow-unsigned",
+        help="Use a remote artifact that has no trusted signature (its files run as code here).",
+    ),
+]
+SignKeyOpt = Annotated[
+    str | None,
+    typer.Option(
+        "--sign-key",
+        help="Sign what is pushed with this private key (default: $NEURONCTL_SIGNING_KEY, a "
+        "path or the PEM text).",
+        show_default=False,
+    ),
+]
 ModelArg = Annotated[str, typer.Argument(help="Hugging Face Hub id or local checkpoint directory.")]
 RevisionOpt = Annotated[
     str | None,

@@ -9,10 +9,13 @@ import typer
 
 from neuronctl.build import compile_model, compile_with_remote, resolve_build
 from neuronctl.cli._common import (
+    AllowUnsignedOpt,
     ConfigOpt,
     JsonOpt,
     RevisionOpt,
+    SignKeyOpt,
     StoreOpt,
+    TrustKeyOpt,
     console,
     print_json,
     with_spec_options,
@@ -62,6 +65,9 @@ def compile_command(
         show_default=False,
     ),
     entry: int | None = typer.Option(None, "--entry", help="With --plan: the entry number."),
+    sign_key: SignKeyOpt = None,
+    trust_key: TrustKeyOpt = None,
+    allow_unsigned: AllowUnsignedOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Compile a model into a content-addressed artifact, or reuse the one that exists.
@@ -92,7 +98,11 @@ def compile_command(
     )
     with progress_for(quiet=json_out) as progress:
         if remote:
-            outcome = compile_with_remote(build, remote, progress, jobs)
+            from neuronctl.store.signing import TrustPolicy, load_signer
+
+            policy = TrustPolicy.load(trust_key, allow_unsigned)
+            signer = load_signer(sign_key)
+            outcome = compile_with_remote(build, remote, progress, jobs, signer, policy)
         else:
             outcome = compile_model(build, progress, jobs)
     data = outcome.as_dict()

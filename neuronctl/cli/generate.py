@@ -11,13 +11,21 @@ from typing import TYPE_CHECKING, Any
 
 import typer
 
-from neuronctl.cli._common import ArtifactsOpt, JsonOpt, console, err_console
+from neuronctl.cli._common import (
+    AllowUnsignedOpt,
+    ArtifactsOpt,
+    JsonOpt,
+    TrustKeyOpt,
+    console,
+    err_console,
+)
 from neuronctl.errors import UsageError
 from neuronctl.prompts import Prompt, collect_prompts, params_for
 from neuronctl.vllm import TARGET_HELP as VLLM_TARGET_HELP
 
 if TYPE_CHECKING:  # the engine imports torch: keep it off every command's start-up
     from neuronctl.engine.sampling import SamplingParams
+    from neuronctl.store.signing import TrustPolicy, Vouch
 
 ORDER = 35
 ENGINES = ("builtin", "vllm")
@@ -60,6 +68,8 @@ def generate_command(
     dry_run: bool = typer.Option(
         False, "--dry-run", help="With --engine vllm: print the command instead of running it."
     ),
+    trust_key: TrustKeyOpt = None,
+    allow_unsigned: AllowUnsignedOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Generate text from an artifact; every prompt goes through the engine together
@@ -92,12 +102,15 @@ def generate_command(
         stop=tuple(stop or ()),
         ignore_eos=ignore_eos,
     )
+    from neuronctl.store.signing import TrustPolicy
+
+    policy = TrustPolicy.load(trust_key, allow_unsigned)
     if engine == "vllm":
-        _generate_vllm(artifacts, prompts, params, vllm_target, dry_run, json_out)
+        _generate_vllm(artifacts, prompts, params, vllm_target, dry_run, json_out, policy)
         return
     if dry_run or vllm_target:
         raise UsageError("--dry-run and --vllm-target only apply to --engine vllm")
-    _generate_builtin(artifacts, prompts, params, stream, json_out)
+    _generate_builtin(artifacts, prompts, params, stream, json_out, policy)
 
 
 def _generate_builtin(
@@ -106,10 +119,12 @@ def _generate_builtin(
     params: SamplingParams,
     stream: bool,
     json_out: bool,
+    policy: TrustPolicy,
 ) -> None:
     from neuronctl.engine.loader import make_engine, open_artifact
 
-    loaded = open_artifact(artifacts)
+    loaded = open_artifact(artifacts, policy=policy)
+    say_vouch(loaded.vouch)
     engine = make_engine(loaded).start()
     try:
         ids = [
@@ -180,22 +195,25 @@ def _generate_vllm(
     vllm_target: str | None,
     dry_run: bool,
     json_out: bool,
+    policy: TrustPolicy,
 ) -> None:
     import os
 
     from neuronctl.cli.serve import print_launch, print_plan
+    from neuronctl.engine.loader import vouch_for
     from neuronctl.store.manifest import read_manifest
     from neuronctl.target import artifact_to_run
     from neuronctl.vllm import cli_target, generate_launch
 
     if any(p.messages is not None for p in prompts):
         raise UsageError("--engine vllm takes plain prompts (no --chat / messages)")
-    run = artifact_to_run(artifacts, dry_run=dry_run)
+    run = artifact_to_run(artifacts, dry_run=dry_run, policy=policy)
     if run.path is None:  # --dry-run with a URL not pulled yet: nothing is fetched
         print_plan(run.plan(), json_out)
         return
     path = run.path
     target = cli_target(read_manifest(path), vllm_target)
+    say_vouch(vouch_for(path, policy))
     prompts_file = Path(tempfile.mkstemp(prefix="neuronctl-prompts-", suffix=".jsonl")[1])
     prompts_file.write_text("".join(json.dumps({"prompt": p.text}) + "\n" for p in prompts))
     sampling = {
@@ -215,6 +233,16 @@ def _generate_vllm(
         print_launch(launch, json_out)
         return
     os.execvpe(launch.argv[0], launch.argv, {**os.environ, **launch.env})
+
+
+def say_vouch(vouch: Vouch | None) -> None:
+    """One stderr line: who vouches for the code about to be loaded."""
+    if vouch is None:
+        return
+    from neuronctl.store.signing import UNSIGNED
+
+    style = "yellow" if vouch.kind == UNSIGNED else "dim"
+    err_console.print(f"[{style}]artifact trusted: {vouch.describe()}[/{style}]", soft_wrap=True)
 
 
 def register(app: typer.Typer) -> None:

@@ -1,4 +1,5 @@
-"""`neuronctl artifacts push | pull`: share artifacts through a remote store (S3, a mount, Hub)."""
+"""`neuronctl artifacts push | pull | keygen`: share artifacts through a remote store (S3, a
+mount, the Hub), signed by the publisher and verified by every puller."""
 
 from __future__ import annotations
 
@@ -7,12 +8,32 @@ from typing import Annotated
 
 import typer
 
-from neuronctl.cli._common import JsonOpt, StoreOpt, console, human_size, print_json
+from neuronctl.cli._common import (
+    AllowUnsignedOpt,
+    JsonOpt,
+    SignKeyOpt,
+    StoreOpt,
+    TrustKeyOpt,
+    console,
+    err_console,
+    human_size,
+    print_json,
+)
 from neuronctl.cli._groups import artifacts_app
 from neuronctl.cli._progress import progress_for
 from neuronctl.store.manifest import read_manifest
 from neuronctl.store.remote import open_remote, split_artifact_url
 from neuronctl.store.resolve import open_store
+from neuronctl.store.signing import (
+    SIGNING_KEY_ENV,
+    TRUSTED_KEYS_ENV,
+    UNSIGNED,
+    TrustPolicy,
+    check_origin,
+    generate_keypair,
+    load_signer,
+    trusted_keys_dir,
+)
 
 ORDER = 41
 REMOTE_ENV = "NEURONCTL_REMOTE"
@@ -40,22 +61,27 @@ def push_command(
     url: UrlArg,
     store: StoreOpt = None,
     force: Annotated[
-        bool, typer.Option("--force", help="Upload every file even if the remote has it.")
+        bool,
+        typer.Option("--force", help="Upload every file, replacing what the remote holds."),
     ] = False,
+    sign_key: SignKeyOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Upload an artifact to a remote store; manifest.json goes last, marking it complete.
+    """Upload an artifact to a remote store; its signature and then manifest.json go last.
 
     Files already remote with the same size and sha256 are skipped, so a re-push is a no-op.
+    With a signing key (--sign-key or $NEURONCTL_SIGNING_KEY) the manifest, which lists the
+    sha256 of every file, is signed; pullers verify it against the keys they trust.
     S3 uses the standard AWS credential chain; AWS_ENDPOINT_URL selects an S3-compatible server.
 
-    Example: neuronctl artifacts push 3f9c2a s3://my-bucket/neuron
+    Example: neuronctl artifacts push 3f9c2a s3://my-bucket/neuron --sign-key ci.key
 
     Exit codes: 0 pushed (or already there), 1 not found or the remote refused, 2 usage.
     """
     path = _local_artifact(artifact, store)
+    signer = load_signer(sign_key)
     with progress_for(json_out, bytes_=True) as progress:
-        result = open_remote(url).push(path, progress, force=force)
+        result = open_remote(url).push(path, progress, force=force, signer=signer)
     data = {
         "url": result.url,
         "key": result.dirname,
@@ -65,16 +91,19 @@ def push_command(
         "skipped_files": len(result.skipped),
         "skipped_bytes": result.skipped_bytes,
         "noop": result.noop,
+        "signed_by": result.signed_by,
     }
+    signed = f" (signed by key {result.signed_by})" if result.signed_by else " (unsigned)"
     if json_out:
         print_json(data)
     elif result.noop:
-        console.print(f"{result.url} is already complete; nothing uploaded")
+        console.print(f"{result.url} is already complete; nothing uploaded{signed}")
     else:
         console.print(
             f"pushed {result.url}: {len(result.uploaded)} files, "
             f"{human_size(result.uploaded_bytes)} uploaded, "
             f"{len(result.skipped)} files ({human_size(result.skipped_bytes)}) already there"
+            f"{signed}"
         )
 
 
@@ -84,36 +113,49 @@ def pull_command(
         str,
         typer.Argument(
             help="URL/KEY of a remote artifact, e.g. s3://bucket/prefix/3f9c2a (a unique "
-            "key prefix is enough; .../neuron-compiled-artifacts/KEY works too)."
+            "key prefix is enough; .../neuron-compiled-artifacts/KEY and a plain path to a "
+            "shared mount work too)."
         ),
     ],
     store: StoreOpt = None,
+    trust_key: TrustKeyOpt = None,
+    allow_unsigned: AllowUnsignedOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
-    """Download a remote artifact, verify every sha256, publish it atomically in a local store.
+    """Download a remote artifact, verify its signature and every sha256, publish it
+    atomically in a local store.
 
-    Two pulls of one key (even from two processes) download it once; an interrupted pull
-    leaves nothing that looks like an artifact.
+    The manifest's signature must be by a trusted key (--trust-key, $NEURONCTL_TRUSTED_KEYS,
+    ~/.config/neuronctl/trusted-keys/); an unsigned or otherwise signed artifact is refused
+    unless --allow-unsigned. Two pulls of one key (even from two processes) download it once;
+    an interrupted or failed pull leaves nothing that looks like an artifact.
 
     Example: neuronctl artifacts pull s3://my-bucket/neuron/3f9c2a --store /var/lib/neuron
 
-    Exit codes: 0 pulled (or already local), 1 not found / corrupted / incomplete, 2 usage.
+    Exit codes: 0 pulled (or already local), 1 not found / corrupted / incomplete /
+    untrusted, 2 usage.
     """
     if "://" not in url:  # a plain path is a shared mount, as push takes it
         url = Path(url).expanduser().absolute().as_uri()
     store_url, key = split_artifact_url(url)
     remote = open_remote(store_url)
     local = open_store(store)
+    policy = TrustPolicy.load(trust_key, allow_unsigned)
     dirname = remote.resolve(key)
     with progress_for(json_out, bytes_=True) as progress:
-        published = remote.pull(dirname, local, progress)
+        published = remote.pull(dirname, local, progress, policy)
     manifest = read_manifest(published.path)
+    vouch = check_origin(published.path, manifest, policy)
+    if vouch.kind == UNSIGNED:
+        err_console.print(f"[yellow]warning:[/yellow] {vouch.describe()}", soft_wrap=True)
     data = {
         "path": str(published.path),
         "key": dirname,
         "artifact_key": manifest.artifact_key,
         "cache_hit": published.cache_hit,
         "downloaded_bytes": 0 if published.cache_hit else manifest.total_size(),
+        "trusted": vouch.kind,
+        "key_id": vouch.key_id,
     }
     if json_out:
         print_json(data)
@@ -121,6 +163,37 @@ def pull_command(
         console.print(f"already in the local store: {published.path}")
     else:
         console.print(f"pulled {human_size(manifest.total_size())} into {published.path}")
+
+
+@artifacts_app.command("keygen")
+def keygen_command(
+    name: Annotated[
+        Path, typer.Argument(help="Path prefix: writes NAME.key (private) and NAME.pub.")
+    ],
+    force: Annotated[bool, typer.Option("--force", help="Overwrite existing files.")] = False,
+    json_out: JsonOpt = False,
+) -> None:
+    """Make an ed25519 key pair for signing artifacts.
+
+    NAME.key signs (keep it in your CI's secret store; push reads it from --sign-key or
+    $NEURONCTL_SIGNING_KEY). NAME.pub verifies: put it on every host that pulls, in
+    ~/.config/neuronctl/trusted-keys/ or $NEURONCTL_TRUSTED_KEYS.
+
+    Example: neuronctl artifacts keygen ci-signing
+
+    Exit codes: 0 written, 2 a file exists (use --force).
+    """
+    private, public, key_id = generate_keypair(name.expanduser(), force=force)
+    data = {"private_key": str(private), "public_key": str(public), "key_id": key_id}
+    if json_out:
+        print_json(data)
+        return
+    console.print(f"key {key_id}: private {private} (mode 0600), public {public}")
+    console.print(
+        f"sign with: --sign-key {private}  (or {SIGNING_KEY_ENV}); trust with: "
+        f"--trust-key {public}  (or {TRUSTED_KEYS_ENV}, or copy it to {trusted_keys_dir()}/)",
+        soft_wrap=True,
+    )
 
 
 def register(app: typer.Typer) -> None:

@@ -9,10 +9,12 @@ from typing import TYPE_CHECKING, Any
 import typer
 
 from neuronctl.cli._common import (
+    AllowUnsignedOpt,
     ArtifactsOpt,
     ConfigOpt,
     JsonOpt,
     StoreOpt,
+    TrustKeyOpt,
     console,
     err_console,
     print_json,
@@ -22,6 +24,7 @@ from neuronctl.errors import UsageError
 from neuronctl.vllm import TARGET_HELP as VLLM_TARGET_HELP
 
 if TYPE_CHECKING:
+    from neuronctl.store.signing import TrustPolicy
     from neuronctl.vllm import VllmLaunch
 
 ORDER = 40
@@ -83,6 +86,8 @@ def serve_command(
     log_level: str = typer.Option(
         "info", "--log-level", help="uvicorn log level: " + " | ".join(LOG_LEVELS) + "."
     ),
+    trust_key: TrustKeyOpt = None,
+    allow_unsigned: AllowUnsignedOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Serve an artifact over the OpenAI API: /v1/models, /v1/completions,
@@ -112,8 +117,10 @@ def serve_command(
             f"--log-level: unknown level {log_level!r}", "use " + " | ".join(LOG_LEVELS)
         )
     log_level = log_level.lower()
+    from neuronctl.store.signing import TrustPolicy
     from neuronctl.target import artifact_to_run
 
+    policy = TrustPolicy.load(trust_key, allow_unsigned)
     target = artifact_to_run(
         artifacts,
         spec_flags=spec_flags,
@@ -122,12 +129,17 @@ def serve_command(
         compile_if_missing=compile_if_missing,
         model=model,
         dry_run=dry_run,
+        policy=policy,
     )
     if target.path is None:  # a dry run that would pull or compile first: nothing to load
         print_plan(target.plan(), json_out)
         return
     path = target.path
     if engine == "vllm":
+        from neuronctl.cli.generate import say_vouch
+        from neuronctl.engine.loader import vouch_for
+
+        say_vouch(vouch_for(path, policy))  # vLLM loads the artifact's code itself
         _serve_vllm(path, host, port, served_model_name, vllm_target, dry_run, json_out)
         return
     if vllm_target:
@@ -137,7 +149,7 @@ def serve_command(
     limits = Limits(max_body_bytes, max_prompt_chars or None)
     _serve_builtin(
         path, host, port, api_key, served_model_name, max_queue, dry_run, json_out, log_level,
-        limits,
+        limits, policy,
     )  # fmt: skip
 
 
@@ -204,11 +216,12 @@ def _serve_builtin(
     json_out: bool,
     log_level: str,
     limits: Any,
+    policy: TrustPolicy,
 ) -> None:
     from neuronctl.engine.loader import make_engine, open_artifact
     from neuronctl.server.run import run_server
 
-    loaded = open_artifact(path, validate=False)  # validated just before
+    loaded = open_artifact(path, validate=False, policy=policy)  # validated just before
     name = served_model_name or loaded.model_name
     runner = loaded.runner
     plan = {
@@ -220,10 +233,15 @@ def _serve_builtin(
         "max_prompt_tokens": min(runner.max_context_length, max(runner.context_buckets)),
         "max_queue": max_queue,
         "auth": api_key is not None,
+        "trusted": loaded.vouch.describe() if loaded.vouch else None,
     }
     if dry_run:
         print_plan(plan, json_out)
         return
+    from neuronctl.cli.generate import say_vouch
+
+    say_vouch(loaded.vouch)
+
     def banner() -> None:  # once the port is bound: a busy port never prints it
         err_console.print(
             f"serving [bold]{name}[/bold] from {path} on {plan['url']} "

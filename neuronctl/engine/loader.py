@@ -9,7 +9,7 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from neuronctl.backends import get_backend
 from neuronctl.backends.base import Runner
@@ -20,6 +20,9 @@ from neuronctl.engine.tokenizer import EngineTokenizer
 from neuronctl.errors import NotFoundError, UsageError
 from neuronctl.store.manifest import Manifest, read_manifest
 from neuronctl.validate import NotReusableError, check_reusable
+
+if TYPE_CHECKING:
+    from neuronctl.store.signing import TrustPolicy, Vouch
 
 __all__ = ["LoadedArtifact", "NotReusableError", "check_reusable", "open_artifact"]
 
@@ -32,6 +35,7 @@ class LoadedArtifact:
     tokenizer: EngineTokenizer
     eos_ids: list[int]
     global_topk: int = DEFAULT_GLOBAL_TOPK
+    vouch: Vouch | None = None  # who vouches for the code in it (signing.check_origin)
 
     @property
     def model_name(self) -> str:
@@ -47,7 +51,9 @@ class LoadedArtifact:
         return self.tokenizer.encode_chat(messages)
 
 
-def resolve_artifact_path(path: str | Path | None, store: Path | None = None) -> Path:
+def resolve_artifact_path(
+    path: str | Path | None, store: Path | None = None, policy: TrustPolicy | None = None
+) -> Path:
     """KEY | PATH | URL (store.resolve's one rule); a URL is pulled (verified) first."""
     if not path:
         raise UsageError(
@@ -56,7 +62,7 @@ def resolve_artifact_path(path: str | Path | None, store: Path | None = None) ->
         )
     from neuronctl.store.resolve import resolve_artifact
 
-    resolved = resolve_artifact(path, store)
+    resolved = resolve_artifact(path, store, policy=policy)
     if not resolved.is_dir():
         raise NotFoundError(
             f"artifact directory {resolved} does not exist",
@@ -65,17 +71,30 @@ def resolve_artifact_path(path: str | Path | None, store: Path | None = None) ->
     return resolved
 
 
-def open_artifact(path: str | Path | None, validate: bool = True) -> LoadedArtifact:
-    root = resolve_artifact_path(path)
+def open_artifact(
+    path: str | Path | None, validate: bool = True, policy: TrustPolicy | None = None
+) -> LoadedArtifact:
+    root = resolve_artifact_path(path, policy=policy)
     if validate:
         check_reusable(root)
     manifest = read_manifest(root)
+    vouch = vouch_for(root, policy)  # before loading: graphs and libraries are code
     runner = get_backend(manifest.backend).load(root, manifest)
     tokenizer = load_tokenizer(root)
     eos = eos_token_ids(root)
     if not eos and tokenizer.eos_token_id is not None:
         eos = [tokenizer.eos_token_id]
-    return LoadedArtifact(root, manifest, runner, tokenizer, eos, global_topk(manifest))
+    return LoadedArtifact(
+        root, manifest, runner, tokenizer, eos, global_topk(manifest), vouch=vouch
+    )
+
+
+def vouch_for(path: Path, policy: TrustPolicy | None = None) -> Vouch:
+    """Who vouches for an artifact's code: a build on this host, a trusted signature, or
+    --allow-unsigned; a pulled artifact with none of them is refused (SignatureError)."""
+    from neuronctl.store.signing import TrustPolicy, check_origin
+
+    return check_origin(path, read_manifest(path), policy or TrustPolicy.load())
 
 
 def make_engine(loaded: LoadedArtifact, max_queue: int | None = None) -> Engine:

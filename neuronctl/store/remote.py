@@ -16,8 +16,11 @@ Pull re-hashes every downloaded byte before the artifact becomes visible.
 from __future__ import annotations
 
 import functools
+import hashlib
 import os
 import posixpath
+import re
+import stat
 import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
@@ -31,9 +34,35 @@ from neuronctl.errors import NeuronctlError, NotFoundError, UsageError
 from neuronctl.keys import KEY_LENGTH
 from neuronctl.progress import NullProgress, Progress
 from neuronctl.store.local import ARTIFACTS_DIR, Published, Store
-from neuronctl.store.manifest import MANIFEST, FileEntry, Manifest, is_intact, read_manifest
+from neuronctl.store.manifest import (
+    HASH_CHUNK,
+    MANIFEST,
+    FileEntry,
+    Manifest,
+    is_intact,
+    read_manifest,
+    sha256_file,
+)
+from neuronctl.store.signing import (
+    PROVENANCE,
+    SIGNATURE,
+    Provenance,
+    SignatureError,
+    Signer,
+    TrustPolicy,
+    Vouch,
+    check_origin,
+    differs_from,
+    read_provenance,
+    sign,
+    signed_by,
+    verify,
+)
 
 SHA_METADATA = "sha256"  # S3 user metadata key holding an object's sha256
+# Names an artifact's own files can never have: the store's bookkeeping lives there.
+RESERVED_NAMES = frozenset({MANIFEST, MANIFEST + ".tmp", SIGNATURE, PROVENANCE})
+DIRNAME_RE = re.compile(rf"[0-9a-f]{{{KEY_LENGTH}}}")
 TRANSFER_THREADS = 4  # files moved at once; s3fs also splits large files into ranged parts
 
 
@@ -103,6 +132,7 @@ class PushResult:
     skipped: list[str] = field(default_factory=list)
     uploaded_bytes: int = 0
     skipped_bytes: int = 0
+    signed_by: str | None = None  # the key id of a signature the remote now carries
 
     @property
     def noop(self) -> bool:
@@ -252,15 +282,24 @@ class RemoteStore:
 
     @_remote_errors
     def push(
-        self, artifact: Path, progress: Progress | None = None, *, force: bool = False
+        self,
+        artifact: Path,
+        progress: Progress | None = None,
+        *,
+        force: bool = False,
+        signer: Signer | None = None,
     ) -> PushResult:
-        """Upload a local artifact: every file, then manifest.json last."""
-        artifact = Path(artifact)
-        local = read_manifest(artifact)
-        _check_local(artifact, local)
-        dirname = artifact.name
+        """Upload a local artifact: every file, its signature, then manifest.json last.
+
+        Reads only the files the manifest lists, inside `artifact`, and writes only under
+        `<root>/neuron-compiled-artifacts/<key>/` (check_entries refuses anything else)."""
+        source = PushSource.read(Path(artifact), signing=signer is not None)
+        local = source.manifest
+        dirname = local.artifact_key[:KEY_LENGTH]
         result = PushResult(self.artifact_url(dirname), dirname, local.artifact_key)
-        remote = self.manifest(dirname)
+        signature = sign(source.manifest_bytes, signer) if signer else source.signature
+        remote_bytes = self._read(dirname, MANIFEST)
+        remote = self._parse(dirname, remote_bytes) if remote_bytes is not None else None
         if remote is not None and remote.artifact_key != local.artifact_key:
             raise RemoteArtifactError(
                 f"{result.url} holds artifact {remote.artifact_key[:12]}, "
@@ -268,67 +307,130 @@ class RemoteStore:
                 "remove the remote directory by hand; keys never collide by accident",
             )
         sizes = self.sizes(dirname)
-        if not force and remote is not None and _complete(remote, sizes):
-            # A complete artifact of this key is there: first push wins, even if this build's
-            # bytes differ (compiles need not be bit-reproducible), so pullers never see a mix.
-            result.skipped = [*remote.files, MANIFEST]
-            result.skipped_bytes = remote.total_size()
-            return result
-        if remote is not None:
-            # Repairing a damaged remote artifact: make it incomplete first.
-            self.fs.rm_file(self.path(dirname, MANIFEST))
-        todo = self._files_to_upload(dirname, local, remote, sizes, force, result)
+        if not force and remote is not None and self._intact(dirname, remote, sizes):
+            assert remote_bytes is not None
+            return self._keep(dirname, source, remote_bytes, signature, signer, result)
+        if remote is not None or SIGNATURE in sizes:
+            # Repairing or replacing: make the remote incomplete (and unsigned) first.
+            for name in (MANIFEST, SIGNATURE):
+                if name == MANIFEST and remote is not None or name in sizes:
+                    self.fs.rm_file(self.path(dirname, name))
+        todo = self._files_to_upload(dirname, local, sizes, force, result)
         advance = (progress or NullProgress()).task(
             f"push {dirname}", total=sum(local.files[r].size for r in todo)
         )
-        _run_all(lambda rel: self._upload(artifact, dirname, rel, local.files[rel], advance), todo)
-        self._upload(artifact, dirname, MANIFEST, None, advance)
-        result.uploaded = [*todo, MANIFEST]
+        _run_all(lambda rel: self._upload_file(source.root, dirname, rel, local.files[rel],
+                                               advance), todo)
+        if signature is not None:
+            self._put_bytes(dirname, SIGNATURE, signature)
+        self._put_bytes(dirname, MANIFEST, source.manifest_bytes)
+        result.uploaded = [*todo, *([SIGNATURE] if signature else []), MANIFEST]
         result.uploaded_bytes = sum(local.files[r].size for r in todo)
+        result.signed_by = signer.key_id if signer else None
+        return result
+
+    def _keep(
+        self,
+        dirname: str,
+        source: PushSource,
+        remote_bytes: bytes,
+        signature: bytes | None,
+        signer: Signer | None,
+        result: PushResult,
+    ) -> PushResult:
+        """The remote holds an intact artifact of this key. First push wins (compiles need not
+        be bit-reproducible, and pullers must never see files of two builds mixed): it stays,
+        and at most gains this pusher's signature when it is byte-for-byte this build."""
+        remote = self._parse(dirname, remote_bytes)
+        result.skipped = [*remote.files, MANIFEST]
+        result.skipped_bytes = remote.total_size()
+        if signer is None:
+            return result
+        remote_signature = self._read(dirname, SIGNATURE)
+        if signed_by(remote_bytes, remote_signature, signer.key.public_key()):
+            result.signed_by = signer.key_id
+            return result
+        if remote_bytes != source.manifest_bytes:
+            raise RemoteArtifactError(
+                f"{result.url} holds another build of this key, not signed by key "
+                f"{signer.key_id}; signing it would vouch for bytes this host did not build",
+                "replace it with this build, signed: `neuronctl artifacts push --force`",
+            )
+        assert signature is not None
+        self._put_bytes(dirname, SIGNATURE, signature)
+        result.uploaded = [SIGNATURE]
+        result.signed_by = signer.key_id
         return result
 
     def _files_to_upload(
         self,
         dirname: str,
         local: Manifest,
-        remote: Manifest | None,
         sizes: dict[str, int],
         force: bool,
         result: PushResult,
     ) -> list[str]:
-        todo = []
-        for rel, entry in local.files.items():
-            if not force and sizes.get(rel) == entry.size:
-                if self._remote_sha256(dirname, rel, remote) == entry.sha256:
-                    result.skipped.append(rel)
-                    result.skipped_bytes += entry.size
-                    continue
-            todo.append(rel)
-        return todo
+        def needed(rel: str) -> bool:
+            entry = local.files[rel]
+            if force or sizes.get(rel) != entry.size:
+                return True
+            return self._object_sha256(dirname, rel) != entry.sha256
 
-    def _remote_sha256(self, dirname: str, rel: str, remote: Manifest | None) -> str | None:
-        if remote is not None and rel in remote.files:
-            return remote.files[rel].sha256
-        if self.is_s3:
-            try:
-                return self.fs.metadata(self.path(dirname, rel)).get(SHA_METADATA)
-            except FileNotFoundError:
-                return None
-        return None
+        names = list(local.files)
+        flags = _map_all(needed, names)
+        for rel, upload in zip(names, flags, strict=True):
+            if not upload:
+                result.skipped.append(rel)
+                result.skipped_bytes += local.files[rel].size
+        return [rel for rel, upload in zip(names, flags, strict=True) if upload]
 
-    def _upload(
+    def _intact(self, dirname: str, remote: Manifest, sizes: dict[str, int]) -> bool:
+        """Every file of the remote manifest is there, at its size and with its sha256 as the
+        objects themselves attest (a same-size rewrite is caught, not trusted)."""
+        if any(sizes.get(rel) != entry.size for rel, entry in remote.files.items()):
+            return False
+        names = list(remote.files)
+        shas = _map_all(lambda rel: self._object_sha256(dirname, rel), names)
+        return all(sha == remote.files[rel].sha256 for rel, sha in zip(names, shas, strict=True))
+
+    def _object_sha256(self, dirname: str, rel: str) -> str | None:
+        """The sha256 of a remote object's bytes, from evidence about the object itself, never
+        from a manifest's claim: S3 metadata neuronctl set when it uploaded those bytes (an
+        object rewritten by another tool loses it), the Hub's LFS sha256, else a re-hash."""
+        path = self.path(dirname, rel)
+        try:
+            if self.is_s3:
+                sha = self.fs.metadata(path).get(SHA_METADATA)
+                if sha:
+                    return str(sha)
+            elif not self.is_local:
+                lfs = self.fs.info(path).get("lfs") or {}
+                if lfs.get("sha256"):
+                    return str(lfs["sha256"])
+            return self._rehash(path)
+        except FileNotFoundError:
+            return None
+
+    def _rehash(self, path: str) -> str:
+        digest = hashlib.sha256()
+        with self.fs.open(path, "rb") as f:
+            while chunk := f.read(HASH_CHUNK):
+                digest.update(chunk)
+        return digest.hexdigest()
+
+    def _upload_file(
         self,
-        artifact: Path,
+        root: Path,
         dirname: str,
         rel: str,
-        entry: FileEntry | None,
+        entry: FileEntry,
         advance: Callable[[float], None],
     ) -> None:
-        source = artifact / rel
+        source = root / rel
         target = self.path(dirname, rel)
-        callback = _BytesCallback(advance) if entry is not None else Callback()
+        callback = _BytesCallback(advance)
         kwargs: dict[str, Any] = {}
-        if self.is_s3 and entry is not None:
+        if self.is_s3:
             kwargs["Metadata"] = {SHA_METADATA: entry.sha256}
         if self.is_local:
             # A shared mount has no atomic object PUT: copy beside, then rename into place.
@@ -337,55 +439,112 @@ class RemoteStore:
             os.replace(tmp, target)
         else:
             self.fs.put_file(str(source), target, callback=callback, **kwargs)
-        if entry is not None:
-            callback.finish(entry.size)
+        callback.finish(entry.size)
+
+    def _put_bytes(self, dirname: str, name: str, data: bytes) -> None:
+        target = self.path(dirname, name)
+        if self.is_local:
+            tmp = f"{target}.tmp-{uuid.uuid4().hex[:8]}"
+            self.fs.pipe_file(tmp, data)
+            os.replace(tmp, target)
+        else:
+            self.fs.pipe_file(target, data)
+
+    def _read(self, dirname: str, name: str) -> bytes | None:
+        try:
+            return bytes(self.fs.cat_file(self.path(dirname, name)))
+        except FileNotFoundError:
+            return None
+
+    def _parse(self, dirname: str, data: bytes) -> Manifest:
+        try:
+            return Manifest.model_validate_json(data)
+        except ValueError:
+            raise RemoteArtifactError(
+                f"{self.artifact_url(dirname)}/{MANIFEST} is not a neuronctl manifest",
+                "push the artifact again with `neuronctl artifacts push`",
+            ) from None
 
     # -- pull ---------------------------------------------------------------------------------
 
     @_remote_errors
-    def pull(self, dirname: str, store: Store, progress: Progress | None = None) -> Published:
-        """Download an artifact into `store`, verified, published atomically under its lock."""
-        if "/" in dirname or dirname.startswith(".") or not dirname:
+    def pull(
+        self,
+        dirname: str,
+        store: Store,
+        progress: Progress | None = None,
+        policy: TrustPolicy | None = None,
+    ) -> Published:
+        """Download an artifact into `store`: signature checked against `policy` first, then
+        every byte against the signed sha256 list, published atomically under its lock.
+
+        A local copy (pulled earlier, or built here) is a cache hit; its provenance is checked
+        against `policy` just the same."""
+        if not DIRNAME_RE.fullmatch(dirname):
             raise UsageError(f"{dirname!r} is not an artifact directory name")
+        policy = policy if policy is not None else TrustPolicy.load()
         state: dict[str, Any] = {}
 
         def build(staging: Path) -> Manifest:
-            manifest = self._complete_manifest(dirname)
-            state.update(staging=staging, manifest=manifest)
+            manifest, provenance = self._checked_manifest(dirname, policy)
+            state.update(staging=staging, remote_bytes=provenance.manifest_bytes)
             self._download(dirname, manifest, staging, progress or NullProgress())
+            (staging / PROVENANCE).write_text(provenance.to_json())
             return manifest
 
         def on_step(step: str) -> None:
-            # Store.publish re-hashes the staged files into manifest.json before the rename;
-            # checking that record against the remote manifest verifies every byte once.
+            # Store.publish re-records the staged files into manifest.json; that record must be
+            # the remote one, or the manifest goes before the staging dir is kept as a failure.
             if step == "manifest-written":
-                self._verify(dirname, state["manifest"], read_manifest(state["staging"]))
+                staging = state["staging"]
+                problem = differs_from(read_manifest(staging), state["remote_bytes"])
+                if problem:
+                    (staging / MANIFEST).unlink()
+                    raise RemoteArtifactError(f"{self.artifact_url(dirname)}: {problem}")
 
-        return store.publish(dirname, build, reuse=is_intact, on_step=on_step)
+        if not is_intact(store.path(dirname)):
+            # Refuse an untrusted remote before anything is staged; build checks it again
+            # under the lock, on the bytes it then downloads against.
+            self._checked_manifest(dirname, policy)
+        published = store.publish(dirname, build, reuse=is_intact, on_step=on_step)
+        if published.cache_hit:
+            check_origin(published.path, read_manifest(published.path), policy)
+        return published
 
-    def _complete_manifest(self, dirname: str) -> Manifest:
-        manifest = self.manifest(dirname)
+    def vouch(self, path: Path, policy: TrustPolicy | None = None) -> Vouch:
+        """Who vouches for a pulled (or local) artifact under `policy`."""
+        return check_origin(path, read_manifest(path), policy or TrustPolicy.load())
+
+    def _checked_manifest(self, dirname: str, policy: TrustPolicy) -> tuple[Manifest, Provenance]:
+        """The remote manifest, only after its signature and every path in it checked out."""
         url = self.artifact_url(dirname)
-        if manifest is None:
+        raw = self._read(dirname, MANIFEST)
+        if raw is None:
             if self.sizes(dirname):
                 raise RemoteArtifactError(
                     f"{url} is incomplete: no {MANIFEST} (a push did not finish)",
                     "push it again with `neuronctl artifacts push`",
                 )
             raise NotFoundError(f"no artifact {dirname} in {self.url}")
+        signature = self._read(dirname, SIGNATURE)
+        verify(raw, signature, policy, url)  # raises unless trusted (or allowed unsigned)
+        manifest = self._parse(dirname, raw)  # the very bytes the signature covers
         if manifest.artifact_key[:KEY_LENGTH] != dirname:
             raise RemoteArtifactError(
                 f"{url}/{MANIFEST} is for artifact {manifest.artifact_key[:KEY_LENGTH]}, "
                 f"not {dirname}"
             )
         for rel in manifest.files:
-            if not _safe_relative(rel):
-                raise RemoteArtifactError(f"{url}/{MANIFEST} lists an unsafe path {rel!r}")
-        return manifest
+            problem = entry_problem(rel)
+            if problem:
+                raise RemoteArtifactError(f"{url}/{MANIFEST} lists {rel!r}: {problem}")
+        return manifest, Provenance(url, raw, signature)
 
     def _download(
         self, dirname: str, manifest: Manifest, staging: Path, progress: Progress
     ) -> None:
+        """Fetch every listed file and check its sha256 before the manifest is written, so a
+        failed pull never leaves a directory whose manifest vouches for bad bytes."""
         advance = progress.task(f"pull {dirname}", total=manifest.total_size())
         sizes = self.sizes(dirname)
         for rel, entry in manifest.files.items():
@@ -402,25 +561,23 @@ class RemoteStore:
             callback = _BytesCallback(advance)
             self.fs.get_file(self.path(dirname, rel), str(staging / rel), callback=callback)
             callback.finish(manifest.files[rel].size)
+            got = sha256_file(staging / rel)  # just written: read back from the page cache
+            if got != manifest.files[rel].sha256:
+                raise RemoteArtifactError(
+                    f"{self.artifact_url(dirname)}/{rel} is corrupted: expected sha256 "
+                    f"{manifest.files[rel].sha256[:12]}…, got {got[:12]}…",
+                    "the remote artifact is damaged; push it again with --force",
+                )
 
         _run_all(fetch, list(manifest.files))
 
-    def _verify(self, dirname: str, expected: Manifest, got: Manifest) -> None:
-        for rel, entry in expected.files.items():
-            have = got.files.get(rel)
-            if have != entry:
-                detail = "missing" if have is None else f"sha256 {have.sha256[:12]}…"
-                raise RemoteArtifactError(
-                    f"{self.artifact_url(dirname)}/{rel} is corrupted: expected sha256 "
-                    f"{entry.sha256[:12]}…, got {detail}",
-                    "the remote artifact is damaged; push it again with --force",
-                )
-        extra = sorted(set(got.files) - set(expected.files))
-        if extra:
-            raise RemoteArtifactError(f"unexpected file {extra[0]} in the pulled artifact")
 
-
-def resolve_artifacts_arg(value: str, store: Store, progress: Progress | None = None) -> Path:
+def resolve_artifacts_arg(
+    value: str,
+    store: Store,
+    progress: Progress | None = None,
+    policy: TrustPolicy | None = None,
+) -> Path:
     """`--artifacts` value -> a local artifact directory; a remote URL is pulled first.
 
     Accepts `<store-url>/<KEY>` and `<store-url>/neuron-compiled-artifacts/<KEY>`.
@@ -429,12 +586,16 @@ def resolve_artifacts_arg(value: str, store: Store, progress: Progress | None = 
         return Path(value).expanduser()
     url, dirname = split_artifact_url(value)
     remote = open_remote(url)
-    return remote.pull(remote.resolve(dirname), store, progress).path
+    return remote.pull(remote.resolve(dirname), store, progress, policy).path
 
 
 def split_artifact_url(value: str) -> tuple[str, str]:
-    """`s3://b/p/KEY` -> (`s3://b/p`, `KEY`), dropping a trailing neuron-compiled-artifacts."""
+    """`s3://b/p/KEY` -> (`s3://b/p`, `KEY`), dropping a trailing neuron-compiled-artifacts.
+
+    A plain path (`/mnt/shared/KEY`) names a shared mount, as it does for push."""
     value = value.rstrip("/")
+    if "://" not in value and value:
+        value = "file://" + os.path.abspath(os.path.expanduser(value))
     scheme, _, rest = value.partition("://")
     parent, _, key = rest.rpartition("/")
     if not parent or not key:
@@ -459,25 +620,107 @@ def _relative(name: str, base: str) -> str:
     return ""
 
 
-def _safe_relative(rel: str) -> bool:
+def entry_problem(rel: str) -> str | None:
+    """Why a manifest entry cannot name a file of an artifact, or None when it can.
+
+    One rule for push and pull: a plain relative POSIX path that stays inside the artifact
+    and is none of the store's own file names.
+    TODO(contract): point at the typed manifest's path rule once it lands."""
     path = PurePosixPath(rel)
-    return bool(rel) and not path.is_absolute() and ".." not in path.parts and rel != MANIFEST
+    if not rel or path.is_absolute() or "\\" in rel or ":" in path.parts[0]:
+        return "not a relative path"
+    if rel != path.as_posix() or any(part in ("", ".", "..") for part in rel.split("/")):
+        return "not a plain path inside the artifact"
+    if rel in RESERVED_NAMES:
+        return "a name the store reserves for itself"
+    return None
 
 
-def _check_local(artifact: Path, manifest: Manifest) -> None:
-    """Never publish a damaged local artifact: at least every file must have its size."""
-    for rel, entry in manifest.files.items():
-        path = artifact / rel
-        size = path.stat().st_size if path.is_file() else None
-        if size != entry.size:
+def _check_dirname(dirname: str, artifact: Path) -> None:
+    if not DIRNAME_RE.fullmatch(dirname):
+        raise RemoteArtifactError(f"{artifact}: the manifest's artifact key is malformed")
+
+
+def _regular_file_inside(root: Path, rel: str) -> Path:
+    """`root/rel`, only if no component is a symlink and it is a regular file."""
+    path = root
+    for part in PurePosixPath(rel).parts:
+        path = path / part
+        mode = path.lstat().st_mode
+        if stat.S_ISLNK(mode):
             raise RemoteArtifactError(
-                f"{path}: expected {entry.size} bytes, found {size}",
-                f"check it with `neuronctl validate --deep {artifact}`",
+                f"{path} is a symbolic link; an artifact holds only its own files",
+                f"check it with `neuronctl validate --deep {root}`",
             )
+    if not stat.S_ISREG(mode):
+        raise RemoteArtifactError(f"{path} is not a regular file")
+    return path
 
 
-def _complete(remote: Manifest, sizes: dict[str, int]) -> bool:
-    return all(sizes.get(rel) == entry.size for rel, entry in remote.files.items())
+@dataclass
+class PushSource:
+    """What push uploads: the manifest bytes, their signature if any, the files they list.
+
+    A pulled artifact is pushed as it was pulled: its remote manifest and signature (kept in
+    provenance.json), its files without provenance.json, so a mirror keeps the publisher's
+    signature."""
+
+    root: Path
+    manifest: Manifest
+    manifest_bytes: bytes
+    signature: bytes | None = None
+
+    @classmethod
+    def read(cls, root: Path, signing: bool = False) -> PushSource:
+        local = read_manifest(root)
+        origin = read_provenance(root)
+        if origin is None:
+            source = cls(root, local, (root / MANIFEST).read_bytes())
+        else:
+            problem = differs_from(local, origin.manifest_bytes)
+            if problem:
+                raise RemoteArtifactError(f"{root} changed since it was pulled: {problem}")
+            if signing:  # a signature vouches: only for what a trusted key vouched for first
+                try:
+                    check_origin(root, local, TrustPolicy.load())
+                except SignatureError as exc:
+                    raise SignatureError(
+                        f"refusing to sign {root}: it was pulled without a trusted signature "
+                        f"({exc.message})",
+                        "sign artifacts where they are built",
+                    ) from None
+            remote = Manifest.model_validate_json(origin.manifest_bytes)
+            source = cls(root, remote, origin.manifest_bytes, origin.signature)
+        source.check()
+        return source
+
+    def check(self) -> None:
+        """Never read outside the artifact, never publish a damaged one."""
+        _check_dirname(self.manifest.artifact_key[:KEY_LENGTH], self.root)
+        for rel, entry in self.manifest.files.items():
+            problem = entry_problem(rel)
+            if problem:
+                raise RemoteArtifactError(
+                    f"{self.root}/{MANIFEST} lists {rel!r}: {problem}",
+                    "refusing to read or upload anything outside the artifact",
+                )
+            try:
+                size = _regular_file_inside(self.root, rel).stat().st_size
+            except FileNotFoundError:
+                size = None
+            if size != entry.size:
+                raise RemoteArtifactError(
+                    f"{self.root / rel}: expected {entry.size} bytes, found {size}",
+                    f"check it with `neuronctl validate --deep {self.root}`",
+                )
+
+
+def _map_all(work: Callable[[str], Any], items: list[str]) -> list[Any]:
+    """`work` over items a few at a time (remote round trips), results in order."""
+    if len(items) <= 1:
+        return [work(item) for item in items]
+    with ThreadPoolExecutor(max_workers=TRANSFER_THREADS) as pool:
+        return list(pool.map(work, items))
 
 
 def _run_all(work: Callable[[str], None], items: list[str]) -> None:

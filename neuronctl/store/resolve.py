@@ -14,11 +14,15 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from neuronctl.errors import NotFoundError, UsageError
 from neuronctl.progress import Progress
 from neuronctl.store.local import Store, default_store_root
 from neuronctl.store.manifest import is_intact
+
+if TYPE_CHECKING:
+    from neuronctl.store.signing import TrustPolicy
 
 logger = logging.getLogger(__name__)
 
@@ -37,6 +41,7 @@ def resolve_artifact(
     *,
     fetch: bool = True,
     progress: Progress | None = None,
+    policy: TrustPolicy | None = None,
 ) -> Path:
     """The local artifact directory `ref` names. With `fetch=False` a URL is never pulled:
     an artifact not yet in the local store is a NotFoundError (what --dry-run reports)."""
@@ -66,4 +71,4 @@ def resolve_artifact(
             )
         return found
     logger.info("pulling %s into %s", text, local.artifacts)
-    return resolve_artifacts_arg(text, local, progress)
+    return resolve_artifacts_arg(text, local, progress, policy=policy)

@@ -12,6 +12,7 @@ import torch
 
 from neuronctl.backends.torch import modeling
 from neuronctl.backends.torch.graphs import CONTEXT, DTYPES, TOKEN_GEN
+from neuronctl.backends.torch.safeload import load_export_graph
 from neuronctl.errors import CheckpointError, NotFoundError, UsageError
 
 if TYPE_CHECKING:
@@ -106,7 +107,7 @@ def load_graph(file: Path, compiler: str) -> Graph:
         package = torch._inductor.aoti_load_package(str(file))
         loader = package.loader  # calling the loader directly skips pytree work per step
         return lambda flat: loader.run(flat)[0]
-    program = torch.export.load(str(file))
+    program = load_export_graph(file)  # refuses pickled payloads before torch reads it
     module = program.module()
     spec = program.call_spec.in_spec
     assert spec is not None

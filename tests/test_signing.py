@@ -1,0 +1,307 @@
+"""Signed artifacts: a remote artifact is used only when a key the user trusts signed it.
+
+The remote is hostile here: it can rewrite any object, re-record the manifest, and sign with
+its own key. Only the publisher's private key makes a manifest a puller accepts."""
+
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import stat
+from pathlib import Path
+
+import openai
+import pytest
+from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
+from neuronctl.store.local import Store
+from neuronctl.store.manifest import MANIFEST, FileEntry, Manifest, read_manifest
+from neuronctl.store.remote import RemoteArtifactError, open_remote
+from neuronctl.store.signing import (
+    SIGNATURE,
+    SIGNED,
+    TRUSTED_KEYS_ENV,
+    UNSIGNED,
+    SignatureError,
+    Signer,
+    TrustPolicy,
+    check_origin,
+    key_id,
+    sign,
+)
+from tests.helpers import cli
+from tests.test_remote import (  # noqa: F401  (fixtures)
+    SIGNER,
+    TRUST,
+    _client,
+    bucket,
+    make_artifact,
+    s3server,
+    sample_files,
+    tree_bytes,
+    trusted_env,
+    visible,
+    write_keypair,
+)
+from tests.test_server import Server, free_port, serve_argv
+
+
+class PatientServer(Server):
+    """Pull, load and start in one process: give a loaded CI machine time."""
+
+    def _wait_healthy(self, timeout: float = 300) -> None:
+        super()._wait_healthy(timeout)
+
+
+STRANGER_KEY = Ed25519PrivateKey.generate()
+STRANGER = Signer(STRANGER_KEY, key_id(STRANGER_KEY.public_key()))
+
+
+def remote_dir(remote_root: Path, artifact: Path) -> Path:
+    return remote_root / "neuron-compiled-artifacts" / artifact.name
+
+
+def rewrite_as_attacker(directory: Path, rel: str, data: bytes, signer: Signer | None) -> None:
+    """What a hostile remote does: new bytes for a file, the manifest re-recorded to match,
+    and (optionally) a signature by its own key."""
+    (directory / rel).write_bytes(data)
+    manifest = Manifest.model_validate_json((directory / MANIFEST).read_bytes())
+    files = dict(manifest.files)
+    files[rel] = FileEntry(size=len(data), sha256=hashlib.sha256(data).hexdigest())
+    raw = manifest.model_copy(update={"files": files}).model_dump_json(indent=2).encode()
+    (directory / MANIFEST).write_bytes(raw)
+    if signer is None:
+        (directory / SIGNATURE).unlink(missing_ok=True)
+    else:
+        (directory / SIGNATURE).write_bytes(sign(raw, signer))
+
+
+def test_unsigned_remote_is_refused_unless_allowed(tmp_path: Path) -> None:
+    artifact = make_artifact(tmp_path / "a", sample_files(big=20_000))
+    remote = open_remote(str(tmp_path / "remote"))
+    remote.push(artifact)  # no key: unsigned
+    dest = Store(tmp_path / "host")
+
+    with pytest.raises(SignatureError, match="is not signed"):
+        remote.pull(artifact.name, dest, policy=TRUST)
+    assert visible(dest) == []
+
+    pulled = remote.pull(artifact.name, dest, policy=TrustPolicy(TRUST.keys, allow_unsigned=True))
+    manifest = read_manifest(pulled.path)
+    # The choice is made again at every use: without --allow-unsigned it is refused.
+    with pytest.raises(SignatureError, match="is not signed"):
+        check_origin(pulled.path, manifest, TRUST)
+    assert check_origin(pulled.path, manifest, TrustPolicy(allow_unsigned=True)).kind == UNSIGNED
+    with pytest.raises(SignatureError):  # and a second pull (a cache hit) says the same
+        remote.pull(artifact.name, dest, policy=TRUST)
+
+
+def test_remote_re_signed_by_a_stranger_is_refused(tmp_path: Path) -> None:
+    artifact = make_artifact(tmp_path / "a", sample_files(big=20_000))
+    remote = open_remote(str(tmp_path / "remote"))
+    remote.push(artifact, signer=SIGNER)
+    rewrite_as_attacker(
+        remote_dir(tmp_path / "remote", artifact), "graphs/tkg_128.pt2", b"evil", STRANGER
+    )
+    dest = Store(tmp_path / "host")
+
+    with pytest.raises(SignatureError, match=f"signed by key {STRANGER.key_id}.*not trusted"):
+        remote.pull(artifact.name, dest, policy=TRUST)
+
+    assert visible(dest) == []
+    assert not (dest.artifacts / ".failed").exists()  # refused before any download
+
+
+def test_manifest_changed_under_a_valid_signature_is_refused(tmp_path: Path) -> None:
+    artifact = make_artifact(tmp_path / "a", sample_files(big=20_000))
+    remote = open_remote(str(tmp_path / "remote"))
+    remote.push(artifact, signer=SIGNER)
+    directory = remote_dir(tmp_path / "remote", artifact)
+    signature = (directory / SIGNATURE).read_bytes()
+    rewrite_as_attacker(directory, "config.json", b'{"evil": 1}', None)
+    (directory / SIGNATURE).write_bytes(signature)  # the publisher's, over the old manifest
+
+    with pytest.raises(SignatureError, match="does not match its manifest"):
+        remote.pull(artifact.name, Store(tmp_path / "host"), policy=TRUST)
+
+
+def test_pulled_artifact_edited_locally_is_refused_at_load(tmp_path: Path) -> None:
+    artifact = make_artifact(tmp_path / "a", sample_files(big=20_000))
+    remote = open_remote(str(tmp_path / "remote"))
+    remote.push(artifact, signer=SIGNER)
+    pulled = remote.pull(artifact.name, Store(tmp_path / "host"), policy=TRUST).path
+    assert check_origin(pulled, read_manifest(pulled), TRUST).kind == SIGNED
+    # Re-recording the local manifest after an edit does not make the edit signed.
+    (pulled / "config.json").write_text('{"evil": 1}')
+    from neuronctl.store.manifest import record_files, write_manifest
+
+    write_manifest(pulled, record_files(pulled, read_manifest(pulled)))
+
+    with pytest.raises(SignatureError, match="config.json differs from the signed record"):
+        check_origin(pulled, read_manifest(pulled), TRUST)
+
+
+def test_signing_an_intact_unsigned_remote_adds_only_the_signature(tmp_path: Path) -> None:
+    artifact = make_artifact(tmp_path / "a", sample_files(big=20_000))
+    remote = open_remote(str(tmp_path / "remote"))
+    remote.push(artifact)
+
+    signed = remote.push(artifact, signer=SIGNER)
+
+    assert signed.uploaded == [SIGNATURE] and signed.signed_by == SIGNER.key_id
+    assert remote.push(artifact, signer=SIGNER).noop
+    remote.pull(artifact.name, Store(tmp_path / "host"), policy=TRUST)
+
+
+def test_signing_never_vouches_for_another_build_of_the_key(tmp_path: Path) -> None:
+    ours = make_artifact(tmp_path / "a", sample_files(big=20_000))
+    theirs = make_artifact(tmp_path / "b", sample_files(big=20_000))  # same key, other bytes
+    remote = open_remote(str(tmp_path / "remote"))
+    remote.push(theirs)
+
+    with pytest.raises(RemoteArtifactError, match="another build of this key"):
+        remote.push(ours, signer=SIGNER)
+    replaced = remote.push(ours, signer=SIGNER, force=True)
+
+    assert replaced.signed_by == SIGNER.key_id
+    pulled = remote.pull(ours.name, Store(tmp_path / "host"), policy=TRUST)
+    assert tree_bytes(pulled.path) == tree_bytes(ours)
+
+
+def test_a_mirror_keeps_the_publisher_signature(tmp_path: Path) -> None:
+    artifact = make_artifact(tmp_path / "a", sample_files(big=20_000))
+    open_remote(str(tmp_path / "origin")).push(artifact, signer=SIGNER)
+    pulled = open_remote(str(tmp_path / "origin")).pull(
+        artifact.name, Store(tmp_path / "relay"), policy=TRUST
+    )
+
+    mirror = open_remote(str(tmp_path / "mirror"))
+    mirror.push(pulled.path)  # the relay host holds no private key
+    again = mirror.pull(artifact.name, Store(tmp_path / "host"), policy=TRUST)
+
+    assert tree_bytes(again.path) == tree_bytes(artifact)
+    assert check_origin(again.path, read_manifest(again.path), TRUST).key_id == SIGNER.key_id
+
+
+def test_keygen_push_pull_from_the_command_line(
+    tmp_path: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    bucket: str,  # noqa: F811
+) -> None:
+    for name in ("NEURONCTL_SIGNING_KEY", TRUSTED_KEYS_ENV):
+        monkeypatch.delenv(name)
+    made = cli("artifacts", "keygen", str(tmp_path / "keys" / "ci"), "--json")
+    assert made.returncode == 0, made.stderr
+    keys = json.loads(made.stdout)
+    assert stat.S_IMODE(os.stat(keys["private_key"]).st_mode) == 0o600
+    assert cli("artifacts", "keygen", str(tmp_path / "keys" / "ci")).returncode == 2
+    artifact = make_artifact(tmp_path / "a", sample_files(big=20_000))
+    url = f"s3://{bucket}/fleet"
+
+    pushed = cli("artifacts", "push", str(artifact), url, "--sign-key", keys["private_key"],
+                 "--json")  # fmt: skip
+    assert pushed.returncode == 0, pushed.stderr
+    assert json.loads(pushed.stdout)["signed_by"] == keys["key_id"]
+
+    _, stranger_pub = write_keypair(STRANGER_KEY, tmp_path / "stranger")
+    store = str(tmp_path / "host")
+    untrusted = cli("artifacts", "pull", f"{url}/{artifact.name}", "--store", store,
+                    "--trust-key", str(stranger_pub))  # fmt: skip
+    assert untrusted.returncode == 1
+    assert f"signed by key {keys['key_id']}" in untrusted.stderr
+    assert "Traceback" not in untrusted.stderr and "hint:" in untrusted.stderr
+
+    pulled = cli("artifacts", "pull", f"{url}/{artifact.name}", "--store", store, "--json",
+                 env={TRUSTED_KEYS_ENV: keys["public_key"]})  # fmt: skip
+    assert pulled.returncode == 0, pulled.stderr
+    data = json.loads(pulled.stdout)
+    assert (data["trusted"], data["key_id"]) == (SIGNED, keys["key_id"])
+    assert tree_bytes(Path(data["path"])) == tree_bytes(artifact)
+
+
+def test_signed_remote_is_pulled_and_served_unsigned_refused(
+    tmp_path: Path,
+    bucket: str,  # noqa: F811
+    compiled_artifact: Path,
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    url = f"s3://{bucket}/fleet"
+    remote = open_remote(url)
+    remote.push(compiled_artifact)  # unsigned first
+    monkeypatch.setenv("NEURONCTL_STORE", str(tmp_path / "host"))
+
+    refused = cli("serve", "--artifacts", f"{url}/{compiled_artifact.name}", "--dry-run")
+    assert refused.returncode == 1 and "is not signed" in refused.stderr
+    assert "Traceback" not in refused.stderr
+    assert visible(Store(tmp_path / "host")) == []
+
+    remote.push(compiled_artifact, signer=SIGNER)  # the publisher signs it
+    port = free_port()
+    server = PatientServer(serve_argv(f"{url}/{compiled_artifact.name}", port), port)  # type: ignore[arg-type]
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+        model = client.models.list().data[0].id
+        done = client.completions.create(model=model, prompt="hello", max_tokens=4,
+                                         temperature=0)  # fmt: skip
+        assert done.usage is not None and done.usage.completion_tokens == 4
+    finally:
+        server.stop()
+    log = server.proc.stdout.read() if server.proc.stdout else ""
+    assert f"signature by trusted key {SIGNER.key_id}" in log
+
+
+def test_a_relay_never_signs_what_it_pulled_unverified(tmp_path: Path) -> None:
+    artifact = make_artifact(tmp_path / "a", sample_files(big=20_000))
+    open_remote(str(tmp_path / "origin")).push(artifact)  # unsigned
+    pulled = open_remote(str(tmp_path / "origin")).pull(
+        artifact.name, Store(tmp_path / "relay"), policy=TrustPolicy(allow_unsigned=True)
+    )
+
+    with pytest.raises(SignatureError, match="refusing to sign"):
+        open_remote(str(tmp_path / "mirror")).push(pulled.path, signer=SIGNER)
+    assert not (tmp_path / "mirror").exists()
+
+
+def test_an_unverified_pull_never_donates_graphs_to_a_local_build(tmp_path: Path) -> None:
+    from neuronctl.build import find_graph_donor
+    from neuronctl.keys import Keys
+
+    artifact = make_artifact(tmp_path / "a", sample_files(big=20_000))
+    manifest = read_manifest(artifact)
+    with_graphs = manifest.model_copy(update={"graphs": ["graphs/ctx_128.pt2"]})
+    from neuronctl.store.manifest import write_manifest
+
+    write_manifest(artifact, with_graphs)
+    remote = open_remote(str(tmp_path / "remote"))
+    remote.push(artifact)  # unsigned
+    store = Store(tmp_path / "host")
+    remote.pull(artifact.name, store, policy=TrustPolicy(allow_unsigned=True))
+    graph_key = manifest.model_dump(mode="json")["keys"]["graph_key"]
+    fine_tune = Keys(graph=graph_key, weights="x" * 64, artifact="y" * 64)
+
+    assert find_graph_donor(store, fine_tune) is None
+    remote.push(artifact, signer=SIGNER)  # now signed: the same bytes are a donor
+    signed_store = Store(tmp_path / "host2")
+    remote.pull(artifact.name, signed_store, policy=TRUST)
+    assert find_graph_donor(signed_store, fine_tune) == signed_store.path(artifact.name)
+
+
+def test_compile_remote_refuses_an_unsigned_hit_instead_of_using_it(
+    tmp_path: Path, tiny_llama: Path, compiled_artifact: Path
+) -> None:
+    from tests.conftest import TINY_SPEC
+    from tests.test_security import _spec_flags
+
+    url = (tmp_path / "shared").as_uri()
+    open_remote(url).push(compiled_artifact)  # unsigned, under the key this compile computes
+    args = ["compile", str(tiny_llama), *_spec_flags(TINY_SPEC), "--remote", url,
+            "--store", str(tmp_path / "host")]  # fmt: skip
+
+    refused = cli(*args)
+    assert refused.returncode == 1 and "is not signed" in refused.stderr, refused.stderr
+    assert visible(Store(tmp_path / "host")) == []
+
+    allowed = cli(*args, "--allow-unsigned", "--json")
+    assert allowed.returncode == 0, allowed.stderr
+    assert json.loads(allowed.stdout)["pulled"] is True
