@@ -166,7 +166,7 @@ def vllm_dir() -> Path | None:
 
 def platform_plugins() -> tuple[str, ...]:
     """Installed `vllm.platform_plugins` entry points (vLLM activates every one it finds)."""
-    from neuronctl.vllm import platform_plugins as names
+    from neuronctl.vllm_generations import platform_plugins as names
 
     return names()
 
@@ -198,7 +198,7 @@ def vllm_findings() -> list[Finding]:
 
 def generation_finding(version: str, plugin: str | None) -> Finding:
     """Which of the four vLLM Neuron generations this is (docs/neuron.md)."""
-    from neuronctl.vllm import D_HINT, Generation, generation_for
+    from neuronctl.vllm_generations import D_HINT, Generation, generation_for
 
     vllm, plug = version_tuple(version), version_tuple(plugin) if plugin else None
     gen = generation_for(vllm, plug)

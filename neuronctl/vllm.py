@@ -25,7 +25,6 @@ import json
 import sys
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field, replace
-from enum import StrEnum
 from importlib import metadata
 from pathlib import Path
 from typing import Any
@@ -33,6 +32,13 @@ from typing import Any
 from neuronctl.errors import NeuronctlError, UsageError
 from neuronctl.spec import BuildSpec
 from neuronctl.store.manifest import Manifest
+from neuronctl.vllm_generations import (
+    D_HINT,
+    Generation,
+    generation_for,
+    platform_plugins,
+    version_tuple,
+)
 
 NXDI = "neuronx-distributed-inference"
 TNX = "transformers-neuronx"
@@ -41,32 +47,12 @@ FRAMEWORK_ALIASES = {"nxdi": NXDI, "tnx": TNX, NXDI: NXDI, TNX: TNX}
 # neuronctl's quantization dtype -> vLLM's NEURON_QUANT_DTYPE spelling (TNx only).
 QUANT_ENV = {"int8": "s8", "f8e4m3fn": "f8e4m3fn"}
 TNX_COMPILE_CACHE = "neuron-compile-cache"  # inside a tnx artifact (backends/tnx COMPILE_CACHE)
-PLATFORM_PLUGINS = "vllm.platform_plugins"  # entry-point group vLLM loads platforms from
 PLUGIN_DIST = "vllm-neuron"
 PLUGIN_ENTRY = "neuron"  # vllm-neuron's entry point name (its setup.py)
 # vLLM's --block-size choices from 0.9 on (CacheConfig BlockSize Literal).
 BLOCK_SIZES = (1, 8, 16, 32, 64, 128)
 # The 0.3/0.5 CLI's --block-size choices; 0.6.x-neuron has [8, 16, 32].
 OLD_BLOCK_SIZES = (8, 16, 32, 128)
-D_HINT = (
-    "vllm-neuron 0.21+ compiles with torch.compile and never reads an NxDI artifact or "
-    "NEURON_COMPILED_ARTIFACTS: serve this artifact with vllm-neuron 0.4.1/0.5.0 (generation C) "
-    "or `neuronctl serve`; for D, warm its own compile cache and set "
-    "VLLM_NEURON_DISABLE_WARMUP_COMPILE=1 (docs/neuron.md)"
-)
-
-
-class Generation(StrEnum):
-    TNX_FORK = "tnx-fork"  # A
-    V0 = "v0"  # B
-    PLUGIN = "plugin"  # C
-    NATIVE = "native"  # D
-
-    @property
-    def letter(self) -> str:
-        return "ABCD"[list(Generation).index(self)]
-
-
 # The version assumed when a generation is named without one and none is installed.
 DEFAULT_VLLM = {
     Generation.TNX_FORK: (0, 6, 2),
@@ -82,23 +68,6 @@ A_ARCHS: dict[tuple[int, ...], set[str]] = {
 }
 B_ARCHS = {"LlamaForCausalLM", "MistralForCausalLM", "DbrxForCausalLM", "MixtralForCausalLM"}
 B_FORK_EXTRA = {"Qwen2ForCausalLM"}  # neuron-2.24-vllm-v0.7.2 neuronx_distributed.py:70
-
-
-def version_tuple(version: str) -> tuple[int, ...]:
-    """Leading numeric release parts: '0.6.dev0+neuron215' -> (0, 6)."""
-    parts = []
-    for piece in version.split("+")[0].split("."):
-        digits = ""
-        for ch in piece:
-            if not ch.isdigit():
-                break
-            digits += ch
-        if not digits:
-            break
-        parts.append(int(digits))
-        if digits != piece:
-            break
-    return tuple(parts)
 
 
 def _dotted(version: tuple[int, ...] | None) -> str:
@@ -134,24 +103,8 @@ def _dist_version(name: str) -> str | None:
         return None
 
 
-def platform_plugins() -> tuple[str, ...]:
-    """Names of the installed `vllm.platform_plugins` entry points (what VLLM_PLUGINS picks)."""
-    return tuple(sorted({ep.name for ep in metadata.entry_points(group=PLATFORM_PLUGINS)}))
-
-
 def installed_frameworks() -> frozenset[str]:
     return frozenset(fw for fw in (NXDI, TNX) if _dist_version(fw) is not None)
-
-
-def generation_for(vllm: tuple[int, ...], plugin: tuple[int, ...] | None) -> Generation | None:
-    """The generation of an installed vLLM (and vllm-neuron plugin), or None: no Neuron."""
-    if plugin is not None:
-        return Generation.NATIVE if plugin >= (0, 21) or vllm >= (0, 21) else Generation.PLUGIN
-    if vllm < (0, 7):
-        return Generation.TNX_FORK
-    if vllm < (0, 10, 2):
-        return Generation.V0
-    return None  # 0.10.2+ dropped the in-tree Neuron worker: Neuron needs the plugin
 
 
 def detect_target() -> Target | None:

@@ -13,11 +13,14 @@ import sys
 import typing
 from collections.abc import Callable
 from pathlib import Path
-from typing import Annotated, Any
+from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
 from rich.table import Table
+
+if TYPE_CHECKING:
+    from neuronctl.store.signing import Vouch
 
 console = Console(highlight=False)
 err_console = Console(stderr=True, highlight=False)
@@ -184,3 +187,13 @@ def human_size(n: float) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n:.1f} TiB"
+
+
+def say_vouch(vouch: Vouch | None) -> None:
+    """One stderr line: who vouches for the code about to be loaded."""
+    if vouch is None:
+        return
+    from neuronctl.store.signing import UNSIGNED
+
+    style = "yellow" if vouch.kind == UNSIGNED else "dim"
+    err_console.print(f"[{style}]artifact trusted: {vouch.describe()}[/{style}]", soft_wrap=True)

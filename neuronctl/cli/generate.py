@@ -18,6 +18,7 @@ from neuronctl.cli._common import (
     TrustKeyOpt,
     console,
     err_console,
+    say_vouch,
 )
 from neuronctl.errors import UsageError
 from neuronctl.prompts import Prompt, collect_prompts, params_for
@@ -25,7 +26,7 @@ from neuronctl.vllm import TARGET_HELP as VLLM_TARGET_HELP
 
 if TYPE_CHECKING:  # the engine imports torch: keep it off every command's start-up
     from neuronctl.engine.sampling import SamplingParams
-    from neuronctl.store.signing import TrustPolicy, Vouch
+    from neuronctl.store.signing import TrustPolicy
 
 ORDER = 35
 ENGINES = ("builtin", "vllm")
@@ -233,16 +234,6 @@ def _generate_vllm(
         print_launch(launch, json_out)
         return
     os.execvpe(launch.argv[0], launch.argv, {**os.environ, **launch.env})
-
-
-def say_vouch(vouch: Vouch | None) -> None:
-    """One stderr line: who vouches for the code about to be loaded."""
-    if vouch is None:
-        return
-    from neuronctl.store.signing import UNSIGNED
-
-    style = "yellow" if vouch.kind == UNSIGNED else "dim"
-    err_console.print(f"[{style}]artifact trusted: {vouch.describe()}[/{style}]", soft_wrap=True)
 
 
 def register(app: typer.Typer) -> None:

@@ -136,7 +136,7 @@ def serve_command(
         return
     path = target.path
     if engine == "vllm":
-        from neuronctl.cli.generate import say_vouch
+        from neuronctl.cli._common import say_vouch
         from neuronctl.engine.loader import vouch_for
 
         say_vouch(vouch_for(path, policy))  # vLLM loads the artifact's code itself
@@ -238,7 +238,7 @@ def _serve_builtin(
     if dry_run:
         print_plan(plan, json_out)
         return
-    from neuronctl.cli.generate import say_vouch
+    from neuronctl.cli._common import say_vouch
 
     say_vouch(loaded.vouch)
 
