@@ -15,7 +15,7 @@ from neuronctl.errors import SpecError
 from neuronctl.spec import BuildSpec
 
 AMP = {"bfloat16": "bf16", "float16": "f16", "float32": "f32"}
-QUANT_DTYPE = {"int8": "s8", "f8e4m3fn": "f8e4m3fn"}
+QUANT_DTYPE = {"int8": "s8", "f8e4m3": "f8e4m3fn"}  # spec (NxDI) name -> TNx quant_dtype
 SUB_CONFIGS = ("continuous_batching", "quant", "on_device_generation")
 # vLLM's Transformers NeuronX integration supports these (seeds 001, 003).
 MODEL_TYPES = {"llama": "LlamaForSampling", "mistral": "MistralForSampling"}
