@@ -249,6 +249,9 @@ def normalize(spec: BuildSpec) -> BuildSpec:
     if not spec.quantized:
         updates["quantization_dtype"] = "int8"
         updates["quantization_type"] = "per_tensor_symmetric"
+    elif spec.backend == "tnx":
+        # TNx (and vLLM over it) quantizes one way: vector_dynamic, per output channel.
+        updates["quantization_type"] = "per_channel_symmetric"
     if spec.max_context_length is None:
         updates["max_context_length"] = spec.seq_len
     cc_flags = normalize_flags(spec.cc_flags) if spec.backend in USES_CC_FLAGS else ""
