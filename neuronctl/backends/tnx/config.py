@@ -177,11 +177,23 @@ def neuron_config_kwargs(spec: BuildSpec) -> dict[str, Any]:
     return kwargs
 
 
+def vllm_defaults(spec: BuildSpec) -> dict[str, Any]:
+    """The plain keys vLLM's TNx loader sets itself for the same flags (_get_default_neuron_config;
+    weight_tiling follows --quantization)."""
+    return {"attention_layout": "BSH", "collectives_layout": "BSH", "fuse_qkv": True,
+            "weight_tiling": spec.quantized}
+
+
 def vllm_override(spec: BuildSpec) -> dict[str, Any]:
-    """What vLLM's --override-neuron-config gets for tnx: the plain keys, and a sub-config only
-    where the spec overrides it. vLLM builds the sub-configs itself from its own arguments
-    (max_num_seqs, --quantization neuron_quant + NEURON_QUANT_DTYPE, its sampling config) to
-    the same values as neuron_config_kwargs; a dict in the override replaces its object."""
+    """What vLLM's --override-neuron-config gets for tnx: the plain keys vLLM does not already
+    set to the same value, and a sub-config only where the spec overrides it. vLLM builds the
+    sub-configs itself from its own arguments (max_num_seqs, --quantization neuron_quant +
+    NEURON_QUANT_DTYPE, its sampling config) to the same values as neuron_config_kwargs; a dict
+    in the override replaces its object."""
     kwargs = neuron_config_kwargs(spec)
+    defaults = vllm_defaults(spec)
     overridden = {k for k in spec.override_neuron_config if k in SUB_CONFIGS}
-    return {k: v for k, v in kwargs.items() if k not in SUB_CONFIGS or k in overridden}
+    return {
+        k: v for k, v in kwargs.items()
+        if (k not in SUB_CONFIGS or k in overridden) and not (k in defaults and defaults[k] == v)
+    }
