@@ -2,17 +2,25 @@
 
 The table below is seed 004_f2dcb61da4ce5066.txt ("Neuron Config Migration"), row by row:
 TNx parameter (dotted for sub-configs), NxD Inference parameter (None = no equivalent, the
-key is dropped and reported with the note), and the guide's note. Values are translated where
-the two libraries spell them differently (TNx amp names 'bf16' -> NxDI dtype 'bfloat16',
-quant dtype 's8' -> 'int8'); the notes that ask for a companion setting are applied
-(quantized, kv_cache_quant, is_continuous_batching + tkg_batch_size).
+key is dropped and reported with the note), and the guide's note. EXTRA_ROWS covers the keys
+the real TNx NeuronConfig / ContinuousBatchingConfig accept that the guide omits.
+
+Values are translated where the two libraries spell them differently (TNx amp names 'bf16' ->
+NxDI dtype 'bfloat16', quant dtype 's8' -> 'int8' and 'f8e4m3fn' -> 'f8e4m3', quantize_method
+'vector_dynamic' -> 'per_channel_symmetric'); a value TNx itself rejects is an error. Giving a
+TNx sub-config at all enables the feature (`{"quant": {}}` quantizes with TNx's defaults), so
+each sub-config maps to its NxDI switch, and the settings the guide's notes ask for alongside
+(quantized_checkpoints_path, kv_cache_quant, is_continuous_batching + tkg_batch_size) are set.
+Every switch and companion set is reported in `mapped`, every key without an equivalent in
+`dropped`.
 """
 
 from __future__ import annotations
 
 import ast
+import copy
 import json
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -90,15 +98,51 @@ TABLE: list[tuple[str, str | None, str]] = [
     ("attn_output_transposed", None, ""),
     ("compilation_worker_count", None, ""),
 ]
-ROWS = {tnx: (nxdi, note) for tnx, nxdi, note in TABLE}
+# Keys the real TNx configs accept (transformers_neuronx/config.py, Dec 2024) that the guide's
+# table leaves out; the NxDI names exist in NxDI 0.5 (SDK 2.25) and main (models/config.py).
+EXTRA_ROWS: list[tuple[str, str | None, str]] = [
+    ("continuous_batching.batch_size_for_shared_caches", "max_batch_size",
+     "TNx's other name for continuous_batching.max_num_seqs."),
+    ("continuous_batching.enable_chunked_prefill", None,
+     "NxD Inference configures chunked prefill with chunked_prefill_config "
+     "(a ChunkedPrefillConfig); neuronctl does not translate it."),
+    ("fuse_mlp", None, "NxD Inference has no such switch; its MLP kernels (mlp_kernel_enabled) "
+     "fuse the MLP."),
+    ("is_eagle_target", "enable_eagle_speculation",
+     "NxD Inference takes the EAGLE draft model through fused_spec_config."),
+    ("is_eagle_draft", "is_eagle_draft", ""),
+    ("has_pre_attention_norm", None,
+     "An EAGLE draft layout setting; NxD Inference derives it from the draft model."),
+    ("use_2d_cache_ids", None,
+     "Deprecated in TNx for padding_side='right'; NxD Inference pads on the right by default."),
+    ("lhs_aligned", None,
+     "Deprecated in TNx for padding_side='right'; NxD Inference pads on the right by default."),
+]
+ROWS = {tnx: (nxdi, note) for tnx, nxdi, note in TABLE + EXTRA_ROWS}
 # TNx sub-configs whose fields are rows of their own.
 SUB_CONFIGS = {key.split(".")[0] for key in ROWS if "." in key}
 
 # TNx spells dtypes as amp names; NxD Inference as torch dtype names.
 AMP_TO_DTYPE = {"bf16": "bfloat16", "f16": "float16", "fp16": "float16", "f32": "float32",
                 "fp32": "float32"}
-QUANT_DTYPE = {"s8": "int8"}
 DTYPE_KEYS = {"torch_dtype", "rpl_reduce_dtype"}
+# TNx value -> NxD Inference value, for the keys whose vocabularies differ. TNx accepts only
+# these (QuantizationConfig raises NotImplementedError otherwise); the NxDI names are the
+# neuronx_distributed QuantizedDtype / QuantizationType members every SDK has (F8E4M3FN only
+# from SDK 2.27, so f8e4m3).
+VALUES: dict[str, dict[Any, Any]] = {
+    "quant.quant_dtype": {"s8": "int8", "f8e4m3fn": "f8e4m3"},
+    # vector_dynamic scales each output channel; direct_cast casts without a scale, which
+    # NxDI does not offer: one scale per tensor is the nearest.
+    "quant.quantize_method": {"vector_dynamic": "per_channel_symmetric",
+                              "direct_cast": "per_tensor_symmetric"},
+}
+VALUE_NOTES = {
+    ("quant.quantize_method", "direct_cast"):
+        "NxD Inference has no direct cast for weights; per_tensor_symmetric is the nearest.",
+}
+# Where NxDI puts a quantized checkpoint (or quantizes into); the guide's note asks for one.
+QUANTIZED_CHECKPOINTS_PATH = "quantized_checkpoint"
 
 
 @dataclass
@@ -115,12 +159,12 @@ class Migration:
 
 def flatten(config: Mapping[str, Any]) -> list[tuple[str, Any]]:
     """Sub-config dicts become dotted keys (`{"quant": {"quant_dtype": "s8"}}` ->
-    `quant.quant_dtype`); dotted keys given as such pass through."""
+    `quant.quant_dtype`), each preceded by the sub-config itself (its enablement); dotted keys
+    given as such pass through."""
     items: list[tuple[str, Any]] = []
     for key, value in config.items():
         if key in SUB_CONFIGS and isinstance(value, Mapping):
-            if key in ROWS and not value:  # e.g. on_device_generation: {} is itself a row
-                items.append((key, {}))
+            items.append((key, dict(value)))
             items.extend((f"{key}.{sub}", v) for sub, v in value.items())
         else:
             items.append((key, value))
@@ -128,10 +172,17 @@ def flatten(config: Mapping[str, Any]) -> list[tuple[str, Any]]:
 
 
 def translate(nxdi_key: str, tnx_key: str, value: Any) -> Any:
+    if tnx_key in VALUES:
+        table = VALUES[tnx_key]
+        if value not in table:
+            raise UsageError(
+                f"{tnx_key}={value!r} is not a Transformers NeuronX value "
+                f"(it accepts {', '.join(map(repr, table))})",
+                "TNx raises NotImplementedError for it; fix the TNx config first",
+            )
+        return table[value]
     if nxdi_key in DTYPE_KEYS and isinstance(value, str):
         return AMP_TO_DTYPE.get(value, value)
-    if tnx_key == "quant.quant_dtype" and isinstance(value, str):
-        return QUANT_DTYPE.get(value, value)
     return value
 
 
@@ -152,32 +203,75 @@ def _set(out: dict[str, Any], dotted: str, value: Any, source: str) -> None:
 
 
 # Settings the guide's notes ask for alongside a mapped key.
-COMPANIONS = {
-    "quant.quant_dtype": lambda v: {"quantized": True},
-    "kv_cache_quant.quant_dtype": lambda v: {"kv_cache_quant": True},
+COMPANIONS: dict[str, Callable[[Any], dict[str, Any]]] = {
     "continuous_batching.max_num_seqs": lambda v: {"is_continuous_batching": True,
                                                    "tkg_batch_size": v},
+    "continuous_batching.batch_size_for_shared_caches": lambda v: {
+        "is_continuous_batching": True, "tkg_batch_size": v},
+}
+# A TNx sub-config given at all, even {}, switches the feature on: its NxDI switch, and the
+# TNx defaults (QuantizationConfig: s8, vector_dynamic) where NxDI's differ.
+ENABLES: dict[str, tuple[dict[str, Any], dict[str, Any], str]] = {
+    "quant": ({"quantized": True, "quantized_checkpoints_path": QUANTIZED_CHECKPOINTS_PATH},
+              {"quant_dtype": "s8", "quantize_method": "vector_dynamic"},
+              "To use quantization, set quantized to True, and provide the "
+              "quantized_checkpoints_path where the quantized model is stored (or will be "
+              "stored). TNx's default dequant_dtype (f16) is not carried over: NxD Inference "
+              "dequantizes to torch_dtype."),
+    "kv_cache_quant": ({"kv_cache_quant": True}, {},
+                       "NxD Inference uses FP8 (torch.float8_e4m3fn) for KV cache quantization."),
+    "continuous_batching": ({"is_continuous_batching": True}, {},
+                            "To use continuous batching, set is_continous_batching to True."),
+    "on_device_generation": ({"on_device_sampling_config": {}}, {},
+                             "On-device sampling, with NxD Inference's defaults for the "
+                             "settings not mapped below."),
 }
 
 
-def migrate_tnx(config: Mapping[str, Any]) -> Migration:
-    """Migrate a TNx override_neuron_config; an unknown key is a UsageError naming it."""
+def migrate_tnx(config: Mapping[str, Any],
+                quantized_checkpoints_path: str = QUANTIZED_CHECKPOINTS_PATH) -> Migration:
+    """Migrate a TNx override_neuron_config; an unknown key or a value TNx itself rejects is a
+    UsageError naming it."""
     result = Migration()
-    for key, value in flatten(config):
-        if key not in ROWS:
+    reported: set[str] = set()
+
+    def switch(key: str, values: Mapping[str, Any], note: str) -> None:
+        for nxdi_key, value in copy.deepcopy(dict(values)).items():
+            if nxdi_key == "quantized_checkpoints_path":
+                value = quantized_checkpoints_path
+            _set(result.nxdi, nxdi_key, value, key)
+            if nxdi_key not in reported:
+                reported.add(nxdi_key)
+                result.mapped.append({"tnx": key, "nxdi": nxdi_key, "value": value,
+                                      "note": note})
+
+    items = flatten(config)
+    given = {key for key, _ in items}
+    dotted_parents = {key.split(".")[0] for key in given if "." in key}
+    items = [(parent, {}) for parent in sorted(dotted_parents - given) if parent in ENABLES] + items
+    for key, value in list(items):
+        if key in ENABLES and isinstance(value, Mapping):
+            given = {k.split(".", 1)[1] for k, _ in items if k.startswith(key + ".")}
+            items += [(f"{key}.{k}", v) for k, v in ENABLES[key][1].items() if k not in given]
+    for key, value in items:
+        if key not in ROWS and not (key in ENABLES and isinstance(value, Mapping)):
             raise UsageError(
                 f"unknown Transformers NeuronX neuron config key {key!r}",
-                "the migration table (AWS 'Migrating from Transformers NeuronX') has no such "
-                "row; check the spelling",
+                "neither the migration table (AWS 'Migrating from Transformers NeuronX') nor "
+                "the TNx NeuronConfig has it; check the spelling",
             )
+        if key in ENABLES and isinstance(value, Mapping):
+            switch(key, ENABLES[key][0], ENABLES[key][2])
+            continue
         nxdi_key, note = ROWS[key]
-        for extra_key, extra in COMPANIONS.get(key, lambda v: {})(value).items():
-            _set(result.nxdi, extra_key, extra, key)
+        switch(key, COMPANIONS.get(key, lambda v: {})(value), note)
         if nxdi_key is None:
             result.dropped.append({"tnx": key, "value": value, "note": note})
             continue
         new_value = translate(nxdi_key, key, value)
+        note = " ".join(filter(None, (note, VALUE_NOTES.get((key, value), ""))))
         _set(result.nxdi, nxdi_key, new_value, key)
+        reported.add(nxdi_key)
         result.mapped.append({"tnx": key, "nxdi": nxdi_key, "value": new_value, "note": note})
     return result
 

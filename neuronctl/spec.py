@@ -64,7 +64,9 @@ class BuildSpec(BaseModel):
     token_gen_buckets: Buckets = "auto"
     on_device_sampling: OnDeviceSampling | None = None
     quantized: bool = False
-    quantization_dtype: Literal["int8", "f8e4m3fn"] = "int8"
+    # NxD Inference's names (neuronx_distributed QuantizedDtype: INT8, F8E4M3 at every SDK;
+    # F8E4M3FN only from 2.27). "s8" / "f8e4m3fn" (TNx, NEURON_QUANT_DTYPE) are accepted.
+    quantization_dtype: Literal["int8", "f8e4m3"] = "int8"
     quantization_type: Literal["per_tensor_symmetric", "per_channel_symmetric"] = (
         "per_tensor_symmetric"
     )
@@ -80,6 +82,11 @@ class BuildSpec(BaseModel):
         if isinstance(value, str) and value != "auto":
             return parse_int_list(value, info.field_name or "buckets")
         return value
+
+    @field_validator("quantization_dtype", mode="before")
+    @classmethod
+    def _quant_dtype_alias(cls, value: Any) -> Any:
+        return QUANT_DTYPES.get(value, value) if isinstance(value, str) else value
 
     @field_validator("override_neuron_config", mode="before")
     @classmethod
@@ -128,7 +135,7 @@ ENV_VARS = {
 FRAMEWORKS = {"neuronx-distributed-inference": "nxdi", "transformers-neuronx": "tnx"}
 # The backends whose compiler reads NEURON_CC_FLAGS; for the others the flags cannot matter.
 USES_CC_FLAGS = frozenset({"nxdi", "tnx"})
-QUANT_DTYPES = {"s8": "int8", "int8": "int8", "f8e4m3fn": "f8e4m3fn"}
+QUANT_DTYPES = {"s8": "int8", "int8": "int8", "f8e4m3fn": "f8e4m3", "f8e4m3": "f8e4m3"}
 
 
 def parse_int_list(text: str, where: str) -> list[int]:
@@ -242,6 +249,9 @@ def normalize(spec: BuildSpec) -> BuildSpec:
     if not spec.quantized:
         updates["quantization_dtype"] = "int8"
         updates["quantization_type"] = "per_tensor_symmetric"
+    elif spec.backend == "tnx":
+        # TNx (and vLLM over it) quantizes one way: vector_dynamic, per output channel.
+        updates["quantization_type"] = "per_channel_symmetric"
     if spec.max_context_length is None:
         updates["max_context_length"] = spec.seq_len
     cc_flags = normalize_flags(spec.cc_flags) if spec.backend in USES_CC_FLAGS else ""

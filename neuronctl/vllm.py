@@ -44,8 +44,8 @@ NXDI = "neuronx-distributed-inference"
 TNX = "transformers-neuronx"
 FRAMEWORK_BACKENDS = {NXDI: "nxdi", TNX: "tnx"}
 FRAMEWORK_ALIASES = {"nxdi": NXDI, "tnx": TNX, NXDI: NXDI, TNX: TNX}
-# neuronctl's quantization dtype -> vLLM's NEURON_QUANT_DTYPE spelling (TNx only).
-QUANT_ENV = {"int8": "s8", "f8e4m3fn": "f8e4m3fn"}
+# neuronctl's quantization dtype (NxDI's name) -> vLLM's NEURON_QUANT_DTYPE spelling (TNx only).
+QUANT_ENV = {"int8": "s8", "f8e4m3": "f8e4m3fn"}
 TNX_COMPILE_CACHE = "neuron-compile-cache"  # inside a tnx artifact (backends/tnx COMPILE_CACHE)
 PLUGIN_DIST = "vllm-neuron"
 PLUGIN_ENTRY = "neuron"  # vllm-neuron's entry point name (its setup.py)

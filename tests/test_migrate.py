@@ -18,6 +18,9 @@ from typer.testing import CliRunner
 from neuronctl.cli.main import app
 from neuronctl.errors import UsageError
 from neuronctl.migrate import migrate_tnx, parse_override
+from tests import standins
+
+neuron_standins = standins.neuron_standins  # the stand-in SDK fixture
 
 SEED_TABLE = """\
    * - Transformers NeuronX parameter
@@ -210,33 +213,106 @@ def test_seed_table_was_transcribed_whole() -> None:
     assert ROWS[-1] == ("compilation_worker_count", None, "")
 
 
+# A valid TNx value and its NxD Inference translation, where the vocabularies differ.
+ROW_VALUES = {
+    "quant.quant_dtype": ("f8e4m3fn", "f8e4m3"),
+    "quant.quantize_method": ("vector_dynamic", "per_channel_symmetric"),
+    "quant.dequant_dtype": ("bf16", "bfloat16"),
+    "kv_cache_quant.dequant_dtype": ("f16", "float16"),
+}
+
+
 @pytest.mark.parametrize(("tnx", "nxdi", "note"), ROWS, ids=[r[0] for r in ROWS])
 def test_every_row(tnx: str, nxdi: str | None, note: str) -> None:
-    value = 7 if nxdi != "on_device_sampling_config" else None
+    value, translated = ROW_VALUES.get(tnx, (7, 7))
+    if nxdi == "on_device_sampling_config":
+        value = translated = None
     result = migrate_tnx(nested(tnx, value))
+    parent = tnx.split(".")[0]
+    own = [m for m in result.mapped if m["tnx"] == tnx]
+    switches = [m for m in result.mapped if m["tnx"] == parent and "." in tnx]
     if nxdi is None:
         assert result.dropped == [{"tnx": tnx, "value": value, "note": note}]
-        assert tnx.split(".")[-1] not in result.nxdi or tnx == "kv_cache_quant.quant_dtype"
+        assert own == []
     else:
-        assert result.mapped == [{"tnx": tnx, "nxdi": nxdi, "value": value, "note": note}]
-        assert lookup(result.nxdi, nxdi) == value
+        assert own[-1] == {"tnx": tnx, "nxdi": nxdi, "value": translated, "note": note}
+        assert lookup(result.nxdi, nxdi) == translated
         assert result.dropped == []
+    # The sub-config a dotted row belongs to is itself reported as the switch it maps to.
+    assert ("." in tnx and parent in ("quant", "kv_cache_quant", "continuous_batching",
+                                      "on_device_generation")) == bool(switches)
+    for switch in switches:
+        assert lookup(result.nxdi, switch["nxdi"]) == switch["value"]
+
+
+def test_values_tnx_rejects_are_an_error() -> None:
+    """TNx's QuantizationConfig raises NotImplementedError for anything but s8/f8e4m3fn and
+    vector_dynamic/direct_cast; passing such a value on would only fail later in NxDI."""
+    for bad in ({"quant": {"quant_dtype": "int8"}},
+                {"quant": {"quantize_method": "per_tensor_symmetric"}}):
+        with pytest.raises(UsageError, match="not a Transformers NeuronX value"):
+            migrate_tnx(bad)
+
+
+@pytest.mark.parametrize(
+    ("tnx", "nxdi"),
+    [
+        ({"quant": {}}, {"quantized": True, "quantized_checkpoints_path": "quantized_checkpoint",
+                         "quantization_dtype": "int8",
+                         "quantization_type": "per_channel_symmetric"}),
+        ({"kv_cache_quant": {}}, {"kv_cache_quant": True}),
+        ({"on_device_generation": {"top_p": 0.9, "temperature": 0.7}},
+         {"on_device_sampling_config": {}}),
+        ({"continuous_batching": {"batch_size_for_shared_caches": 4}},
+         {"is_continuous_batching": True, "tkg_batch_size": 4, "max_batch_size": 4}),
+    ],
+    ids=["quant", "kv_cache_quant", "on_device_generation", "batch_size_for_shared_caches"],
+)
+def test_a_sub_config_given_at_all_is_an_enablement(tnx: dict, nxdi: dict) -> None:
+    """In TNx `quant=QuantizationConfig()` quantizes with its defaults (s8, vector_dynamic):
+    `{"quant": {}}` is not nothing. Every NxDI setting made is reported as mapped."""
+    result = migrate_tnx(tnx)
+    assert result.nxdi == nxdi
+    reported = {m["nxdi"].split(".")[0] for m in result.mapped}
+    assert reported == set(nxdi)
+
+
+def test_quantized_checkpoints_path_is_a_parameter() -> None:
+    result = migrate_tnx({"quant": {"quant_dtype": "s8"}}, "/data/q")
+    assert result.nxdi["quantized_checkpoints_path"] == "/data/q"
+
+
+@pytest.mark.parametrize(
+    "key",
+    ["fuse_mlp", "is_eagle_target", "is_eagle_draft", "has_pre_attention_norm",
+     "continuous_batching.enable_chunked_prefill",
+     "continuous_batching.batch_size_for_shared_caches", "lhs_aligned", "use_2d_cache_ids"],
+)
+def test_every_real_tnx_key_is_accepted(key: str) -> None:
+    """Keys the real TNx NeuronConfig / ContinuousBatchingConfig accept that the guide omits
+    (transformers_neuronx/config.py, Dec 2024): mapped or dropped, never 'unknown'."""
+    result = migrate_tnx(nested(key, True))
+    assert key in [m["tnx"] for m in result.mapped] + [d["tnx"] for d in result.dropped]
 
 
 def test_dtype_spellings_are_translated() -> None:
     result = migrate_tnx(
         {
-            "quant": {"quant_dtype": "s8", "dequant_dtype": "bf16", "quantize_method": "m"},
+            "quant": {"quant_dtype": "s8", "dequant_dtype": "bf16",
+                      "quantize_method": "direct_cast"},
             "all_reduce_dtype": "f32",
         }
     )
     assert result.nxdi == {
         "quantized": True,
+        "quantized_checkpoints_path": "quantized_checkpoint",
         "quantization_dtype": "int8",
         "torch_dtype": "bfloat16",
-        "quantization_type": "m",
+        "quantization_type": "per_tensor_symmetric",
         "rpl_reduce_dtype": "float32",
     }
+    note = next(m["note"] for m in result.mapped if m["tnx"] == "quant.quantize_method")
+    assert "no direct cast" in note
 
 
 def test_companion_settings_from_the_notes() -> None:
@@ -257,6 +333,7 @@ def test_companion_settings_from_the_notes() -> None:
         "continuous_batching.block_size",
         "kv_cache_quant.quant_dtype",
     ]
+    assert {m["nxdi"] for m in result.mapped} == set(result.nxdi)
 
 
 def test_on_device_generation_sub_keys_nest_under_sampling_config() -> None:
@@ -298,7 +375,9 @@ def test_unknown_keys_are_an_error_naming_the_key(bad: dict) -> None:
 
 
 def test_dotted_input_keys_work_too() -> None:
-    assert migrate_tnx({"quant.quantize_method": "x"}).nxdi == {"quantization_type": "x"}
+    result = migrate_tnx({"quant.quantize_method": "direct_cast"})
+    assert result.nxdi == migrate_tnx({"quant": {"quantize_method": "direct_cast"}}).nxdi
+    assert result.nxdi["quantization_type"] == "per_tensor_symmetric"
 
 
 def test_parse_vllm_cli_form() -> None:
@@ -338,3 +417,34 @@ def test_cli_exit_code_for_unknown_key() -> None:
     )
     assert out.returncode == 2
     assert "'nope'" in out.stderr
+
+
+MIGRATE_PROBES = {
+    "quant s8 vector_dynamic": {"quant": {"quant_dtype": "s8", "quantize_method": "vector_dynamic"}},
+    "quant f8e4m3fn direct_cast": {"quant": {"quant_dtype": "f8e4m3fn",
+                                             "quantize_method": "direct_cast"}},
+    "quant {}": {"quant": {}},
+    "continuous_batching": {"continuous_batching": {"max_num_seqs": 8, "max_model_len": 2048}},
+    "on_device_generation": {"on_device_generation": {"top_k": 1, "global_top_k": 256,
+                                                      "dynamic": True}},
+    "kernels/layout": {"fuse_qkv": True, "shard_over_sequence": True, "padding_side": "right",
+                       "all_reduce_dtype": "bfloat16", "sequence_parallel_norm": True},
+}
+
+
+@pytest.mark.parametrize("name", list(MIGRATE_PROBES))
+def test_migrated_override_constructs_a_neuron_config(neuron_standins, caplog,
+                                                      name: str) -> None:
+    """The migrated override merged over vLLM's default NxDI config (fidelity harness M3):
+    the stand-in rejects what the real NeuronConfig rejects (a quantized config without
+    quantized_checkpoints_path, f8e4m3fn before SDK 2.27) and warns on unknown keys."""
+    config_mod = __import__("neuronx_distributed_inference.models.config", fromlist=["x"])
+    defaults = {"tp_degree": 2, "batch_size": 8, "max_context_length": 2048, "seq_len": 2048,
+                "enable_bucketing": True, "is_continuous_batching": True,
+                "torch_dtype": "bfloat16", "padding_side": "right"}
+    override = json.loads(json.dumps(migrate_tnx(MIGRATE_PROBES[name]).nxdi))
+    with caplog.at_level("WARNING"):
+        config = config_mod.NeuronConfig(**{**defaults, **override})
+    assert "Unexpected keyword" not in caplog.text
+    if "quant" in name:
+        assert config.quantized is True

@@ -7,6 +7,7 @@ import json
 from pathlib import Path
 
 import pytest
+import torch
 
 from neuronctl.backends import get_backend
 from neuronctl.backends.nxdi.config import neuron_config_kwargs
@@ -57,8 +58,10 @@ BASE_KWARGS = {
     [
         ({}, BASE_KWARGS),
         (
+            # f8e4m3fn (the TNx / torch name) is accepted and becomes NxDI's f8e4m3: the
+            # QuantizedDtype member every SDK has (F8E4M3FN only from 2.27).
             {"quantized": True, "quantization_dtype": "f8e4m3fn"},
-            {**BASE_KWARGS, "quantized": True, "quantization_dtype": "f8e4m3fn",
+            {**BASE_KWARGS, "quantized": True, "quantization_dtype": "f8e4m3",
              "quantization_type": "per_tensor_symmetric"},
         ),
         (
@@ -153,8 +156,10 @@ def test_load_and_run_through_the_runner(neuron_standins, tiny_llama, tmp_path) 
     _build, outcome = compile_nxdi(tiny_llama, tmp_path / "store")
     neuron_standins.reset()
     runner = get_backend("nxdi").load(outcome.path, read_manifest(outcome.path))
-    assert neuron_standins.names() == ["init", "load"]
-    assert neuron_standins.CALLS[1][1] == str(outcome.path)
+    # load() rebuilds the NeuronConfig from neuron_config.json, as the real InferenceConfig.load
+    assert neuron_standins.names() == ["NeuronConfig", "init", "load"]
+    assert neuron_standins.CALLS[2][1] == str(outcome.path)
+    assert runner.model.config.neuron_config.torch_dtype is torch.bfloat16
     assert (runner.batch_size, runner.seq_len, runner.max_context_length) == (3, 128, 64)
     logits = runner.prefill(1, [5, 6, 7])
     assert logits.shape == (320,) and int(logits.argmax()) == 8
@@ -191,3 +196,167 @@ def test_real_sdk_build_load_decode(tiny_llama, tmp_path) -> None:
     logits = runner.prefill(0, [1, 2, 3])
     assert logits.shape == (320,)
     assert runner.decode([4, 0, 0], [3, -1, -1]).shape == (3, 320)
+
+
+def test_quantized_build_quantizes_into_a_scratch_directory(
+    neuron_standins, tiny_llama, tmp_path
+) -> None:
+    """NxDI torch.save()s ONE FILE at quantized_checkpoints_path unless it is an existing
+    directory (application_base.save_quantized_state_dict); the scratch must be a directory
+    and must not outlive the build, file or directory."""
+    store = tmp_path / "store"
+    _build, outcome = compile_nxdi(tiny_llama, store, quantized=True,
+                                   quantization_dtype="f8e4m3fn")
+    calls = dict(neuron_standins.CALLS)
+    saved = calls["save_quantized_state_dict"]
+    assert saved["is_dir"] is True
+    assert calls["NeuronConfig"]["quantized_checkpoints_path"] == saved["path"]
+    assert calls["NeuronConfig"]["quantization_dtype"] == "f8e4m3"
+    assert not Path(saved["path"]).exists()
+    leftovers = [p.name for p in (store / "neuron-compiled-artifacts").rglob("*.quantized")]
+    assert leftovers == []
+    loaded = json.loads((outcome.path / "neuron_config.json").read_text())["neuron_config"]
+    assert (loaded["quantized"], loaded["quantization_dtype"]) == (True, "f8e4m3")
+
+
+def test_quantized_scratch_left_as_a_file_is_removed(neuron_standins, tiny_llama, tmp_path,
+                                                      monkeypatch) -> None:
+    """Even an SDK that writes a file there (an older one, or a path it replaced) leaves
+    nothing behind."""
+    from neuronctl.backends import nxdi
+
+    def save_as_file(cls, model_path, config):
+        path = config.neuron_config.quantized_checkpoints_path
+        Path(path).rmdir()
+        Path(path).write_bytes(b"torch.save")
+
+    base = __import__("neuronx_distributed_inference.models.base", fromlist=["x"])
+    monkeypatch.setattr(base.StandinForCausalLM, "save_quantized_state_dict",
+                        classmethod(save_as_file))
+    store = tmp_path / "store"
+    compile_nxdi(tiny_llama, store, quantized=True)
+    assert list((store / "neuron-compiled-artifacts").rglob("*.quantized")) == []
+    assert nxdi.remove_path(tmp_path / "absent") is None
+
+
+@pytest.mark.parametrize(
+    ("model_type", "config_cls"),
+    [("llama", "NeuronConfig"), ("mistral", "NeuronConfig"), ("mixtral", "MoENeuronConfig"),
+     ("dbrx", "NeuronDbrxConfig"), ("qwen2", "Qwen2NeuronConfig")],
+)
+def test_neuron_config_class_is_the_one_the_model_asks_for(
+    neuron_standins, model_type: str, config_cls: str
+) -> None:
+    """InferenceConfig.load rebuilds neuron_config with get_neuron_config_cls(); building
+    another class compiles something load() does not describe (DBRX forces fused_qkv)."""
+    from neuronctl.backends.nxdi import sdk
+
+    config = sdk.neuron_config(model_type, neuron_config_kwargs(spec_of()))
+    assert type(config).__name__ == config_cls
+    if model_type == "dbrx":
+        assert config.fused_qkv is True
+
+
+def test_mistral_uses_the_llama_classes(neuron_standins) -> None:
+    from neuronctl.backends.nxdi import sdk
+
+    model_cls, config_cls = sdk.model_classes("mistral")
+    assert (model_cls.__name__, config_cls.__name__) == (
+        "NeuronLlamaForCausalLM", "LlamaInferenceConfig")
+
+
+def test_gemma3_is_keyed_by_its_hf_model_type() -> None:
+    """transformers' Gemma3ForCausalLM config says model_type "gemma3_text"."""
+    get_backend("nxdi").check(spec_of(), {"model_type": "gemma3_text"})
+    with pytest.raises(SpecError):
+        get_backend("nxdi").check(spec_of(), {"model_type": "gemma3"})
+
+
+def test_model_class_missing_from_this_sdk_names_the_upgrade(neuron_standins) -> None:
+    from neuronctl.backends.nxdi import sdk
+
+    with pytest.raises(BackendUnavailableError, match="gemma3_text") as err:
+        sdk.model_classes("gemma3_text")
+    assert "upgrade neuronx-distributed-inference" in err.value.hint
+
+
+@pytest.mark.parametrize("name", ["plain", "sampling", "quantized", "speculation"])
+def test_build_kwargs_construct_without_warnings_and_keep_types(
+    neuron_standins, caplog, name: str
+) -> None:
+    """The stand-in keeps the real types; neuronctl's kwargs are all real keys."""
+    from neuronctl.backends.nxdi import sdk
+
+    fields = {
+        "plain": {},
+        "sampling": {"on_device_sampling": {"do_sample": True, "top_k": 20, "dynamic": True}},
+        "quantized": {"quantized": True, "quantization_type": "per_channel_symmetric"},
+        "speculation": {"draft_model": "org/draft", "num_speculative_tokens": 4},
+    }[name]
+    kwargs = neuron_config_kwargs(spec_of(**fields))
+    if "quantized" in fields:
+        kwargs["quantized_checkpoints_path"] = "/scratch"
+    with caplog.at_level("WARNING"):
+        config = sdk.neuron_config("llama", kwargs)
+    assert "Unexpected keyword" not in caplog.text
+    assert config.torch_dtype is torch.bfloat16
+    if name == "sampling":
+        ods = config.on_device_sampling_config
+        assert type(ods).__name__ == "OnDeviceSamplingConfig"
+        assert (ods.do_sample, ods.top_k, ods.dynamic, ods.global_topk) == (True, 20, True, 256)
+
+
+STANDIN_REJECTS = {
+    # What the real NeuronConfig (NxDI 0.5, SDK 2.25) rejects: fidelity harness S2.
+    "quantized without quantized_checkpoints_path": ({"quantized": True}, AssertionError),
+    "torch_dtype='bf16'": ({"torch_dtype": "bf16"}, AssertionError),
+    "context bucket > max_context_length": (
+        {"enable_bucketing": True, "context_encoding_buckets": [512, 2048]}, AssertionError),
+    "token bucket > seq_len": ({"token_generation_buckets": [4096]}, AssertionError),
+    "quantization_dtype='f8e4m3fn'": (
+        {"quantized": True, "quantized_checkpoints_path": "/x",
+         "quantization_dtype": "f8e4m3fn"}, AssertionError),
+    "tp_degree 3 with attention_dp_degree 2": (
+        {"tp_degree": 3, "attention_dp_degree": 2, "is_continuous_batching": True}, ValueError),
+}
+STANDIN_BASE = {"tp_degree": 2, "batch_size": 4, "seq_len": 2048, "max_context_length": 1024}
+
+
+@pytest.mark.parametrize("label", list(STANDIN_REJECTS))
+def test_standin_neuron_config_rejects_what_the_real_one_rejects(neuron_standins,
+                                                                 label: str) -> None:
+    config_mod = __import__("neuronx_distributed_inference.models.config", fromlist=["x"])
+    extra, error = STANDIN_REJECTS[label]
+    with pytest.raises(error):
+        config_mod.NeuronConfig(**{**STANDIN_BASE, **extra})
+
+
+def test_standin_neuron_config_warns_on_unknown_keys_and_keeps_types(neuron_standins,
+                                                                     caplog) -> None:
+    config_mod = __import__("neuronx_distributed_inference.models.config", fromlist=["x"])
+    with caplog.at_level("WARNING"):
+        config = config_mod.NeuronConfig(**STANDIN_BASE, tp=2, torch_dtype="bfloat16",
+                                         on_device_sampling_config={"top_k": 5})
+    assert "Unexpected keyword arguments: {'tp': 2}" in caplog.text
+    assert not hasattr(config, "tp")
+    assert config.torch_dtype is torch.bfloat16
+    assert isinstance(config.on_device_sampling_config, config_mod.OnDeviceSamplingConfig)
+    assert config.on_device_sampling_config.top_k == 5
+
+
+def test_neuron_config_json_round_trips_with_real_types(neuron_standins, tiny_llama,
+                                                        tmp_path) -> None:
+    """What compile() writes, load() rebuilds: dtype names -> torch.dtype, the sampling dict ->
+    OnDeviceSamplingConfig, identical JSON after the round trip."""
+    _build, outcome = compile_nxdi(
+        tiny_llama, tmp_path / "store",
+        on_device_sampling={"do_sample": True, "top_k": 20, "dynamic": True})
+    modeling = __import__("neuronx_distributed_inference.models.llama.modeling_llama",
+                          fromlist=["x"])
+    text = (outcome.path / "neuron_config.json").read_text()
+    assert json.loads(text)["neuron_config"]["torch_dtype"] == "bfloat16"
+    back = modeling.LlamaInferenceConfig.load(str(outcome.path))
+    assert back.neuron_config.torch_dtype is torch.bfloat16
+    assert type(back.neuron_config.on_device_sampling_config).__name__ == \
+        "OnDeviceSamplingConfig"
+    assert back.to_json_string() + "\n" == text

@@ -117,7 +117,10 @@ SPEC_OPTIONS: dict[str, tuple[Any, Any]] = {
         _opt("--on-device-sampling", 'JSON, e.g. {"do_sample": true, "top_k": 50}.'),
     ),
     "quantized": (bool | None, _opt("--quantized/--no-quantized", "Quantize weights.")),
-    "quantization_dtype": (str | None, _opt("--quantization-dtype", "int8 | f8e4m3fn.")),
+    "quantization_dtype": (
+        str | None,
+        _opt("--quantization-dtype", "int8 | f8e4m3 (s8, f8e4m3fn accepted)."),
+    ),
     "draft_model": (str | None, _opt("--draft-model", "Draft model for speculation.")),
     "num_speculative_tokens": (
         int | None,

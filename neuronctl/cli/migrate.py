@@ -17,8 +17,12 @@ HELP = (
     "Turn a Transformers NeuronX override_neuron_config into NxD Inference's.\n\n"
     "Follows every row of the AWS guide 'Migrating from Transformers NeuronX to NxD Inference' "
     "(Neuron Config Migration table): sub-config keys such as quant.quant_dtype and "
-    "continuous_batching.max_num_seqs included. Keys with no NxD Inference equivalent are "
-    "listed as dropped, with the guide's note; an unknown key is an error.\n\n"
+    "continuous_batching.max_num_seqs included, and every other key the TNx NeuronConfig "
+    "accepts. Values are translated (s8 -> int8, f8e4m3fn -> f8e4m3, vector_dynamic -> "
+    "per_channel_symmetric); a sub-config given at all, even {}, maps to the NxD Inference "
+    "switch it stands for (quant -> quantized + quantized_checkpoints_path). Every setting "
+    "made is listed as mapped, every key with no NxD Inference equivalent as dropped, with the "
+    "guide's note; an unknown key or a value TNx rejects is an error.\n\n"
     "SOURCE is a JSON object, vLLM's key:value,key:value form, a file holding either, or - "
     "(stdin, the default).\n\n"
     "Examples:\n\n"
@@ -26,7 +30,7 @@ HELP = (
     "--from tnx\n\n"
     "  neuronctl config migrate tnx_override.json --from tnx --json\n\n"
     "  neuronctl config migrate 'shard_over_sequence:True' --from tnx\n\n"
-    "Exit codes: 0 ok, 2 unknown key, unreadable input or unsupported --from."
+    "Exit codes: 0 ok, 2 unknown key or value, unreadable input or unsupported --from."
 )
 
 
@@ -50,13 +54,21 @@ def migrate_command(
     from_: Annotated[
         str, typer.Option("--from", help="The library the config is written for: tnx.")
     ] = "tnx",
+    quantized_checkpoints_path: Annotated[
+        str,
+        typer.Option(
+            "--quantized-checkpoints-path",
+            help="Where NxD Inference keeps (or writes) the quantized checkpoint, when the "
+            "config quantizes.",
+        ),
+    ] = "quantized_checkpoint",
     json_out: JsonOpt = False,
 ) -> None:
     from neuronctl.migrate import migrate_tnx, parse_override
 
     if from_ != "tnx":
         raise UsageError(f"cannot migrate from {from_!r}", "only --from tnx is supported")
-    result = migrate_tnx(parse_override(read_source(source)))
+    result = migrate_tnx(parse_override(read_source(source)), quantized_checkpoints_path)
     if json_out:
         print_json(result.as_dict())
         return

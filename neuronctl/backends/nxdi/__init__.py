@@ -33,6 +33,14 @@ def shard_name(rank: int) -> str:
     return f"weights/tp{rank}_sharded_checkpoint.safetensors"
 
 
+def remove_path(path: Path) -> None:
+    """Remove a scratch path whether the SDK left a directory or a file there."""
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif path.exists() or path.is_symlink():
+        path.unlink()
+
+
 def expected_files(tp_degree: int) -> list[str]:
     return [NEURON_CONFIG, GRAPH, *(shard_name(r) for r in range(tp_degree))]
 
@@ -65,15 +73,19 @@ class NxdiBackend:
         kwargs = neuron_config_kwargs(spec)
         quant_dir = staging.parent / f"{staging.name}.quantized"
         if spec.quantized:
-            # NxDI quantizes into quantized_checkpoints_path; the sharded weights in the
-            # artifact are what load() reads, so that directory is scratch.
+            # NxDI asserts without quantized_checkpoints_path. save_quantized_state_dict writes
+            # safetensors into it when it is an existing directory and torch.save()s one file
+            # there otherwise (application_base.py), so it is created first. The artifact's
+            # sharded weights are what load() reads: the directory is scratch.
+            remove_path(quant_dir)
+            quant_dir.mkdir(parents=True)
             kwargs["quantized_checkpoints_path"] = str(quant_dir)
         tick = request.progress.task("NxD Inference compile", total=None)
         try:
             with sdk_failure("NxD Inference"), cc_flags_env(spec.cc_flags):
                 self._compile(model_type, model_path, kwargs, spec, staging)
         finally:
-            shutil.rmtree(quant_dir, ignore_errors=True)
+            remove_path(quant_dir)
         tick(1)
         missing = [f for f in expected_files(spec.tp_degree) if not (staging / f).is_file()]
         if missing:

@@ -20,13 +20,14 @@ INSTALL = install_hint(PACKAGES)
 ROOT = "neuronx_distributed_inference"
 
 # HF model_type -> candidate (module, model class, InferenceConfig class), first importable
-# wins. Mistral tries the Llama classes first because vLLM loads MistralForCausalLM with them,
-# so the compiled artifact is what vLLM's loader expects (NEURON_FACTS).
+# wins. Mistral uses the Llama classes: NxDI had no mistral module before SDK 2.28 and vLLM's
+# NxDI loader maps MistralForCausalLM to NeuronLlamaForCausalLM, so the artifact is what vLLM
+# expects. HF's Gemma3ForCausalLM config has model_type "gemma3_text"; its NxDI classes exist
+# from SDK 2.28 (model_classes names the upgrade when they are missing).
 MODEL_CLASSES: dict[str, list[tuple[str, str, str]]] = {
     "llama": [("models.llama.modeling_llama", "NeuronLlamaForCausalLM", "LlamaInferenceConfig")],
     "mistral": [
-        ("models.llama.modeling_llama", "NeuronLlamaForCausalLM", "LlamaInferenceConfig"),
-        ("models.mistral.modeling_mistral", "NeuronMistralForCausalLM", "MistralInferenceConfig"),
+        ("models.llama.modeling_llama", "NeuronLlamaForCausalLM", "LlamaInferenceConfig")
     ],
     "mixtral": [
         ("models.mixtral.modeling_mixtral", "NeuronMixtralForCausalLM", "MixtralInferenceConfig")
@@ -41,10 +42,13 @@ MODEL_CLASSES: dict[str, list[tuple[str, str, str]]] = {
             "Qwen3MoeInferenceConfig",
         )
     ],
-    "gemma3": [
+    "gemma3_text": [
         ("models.gemma3.modeling_gemma3", "NeuronGemma3ForCausalLM", "Gemma3InferenceConfig")
     ],
 }
+# Mixture-of-experts model types (their NeuronConfig class derives from MoENeuronConfig). Not
+# used to pick the class: the InferenceConfig class names it (get_neuron_config_cls); kept as
+# the documented list the docs and the fidelity harness read.
 MOE_MODEL_TYPES = frozenset({"mixtral", "dbrx", "qwen3_moe"})
 
 
@@ -85,9 +89,14 @@ def model_classes(model_type: str) -> tuple[Any, Any]:
 
 
 def neuron_config(model_type: str, kwargs: Mapping[str, Any]) -> Any:
-    config_mod = module("models.config")
-    cls_name = "MoENeuronConfig" if model_type in MOE_MODEL_TYPES else "NeuronConfig"
-    return getattr(config_mod, cls_name)(**kwargs)
+    """The NeuronConfig class the model's InferenceConfig asks for, built from kwargs.
+
+    `get_neuron_config_cls()` is what NxDI's own `InferenceConfig.load` uses, so the config
+    compiled is the one load() rebuilds: NeuronDbrxConfig (forces fused_qkv), Qwen2/Qwen3's own
+    subclasses, MoENeuronConfig for Mixtral / Qwen3-MoE.
+    """
+    _model_cls, config_cls = model_classes(model_type)
+    return config_cls.get_neuron_config_cls()(**kwargs)
 
 
 def inference_config(model_type: str, kwargs: Mapping[str, Any], model_path: str) -> Any:

@@ -1,13 +1,15 @@
 """Transformers NeuronX backend (transformers-neuronx); the SDK imports lazily.
 
 build: XForSampling.from_pretrained(ckpt, batch_size, tp_degree, n_positions=token-gen buckets,
-       context_length_estimate=context buckets, amp, neuron_config=NeuronConfig(
-       continuous_batching=ContinuousBatchingConfig(max_num_seqs, max_model_len),
-       on_device_embedding=True, ...)).to_neuron(), then .save(staging, sharded_weights=True):
-       one <hlo hash>.neff per compiled kernel, pre-sharded weights and a config.json with
-       is_presharded_checkpoint. to_neuron() runs with NEURON_COMPILE_CACHE_URL pointing into
-       the artifact, so vLLM's TNx path (which never saves artifacts and relies on the persistent
+       context_length_estimate=context buckets, amp, neuron_config=NeuronConfig(...)) with the
+       NeuronConfig vLLM's TNx loader builds for the same flags (tnx/config.py), .to_neuron(),
+       then .save(staging, sharded_weights=True): one <hlo hash>.neff per compiled kernel and
+       pre-sharded weights. to_neuron() runs with NEURON_COMPILE_CACHE_URL pointing into the
+       artifact, so vLLM's TNx path (which never calls load(dir) and relies on the persistent
        cache) finds the same NEFFs there (see neuronctl/vllm.py; not confirmed on a host).
+       TNx's save() writes its own config object as config.json, without `architectures`
+       (base.py); it is replaced by the checkpoint's config.json plus is_presharded_checkpoint,
+       which both TNx's from_pretrained (AutoConfig) and vLLM (`--model`) read.
 load:  from_pretrained(path, same arguments) + .load(path) + .to_neuron(); TNx raises
        FileNotFoundError ("Could not find a matching NEFF...") if anything differs.
 """
@@ -15,6 +17,7 @@ load:  from_pretrained(path, same arguments) + .load(path) + .to_neuron(); TNx r
 from __future__ import annotations
 
 import importlib
+import json
 from collections.abc import Mapping, Sequence
 from contextlib import AbstractContextManager
 from pathlib import Path
@@ -62,21 +65,36 @@ def compile_cache_env(path: Path) -> AbstractContextManager[None]:
     return env_var("NEURON_COMPILE_CACHE_URL", str(path))
 
 
+# NeuronConfig keys that take a config object, built from a dict as vLLM's TNx loader does
+# (_get_neuron_config_after_override); the classes live in transformers_neuronx.config.
+SUB_CONFIG_CLASSES = {
+    "continuous_batching": "ContinuousBatchingConfig",
+    "quant": "QuantizationConfig",
+    "kv_cache_quant": "KVCacheQuantizationConfig",
+    "on_device_generation": "GenerationConfig",
+}
+
+
 def make_neuron_config(tnx: Any, spec: BuildSpec) -> Any:
     kwargs = tnx_config.neuron_config_kwargs(spec)
-    sub = {
-        "continuous_batching": "ContinuousBatchingConfig",
-        "quant": "QuantizationConfig",
-        "on_device_generation": "GenerationConfig",
-    }
-    for key, cls_name in sub.items():
+    classes = importlib.import_module(f"{tnx.__name__}.config")
+    for key, cls_name in SUB_CONFIG_CLASSES.items():
         if isinstance(kwargs.get(key), dict):
-            kwargs[key] = getattr(tnx, cls_name)(**kwargs[key])
+            kwargs[key] = getattr(classes, cls_name)(**kwargs[key])
+    if isinstance(kwargs.get("sparse_attn"), dict):
+        kwargs["sparse_attn"] = tnx.SparseAttnConfig(**kwargs["sparse_attn"])
     return tnx.NeuronConfig(**kwargs)
 
 
 def model_class(tnx: Any, model_type: str) -> Any:
     return getattr(tnx, tnx_config.MODEL_TYPES[model_type])
+
+
+def write_presharded_config(model_path: Path, staging: Path) -> None:
+    """The checkpoint's config.json (architectures included) with TNx's pre-sharded flag."""
+    config = json.loads((model_path / "config.json").read_text())
+    config["is_presharded_checkpoint"] = True
+    (staging / "config.json").write_text(json.dumps(config, indent=2, sort_keys=True) + "\n")
 
 
 class TnxBackend:
@@ -115,6 +133,7 @@ class TnxBackend:
         graphs = sorted(p.name for p in staging.glob("*.neff"))
         if not graphs:
             raise BuildError("Transformers NeuronX saved no .neff files")
+        write_presharded_config(model_path, staging)
         from neuronctl.checkpoints.hub import copy_model_files  # tokenizer; keeps TNx's config.json
 
         copy_model_files(model_path, staging)
@@ -132,6 +151,11 @@ class TnxBackend:
                 f"Transformers NeuronX found no matching NEFF in {path}: {exc}",
                 "the SDK version or a setting differs from the build; run `neuronctl validate`",
             ) from None
+        if spec.on_device_sampling:
+            # Per batch line, as vLLM's runner does per request: the spec's values.
+            model.update_generation_config(
+                sdk().GenerationConfig(**tnx_config.runtime_generation_config(spec))
+            )
         return TnxRunner(model, spec, manifest.shape.vocab_size or 0)
 
     def host_checks(self, manifest: Manifest) -> list[HostCheck]:
@@ -150,6 +174,8 @@ class TnxRunner:
         self.context_buckets = list(spec.context_buckets)  # type: ignore[arg-type]
         self.token_gen_buckets = list(spec.token_gen_buckets)  # type: ignore[arg-type]
         self.vocab_size = vocab_size
+        # With on-device generation the model returns token ids, not logits.
+        self.on_device_sampling = spec.on_device_sampling is not None
 
     def prefill(self, slot: int, token_ids: Sequence[int]) -> torch.Tensor:
         n = len(token_ids)
@@ -172,6 +198,12 @@ class TnxRunner:
 
     def _logits(self, out: Any, rows: int) -> torch.Tensor:
         value = torch.as_tensor(out)
+        if self.on_device_sampling:
+            # Token ids: a one-hot row makes the engine's greedy pick the device's choice.
+            tokens = value.reshape(rows, -1)[:, -1].long()
+            logits = torch.full((rows, self.vocab_size), float("-inf"))
+            logits[torch.arange(rows), tokens] = 0.0
+            return logits
         if value.dim() == 3:
             value = value[:, -1, :]
         return value.reshape(rows, -1)[:, : self.vocab_size].float()

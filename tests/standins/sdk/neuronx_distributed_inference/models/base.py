@@ -22,7 +22,15 @@ class StandinForCausalLM:
 
     @classmethod
     def save_quantized_state_dict(cls, model_path: str, config: Any) -> None:
-        record("save_quantized_state_dict", config.neuron_config.quantized_checkpoints_path)
+        # As the real application_base: safetensors into an existing directory, otherwise
+        # torch.save of the whole state dict to a file at that path.
+        path = config.neuron_config.quantized_checkpoints_path
+        record("save_quantized_state_dict", {"path": path, "is_dir": Path(path).is_dir()})
+        state = {"w": torch.zeros(2, dtype=torch.int8)}
+        if Path(path).is_dir():
+            save_file(state, str(Path(path) / "model.safetensors"))
+        else:
+            torch.save(state, path)
 
     def compile(self, path: str) -> None:
         record("compile", path)
@@ -41,6 +49,9 @@ class StandinForCausalLM:
         record("load", path)
         if not (Path(path) / "model.pt").is_file():
             raise ValueError("torch.jit.load: model.pt not found")
+        dtype = self.config.neuron_config.torch_dtype
+        if dtype != torch.float32:
+            torch.nn.Linear(1, 1).to(dtype)  # the real load(): self.to(torch_dtype)
         self.vocab = int(getattr(self.config, "vocab_size", 32))
 
     def forward(self, input_ids: torch.Tensor, attention_mask: torch.Tensor,

@@ -1,11 +1,13 @@
-"""STAND-IN: Mixtral classes."""
+"""STAND-IN: Mixtral classes (MoENeuronConfig, as the real get_neuron_config_cls says)."""
 
 from ..base import StandinForCausalLM
-from ..config import InferenceConfig
+from ..config import InferenceConfig, MoENeuronConfig
 
 
 class MixtralInferenceConfig(InferenceConfig):
-    pass
+    @classmethod
+    def get_neuron_config_cls(cls):
+        return MoENeuronConfig
 
 
 class NeuronMixtralForCausalLM(StandinForCausalLM):
