@@ -5,6 +5,10 @@ heads, intermediate 1536, vocab 49152, tied embeddings), compiles it with batch 
 the real server on 127.0.0.1, and streams completions at concurrency 1 and then 8 against the
 same process in the same run. Target: concurrency 8 >= 3x the output tokens/s of 1.
 
+Then the engine's overhead (issue 14): the Runner of the same artifact is driven directly in
+this process (greedy, no engine) at batch 1 and 8, and each served decode speed (1000 / TPOT
+p50 per stream, times the concurrency) is printed as a ratio of it. Target: >= 0.9.
+
   python bench/serve.py [--compiler export|inductor] [--dtype float32|bfloat16] [--json]
 """
 
@@ -28,7 +32,7 @@ import httpx
 REPO = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO))
 
-from neuronctl.engine.bench import latency_stats  # noqa: E402
+from neuronctl.engine.bench import latency_stats, runner_decode_speed  # noqa: E402
 from tests.helpers import make_checkpoint  # noqa: E402
 
 SMOLLM2_135M = dict(
@@ -147,6 +151,26 @@ async def load(port: int, concurrency: int, requests: int, prompt_len: int, max_
     }
 
 
+def engine_overhead(
+    artifact: Path, runs: list[dict[str, Any]], prompt_len: int, max_tokens: int
+) -> list[dict[str, Any]]:
+    """Served decode speed (from TPOT) against the Runner driven directly, batch 1 and 8."""
+    from neuronctl.engine.loader import open_artifact
+
+    runner = open_artifact(artifact).runner
+    rows = []
+    for run in runs:
+        batch = run["concurrency"]
+        alone = runner_decode_speed(runner, batch, prompt_len, max_tokens - 1)
+        served = batch * 1000 / run["tpot"]["latency_ms_p50"]
+        rows.append({
+            "batch": batch, "served_tokens_per_s": round(served, 2),
+            "runner_tokens_per_s": alone["tokens_per_s"],
+            "ratio": round(served / alone["tokens_per_s"], 3),
+        })  # fmt: skip
+    return rows
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--compiler", default="export", choices=["export", "inductor"])
@@ -181,8 +205,10 @@ def main() -> None:
         finally:
             server.terminate()
             server.wait(60)
+        overhead = engine_overhead(artifact, runs, args.prompt_len, args.max_tokens)
     ratio = runs[1]["output_tokens_per_s"] / runs[0]["output_tokens_per_s"]
     report = {
+        "engine_vs_runner": overhead,
         "model": "SmolLM2-135M shape, random weights",
         "compiler": args.compiler,
         "dtype": args.dtype,
@@ -203,6 +229,13 @@ def main() -> None:
             f"{r['e2e_model']['latency_ms_p99']:.0f} ms"
         )
     print(f"speedup c8/c1: {ratio:.2f}x (target >= 3x: {'met' if ratio >= 3 else 'NOT met'})")
+    for row in overhead:
+        met = "met" if row["ratio"] >= 0.9 else "NOT met"
+        print(
+            f"batch {row['batch']}: served decode {row['served_tokens_per_s']:.1f} tokens/s, "
+            f"Runner alone {row['runner_tokens_per_s']:.1f}: ratio {row['ratio']:.2f} "
+            f"(target >= 0.9: {met})"
+        )
 
 
 if __name__ == "__main__":

@@ -124,3 +124,32 @@ def bench_engine(
         "max_tokens": max_tokens,
     }
     return report(outputs, wall, config)
+
+
+def runner_decode_speed(
+    runner: Any, batch: int, prompt_len: int, steps: int, seed: int = 0
+) -> dict[str, float]:
+    """The Runner's own greedy decode speed with `batch` live slots: the reference the
+    engine's overhead is measured against (no engine, no sampling beyond an argmax)."""
+    from neuronctl.engine.sampling import argmax_rows
+
+    prompts = random_prompts(batch, prompt_len, runner.vocab_size, seed)
+    tokens = [0] * runner.batch_size
+    positions = [-1] * runner.batch_size
+    for slot, prompt in enumerate(prompts):
+        tokens[slot] = argmax_rows(runner.prefill(slot, prompt).unsqueeze(0))[0]
+        positions[slot] = prompt_len
+    runner.decode(tokens, positions)  # warm-up step, not measured
+    spent = 0.0
+    for _ in range(steps):
+        positions = [p + 1 if p >= 0 else -1 for p in positions]
+        started = time.perf_counter()
+        logits = runner.decode(tokens, positions)
+        spent += time.perf_counter() - started
+        picked = argmax_rows(logits)
+        tokens = [picked[s] if positions[s] >= 0 else 0 for s in range(runner.batch_size)]
+    return {
+        "batch": batch,
+        "tokens_per_s": round(batch * steps / spent, 2),
+        "ms_per_step": round(spent / steps * 1000, 3),
+    }
