@@ -22,7 +22,10 @@ lint:
 	$(PYTHON) -m ruff check neuronctl tests bench
 	$(PYTHON) -m mypy neuronctl
 
+# bench/peers.py needs the bench extra (pip install -e '.[bench]'); without llama.cpp it
+# says so and measures the rest.
 bench:
+	$(PYTHON) bench/peers.py
 	$(PYTHON) bench/shard.py
 	$(PYTHON) bench/decode.py
 	$(PYTHON) bench/validate.py

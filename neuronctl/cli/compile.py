@@ -138,8 +138,7 @@ def _check_accuracy(build: Any, path: Any, mode: str) -> dict[str, Any]:
         )
     from neuronctl.backends.torch.accuracy import check_accuracy
 
-    report: dict[str, Any] = check_accuracy(path, build.checkpoint.path, mode)
-    return report
+    return check_accuracy(path, build.checkpoint.path, mode).as_dict()
 
 
 def register(app: typer.Typer) -> None:
