@@ -24,7 +24,10 @@ lint:
 	$(PYTHON) -m mypy neuronctl
 	PYTHONPATH=$(CURDIR) lint-imports --no-cache
 
+# bench/peers.py needs the bench extra (pip install -e '.[bench]'); without llama.cpp it
+# says so and measures the rest.
 bench:
+	$(PYTHON) bench/peers.py
 	$(PYTHON) bench/shard.py
 	$(PYTHON) bench/decode.py
 	$(PYTHON) bench/validate.py

@@ -291,10 +291,10 @@ def check_spec(spec: BuildSpec) -> None:
         )
     if spec.draft_model and not spec.num_speculative_tokens:
         raise SpecError("draft_model", "a draft model needs --num-speculative-tokens > 0")
-    if spec.backend == "torch" and (spec.quantized or spec.draft_model):
+    if spec.backend == "torch" and spec.draft_model:
         raise SpecError(
             "backend",
-            "the torch backend does not implement quantization or speculation",
+            "the torch backend does not implement speculation",
             "use --backend nxdi or tnx on a Neuron host",
         )
     if (

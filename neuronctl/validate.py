@@ -54,7 +54,7 @@ from neuronctl.store.manifest import (
 # Recorded "versions" that describe the build host rather than software (the CPU ISA inductor
 # compiled for). Equality is the wrong test for them (an AVX-512 host runs AVX2 code; export
 # graphs run anywhere): the backend's host_checks judge them.
-HOST_FACT_VERSIONS = frozenset({"cpu_isa"})
+HOST_FACT_VERSIONS = frozenset({"cpu_isa", "cpu_half_units"})
 # Host checks by these names already answer check 5; ours would only repeat them.
 CAPACITY_CHECKS = frozenset({"cores", "devices", "capacity"})
 HASH_THREADS = 4  # hashlib releases the GIL: a few threads keep the disk and the cores busy

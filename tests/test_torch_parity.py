@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 import shutil
 import zipfile
 from pathlib import Path
@@ -11,7 +12,9 @@ import pytest
 import torch
 
 from neuronctl.backends import get_backend
+from neuronctl.backends.torch import modeling
 from neuronctl.build import compile_model, resolve_build
+from neuronctl.errors import SpecError, UsageError
 from neuronctl.store.manifest import read_manifest
 from tests.helpers import make_checkpoint
 
@@ -163,6 +166,124 @@ def test_fine_tune_reuses_graphs_and_runs_its_own_weights(tmp_path: Path) -> Non
     ids = random_ids(10, seed=6)
     ref = hf_logits(hf_model(tuned), ids)[-1]
     assert (load(second.path).prefill(0, ids) - ref).abs().max() < TOL
+
+
+def test_prefill_batch_equals_one_prefill_per_prompt(artifact: Any) -> None:
+    # Three prompts of different lengths in one call: graph context_encoding_32x4 with a
+    # padding row; then each slot decodes on from what the batched call wrote.
+    _ckpt, path, hf = artifact
+    batched, single = load(path), load(path)
+    slots, lengths = [3, 0, 1], [9, 30, 17]
+    seqs = [random_ids(n + 4, seed=20 + n) for n in lengths]
+    got = batched.prefill_batch(slots, [s[:n] for s, n in zip(seqs, lengths, strict=True)])
+    assert got.shape == (3, hf.config.vocab_size)
+    for row, (slot, seq, n) in enumerate(zip(slots, seqs, lengths, strict=True)):
+        assert (got[row] - single.prefill(slot, seq[:n])).abs().max() < 1e-5
+    for step in range(4):
+        tokens, positions = [0] * 4, [-1] * 4
+        for slot, seq, n in zip(slots, seqs, lengths, strict=True):
+            tokens[slot], positions[slot] = seq[n + step], n + step
+        out = batched.decode(tokens, positions)
+        for slot, seq, n in zip(slots, seqs, lengths, strict=True):
+            ref = hf_logits(hf, seq[: n + step + 1])[-1]
+            assert (out[slot] - ref).abs().max() < TOL, f"slot {slot} step {step}"
+
+
+def test_prefill_batch_splits_more_prompts_than_a_graph_takes(tmp_path: Path) -> None:
+    ckpt = make_checkpoint(tmp_path / "ckpt", "llama")
+    runner = load(build(ckpt, tmp_path / "store", batch_size=3, context_buckets="16,64").path)
+    assert runner.prompt_counts == [1, 2, 3]
+    prompts = [random_ids(n, seed=n) for n in (5, 40, 12)]
+    got = runner.prefill_batch([2, 0, 1], prompts)
+    for row, (slot, ids) in enumerate(zip([2, 0, 1], prompts, strict=True)):
+        assert (got[row] - runner.prefill(slot, ids)).abs().max() < 1e-5
+    with pytest.raises(UsageError, match="same slot"):
+        runner.prefill_batch([1, 1], prompts[:2])
+
+
+def rounded_reference(ckpt: Path, dtype: torch.dtype) -> Any:
+    """transformers in float32 on the checkpoint's weights rounded to `dtype`."""
+    model = hf_model(ckpt)
+    with torch.no_grad():
+        for param in model.parameters():
+            param.copy_(param.to(dtype).float())
+    return model
+
+
+def test_bf16_without_bf16_units_computes_in_float32(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # What an AVX2 host builds (forced here, whatever this CPU has): bf16 weights in the
+    # artifact and in memory, float32 activations and matmuls. Against float32 transformers
+    # on the same bf16-rounded weights only the bf16 KV cache rounds.
+    import neuronctl.backends.torch as torch_backend
+
+    monkeypatch.setattr(torch_backend, "half_units", lambda: "none")
+    ckpt = make_checkpoint(tmp_path / "ckpt", "qwen2", tie_word_embeddings=True)
+    path = build(ckpt, tmp_path / "store", dtype="bfloat16").path
+    config = json.loads((path / "neuron_config.json").read_text())
+    assert config["numerics"] == {"storage": "bfloat16", "compute": "float32", "quantized": None}
+    assert read_manifest(path).backend_versions["cpu_half_units"] == "none"
+    runner = load(path)
+    assert runner.weights["model.layers.0.self_attn.qkv_proj.weight"].dtype == torch.bfloat16
+    ids = random_ids(40, seed=11)
+    ref = hf_logits(rounded_reference(ckpt, torch.bfloat16), ids)
+    got = [runner.prefill(1, ids[:24])]
+    got += [runner.decode([0, ids[p], 0, 0], [-1, p, -1, -1])[1] for p in range(24, 40)]
+    assert (torch.stack(got) - ref[23:40]).abs().max() < 2e-2
+    assert torch.equal(torch.stack(got).argmax(-1), ref[23:40].argmax(-1))
+
+
+def test_bf16_with_bf16_units_computes_in_bf16(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import neuronctl.backends.torch as torch_backend
+
+    monkeypatch.setattr(torch_backend, "half_units", lambda: "bf16")
+    ckpt = make_checkpoint(tmp_path / "ckpt", "llama")
+    path = build(ckpt, tmp_path / "store", dtype="bfloat16", context_buckets="16",
+                 token_gen_buckets="32", seq_len=32, max_context_length=16).path
+    config = json.loads((path / "neuron_config.json").read_text())
+    assert config["numerics"]["compute"] == "bfloat16"
+    assert read_manifest(path).host["compute_dtype"] == "bfloat16"
+
+
+@pytest.mark.parametrize("kind", ["per_channel_symmetric", "per_tensor_symmetric"])
+def test_int8_artifact_matches_its_dequantized_weights(tmp_path: Path, kind: str) -> None:
+    # int8 projections and a tied int8 LM head/embedding, one bf16 scale per output channel
+    # (per tensor: all equal). Against float32 transformers on the dequantized weights the
+    # only other rounding is the bf16 activations int8_linear feeds its kernel; against the
+    # original float32 model the greedy tokens of this tiny model still agree.
+    ckpt = make_checkpoint(tmp_path / "ckpt", "qwen2", tie_word_embeddings=True)
+    path = build(ckpt, tmp_path / "store", quantized=True, quantization_type=kind).path
+    runner = load(path)
+    qkv = "model.layers.0.self_attn.qkv_proj.weight"
+    assert runner.weights[qkv].dtype == torch.int8
+    scales = runner.weights[qkv + "_scale"]
+    assert scales.dtype == torch.bfloat16 and (kind == "per_channel_symmetric") == bool(
+        (scales != scales[0]).any())
+    ref_model = hf_model(ckpt)
+    dequantized = hf_model(ckpt)
+    with torch.no_grad():
+        for param in dequantized.parameters():
+            if param.dim() == 2:  # every projection and the (tied) embedding
+                q, scale = modeling.quantize(param, kind == "per_channel_symmetric")
+                param.copy_(q.float() * scale.float()[:, None])
+    ids = random_ids(40, seed=12)
+    got = [runner.prefill(2, ids[:24])]
+    got += [runner.decode([0, 0, ids[p], 0], [-1, -1, p, -1])[2] for p in range(24, 40)]
+    got_t = torch.stack(got)
+    ref = hf_logits(dequantized, ids)[23:40]
+    assert (got_t - ref).abs().max() < 2e-2 * max(1.0, ref.abs().max().item())
+    assert torch.equal(got_t.argmax(-1), hf_logits(ref_model, ids)[23:40].argmax(-1))
+    batched = runner.prefill_batch([0, 3], [ids[:24], ids[:10]])
+    assert (batched[0] - got[0]).abs().max() < 1e-5
+
+
+def test_torch_refuses_fp8_quantization(tmp_path: Path) -> None:
+    ckpt = make_checkpoint(tmp_path / "ckpt", "llama")
+    with pytest.raises(SpecError, match="int8"):
+        build(ckpt, tmp_path / "store", quantized=True, quantization_dtype="f8e4m3fn")
 
 
 def test_graph_files_hold_no_tensor_data(artifact: Any) -> None:

@@ -46,7 +46,7 @@ def check_accuracy(
         )
     from neuronctl.backends.torch.accuracy import check_accuracy as run
 
-    return run(artifact, checkpoint, mode)
+    return run(artifact, checkpoint, mode).as_dict()
 
 
 def nxdi_neuron_config(spec: BuildSpec) -> dict[str, Any]:

@@ -128,7 +128,7 @@ def accuracy_line(report: dict[str, Any]) -> str:
     """One line: the verdict, then the figures that decided it."""
     verdict = "[green]accuracy passed[/green]" if report["passed"] else "[red]accuracy FAILED[/red]"
     parts = [
-        f"{report['mode']} ({report['dtype']})",
+        f"{report['mode']} ({report.get('numerics', report.get('dtype'))})",
         f"{report['tokens_matched']}/{report['new_tokens']} tokens matched",
         f"max logit diff {report['max_logit_diff']:.3g}",
     ]

@@ -31,7 +31,7 @@ if TYPE_CHECKING:
     from neuronctl.store.manifest import Manifest
 
 # Bump when modeling.py or the graph signatures change what a graph computes or takes.
-MODELING_VERSION = "4"
+MODELING_VERSION = "5"
 NEURON_CONFIG = "neuron_config.json"
 
 
@@ -70,9 +70,10 @@ def _detect_isa() -> str:
         return "none"
 
 
-def _host_fingerprint() -> str:
+@cache
+def _cpu_flags() -> str:
     try:
-        flags = next(
+        line = next(
             (
                 line
                 for line in Path("/proc/cpuinfo").read_text().splitlines()
@@ -80,10 +81,42 @@ def _host_fingerprint() -> str:
             ),
             "",
         )
+        return line.partition(":")[2].strip()
     except OSError:
-        flags = platform.processor()
-    text = f"{torch_version()}|{platform.machine()}|{flags}"
+        return platform.processor()
+
+
+def _host_fingerprint() -> str:
+    text = f"{torch_version()}|{platform.machine()}|{_cpu_flags()}"
     return hashlib.sha256(text.encode()).hexdigest()
+
+
+def half_units() -> str:
+    """The half-precision dtypes this CPU computes natively: "bf16", "bf16 fp16" or "none".
+
+    From the CPU flags (no torch import: versions() runs on every validate). x86 needs
+    avx512_bf16 or AMX for bf16 and avx512_fp16 or AMX-FP16 for fp16; arm64 its BF16 and
+    FP16 arithmetic features. Elsewhere the narrow dtypes are emulated, and a bf16 artifact
+    computes in float32 (modeling.Numerics).
+    """
+    flags = set(_cpu_flags().split())
+    units = []
+    if flags & {"avx512_bf16", "amx_bf16", "bf16"}:
+        units.append("bf16")
+    if flags & {"avx512_fp16", "amx_fp16", "asimdhp"}:
+        units.append("fp16")
+    return " ".join(units) or "none"
+
+
+def compute_dtype(dtype: str, quantized: bool, units: str) -> str:
+    """The dtype an artifact computes in: its own where the CPU has units for it, else fp32.
+
+    int8 weights always compute in float32 (they are widened inside the kernel).
+    """
+    unit = {"bfloat16": "bf16", "float16": "fp16"}.get(dtype)
+    if quantized or unit is None or unit not in units.split():
+        return "float32"
+    return dtype
 
 
 def torch_version() -> str:
@@ -105,11 +138,13 @@ class TorchBackend:
 
     def versions(self) -> dict[str, str]:
         # cpu_isa changes the code inductor generates, so it is part of the graph key: an
-        # artifact built on an AVX-512 host is never a cache hit on an AVX2 host.
+        # artifact built on an AVX-512 host is never a cache hit on an AVX2 host. The
+        # half-precision units decide whether a bf16 artifact computes in bf16 or float32.
         return {
             "torch": torch_version(),
             "modeling": MODELING_VERSION,
             "cpu_isa": cpu_isa(),
+            "cpu_half_units": half_units(),
         }
 
     def architectures(self) -> Mapping[str, str]:
@@ -125,6 +160,12 @@ class TorchBackend:
         if spec.compiler not in ("export", "inductor"):
             raise SpecError(
                 "compiler", f"{spec.compiler!r} is not a torch compiler", "use inductor or export"
+            )
+        if spec.quantized and spec.quantization_dtype != "int8":
+            raise SpecError(
+                "quantization_dtype",
+                f"the torch backend quantizes to int8, not {spec.quantization_dtype}",
+                "use --quantization-dtype int8",
             )
 
     def build(self, request: BuildRequest) -> BuildResult:
@@ -144,8 +185,13 @@ class TorchBackend:
         else:
             graphs = build_graphs(jobs, request.jobs, request.progress)
         write_neuron_config(staging, spec, config, jobs)
+        checkpoint = request.checkpoint
+        if spec.quantized:
+            from neuronctl.backends.torch.quantize import QuantizedCheckpoint
+
+            checkpoint = QuantizedCheckpoint.wrap(checkpoint, spec)
         shard_checkpoint(
-            request.checkpoint,
+            checkpoint,
             spec.tp_degree,
             DTYPES[str(spec.dtype)],
             staging / "weights",
@@ -183,11 +229,12 @@ def check_tensors(checkpoint: Checkpoint, args: modeling.ModelArgs) -> None:
 
 
 def graph_jobs(spec: BuildSpec, config: dict[str, Any], staging: Path) -> list[Any]:
-    from neuronctl.backends.torch.graphs import CONTEXT, TOKEN_GEN, GraphJob
+    from neuronctl.backends.torch.graphs import CONTEXT, TOKEN_GEN, GraphJob, prompt_counts
 
     assert isinstance(spec.context_buckets, list) and isinstance(spec.token_gen_buckets, list)
-    kinds = [(CONTEXT, b) for b in spec.context_buckets]
-    kinds += [(TOKEN_GEN, b) for b in spec.token_gen_buckets]
+    kinds = [(CONTEXT, b, n) for b in spec.context_buckets for n in prompt_counts(spec.batch_size)]
+    kinds += [(TOKEN_GEN, b, 1) for b in spec.token_gen_buckets]
+    compute = compute_dtype(str(spec.dtype), spec.quantized, half_units())
     return [
         GraphJob(
             kind,
@@ -198,8 +245,11 @@ def graph_jobs(spec: BuildSpec, config: dict[str, Any], staging: Path) -> list[A
             str(spec.dtype),
             str(spec.compiler),
             str(staging),
+            compute=compute,
+            quantized=spec.quantized,
+            prompts=prompts,
         )
-        for kind, bucket in kinds
+        for kind, bucket, prompts in kinds
     ]
 
 
@@ -223,9 +273,17 @@ def write_neuron_config(
     from neuronctl.backends.torch import modeling
 
     args = modeling.args_from_config(config)
+    numerics = jobs[0].numerics
     data = {
         "backend": "torch",
         "neuron_config": spec.model_dump(mode="json"),
+        # The kernels chosen for this host (modeling.Numerics): weights and KV cache are
+        # stored in `storage`, activations and matmuls run in `compute`.
+        "numerics": {
+            "storage": str(spec.dtype),
+            "compute": str(numerics.compute).removeprefix("torch."),
+            "quantized": "int8 " + spec.quantization_type if spec.quantized else None,
+        },
         "kv_cache": {
             "layout": ["batch_size", "num_key_value_heads", "seq_len", "head_dim"],
             "shape": [spec.batch_size, args.num_kv_heads, spec.seq_len, args.head_dim],
@@ -237,8 +295,8 @@ def write_neuron_config(
         # lm_head.weight): the runner packs them at load time (modeling.packed_linear).
         "packed_weights": any(job.packed for job in jobs),
         "graph_inputs": {
-            "context_encoding": "weights, inv_freq, k_cache[L], v_cache[L], token_ids[1,bucket],"
-            " length[1], slot[1] -> logits[vocab]",
+            "context_encoding": "weights, inv_freq, k_cache[L], v_cache[L], token_ids[P,bucket],"
+            " lengths[P], slots[P] -> logits[P,vocab] (graph name suffix xP when P > 1)",
             "token_generation": "weights, inv_freq, k_cache[L], v_cache[L], token_ids[B],"
             " positions[B] -> logits[B,vocab]",
         },
@@ -249,7 +307,12 @@ def write_neuron_config(
 def build_facts(spec: BuildSpec) -> dict[str, Any]:
     import torch
 
-    facts: dict[str, Any] = {"torch_threads": torch.get_num_threads(), "cpu_isa": cpu_isa()}
+    facts: dict[str, Any] = {
+        "torch_threads": torch.get_num_threads(),
+        "cpu_isa": cpu_isa(),
+        "cpu_half_units": half_units(),
+        "compute_dtype": compute_dtype(str(spec.dtype), spec.quantized, half_units()),
+    }
     if spec.compiler == "inductor":
         facts["cxx"] = _cxx_version()
     return facts
@@ -272,6 +335,7 @@ def host_checks(manifest: Manifest, here: Mapping[str, str]) -> list[HostCheck]:
     checks = []
     if manifest.spec.compiler == "inductor":
         checks.append(isa_check(manifest, here))
+    checks.append(half_units_check(manifest, here))
     tp, cores = manifest.spec.tp_degree, os.cpu_count() or 1
     checks.append(
         HostCheck("cores", True, f"tp degree {tp}, {cores} cores")
@@ -284,6 +348,23 @@ def host_checks(manifest: Manifest, here: Mapping[str, str]) -> list[HostCheck]:
         )
     )
     return checks
+
+
+def half_units_check(manifest: Manifest, here: Mapping[str, str]) -> HostCheck:
+    """A bf16 (fp16) artifact built to compute natively needs a CPU with those units."""
+    built_with = manifest.backend_versions.get("cpu_half_units", "none")
+    spec = manifest.spec
+    compute = compute_dtype(str(spec.dtype), bool(spec.quantized), built_with)
+    units = here.get("cpu_half_units", "none")
+    if compute == "float32" or compute_dtype(compute, False, units) == compute:
+        return HostCheck("half-precision units", True, f"computes in {compute}; this host "
+                         f"has {units} units")
+    return HostCheck(
+        "half-precision units",
+        False,
+        f"compiled to compute in {compute} on a CPU with {built_with} units, this host has "
+        f"{units}; recompile here (it will compute in float32)",
+    )
 
 
 def isa_check(manifest: Manifest, here: Mapping[str, str]) -> HostCheck:

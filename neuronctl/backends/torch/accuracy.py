@@ -3,11 +3,13 @@
 After NxD Inference's inference_demo: both generate greedily from the same prompt; token
 matching passes when every generated token agrees, logit matching when the largest logit
 difference (transformers teacher-forced along the artifact's tokens, so every step compares
-the same prefix) is within the dtype's tolerance. The reference runs in the artifact's dtype.
+the same prefix) is within the artifact's tolerance. The reference is transformers in
+float32: what the checkpoint computes, whatever the artifact stores or computes in.
 """
 
 from __future__ import annotations
 
+from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
@@ -17,8 +19,55 @@ from neuronctl.errors import UsageError
 
 MODES = ("token-matching", "logit-matching")
 DEFAULT_PROMPT = "I believe the meaning of life is"
-# Largest logit difference logit-matching accepts, by dtype (float32 is the parity bound).
-TOLERANCES = {"float32": 1e-3, "bfloat16": 5e-2, "float16": 1e-2}
+# Logit-matching tolerance relative to the largest reference logit (never below 1.0), by the
+# artifact's numerics: 32 units of the last place of its narrowest format, since rounding
+# compounds over the layers (bf16 has 8 significant bits, fp16 11, int8 weights ~7). A bf16
+# logit of 10 is only resolved to 0.04, so a fixed 0.05 failed every bf16 artifact with
+# logits above ~12. float32 keeps the parity bound.
+RELATIVE_TOLERANCES = {
+    "float32": 1e-3,
+    "float16": 32 * 2.0**-11,
+    "bfloat16": 32 * 2.0**-8,
+    "int8": 32 * 2.0**-7,
+}
+
+
+def tolerance_for(numerics: str, reference_logits: torch.Tensor) -> float:
+    """The largest logit difference logit-matching accepts (see RELATIVE_TOLERANCES)."""
+    scale = max(1.0, float(reference_logits.abs().max()))
+    return RELATIVE_TOLERANCES.get(numerics, 1e-3) * scale
+
+
+@dataclass(frozen=True)
+class AccuracyResult:
+    """What `--check-accuracy` found; `passed` decides the exit code."""
+
+    mode: str
+    passed: bool
+    numerics: str  # "float32" | "bfloat16" | "float16" | "int8": what the tolerance is for
+    reference: str
+    prompt_tokens: int
+    new_tokens: int
+    tokens_matched: int  # generated tokens identical to the reference before the first miss
+    token_agreement: float  # fraction of steps whose greedy token agrees
+    first_divergence: int | None
+    max_logit_diff: float
+    tolerance: float
+    artifact_tokens: list[int]
+    reference_tokens: list[int]
+
+    def as_dict(self) -> dict[str, Any]:
+        return asdict(self)
+
+    def summary(self) -> str:
+        verdict = "passed" if self.passed else "FAILED"
+        tokens = f"{self.tokens_matched}/{self.new_tokens} tokens match"
+        if self.first_divergence is not None:
+            tokens += f" (first divergence at step {self.first_divergence})"
+        return (
+            f"accuracy {verdict} ({self.mode}, {self.numerics} vs {self.reference}): {tokens};"
+            f" max logit difference {self.max_logit_diff:.4g} (tolerance {self.tolerance:.4g})"
+        )
 
 
 def check_accuracy(
@@ -28,8 +77,8 @@ def check_accuracy(
     prompt: str = DEFAULT_PROMPT,
     max_new_tokens: int = 32,
     tolerance: float | None = None,
-) -> dict[str, Any]:
-    """Run both on `prompt`; return the comparison (see module doc) as a JSON-able dict."""
+) -> AccuracyResult:
+    """Run both on `prompt`; return the comparison (see module doc)."""
     from neuronctl.backends import get_backend
     from neuronctl.store.manifest import read_manifest
 
@@ -37,7 +86,8 @@ def check_accuracy(
         raise UsageError(f"unknown accuracy mode {mode!r}", "use " + " or ".join(MODES))
     manifest = read_manifest(artifact_path)
     runner = get_backend(manifest.backend).load(artifact_path, manifest)
-    dtype = str(manifest.spec.dtype)
+    spec = manifest.spec
+    numerics = "int8" if spec.quantized else str(spec.dtype)
     prompt_ids = _encode(artifact_path, prompt)
     if len(prompt_ids) > max(runner.context_buckets):
         raise UsageError(
@@ -46,27 +96,28 @@ def check_accuracy(
         )
     steps = max(1, min(max_new_tokens, runner.seq_len - len(prompt_ids)))
     got_tokens, got_logits = _generate_artifact(runner, prompt_ids, steps)
-    model = _reference_model(checkpoint_path, dtype)
+    model = _reference_model(checkpoint_path, "float32")
     ref_tokens = _generate_reference(model, prompt_ids, steps)
     ref_logits = _teacher_forced(model, prompt_ids + got_tokens[:-1])[len(prompt_ids) - 1:]
     matched = _common_prefix(got_tokens, ref_tokens)
     max_diff = float((got_logits - ref_logits).abs().max())
-    tol = TOLERANCES.get(dtype, 1e-3) if tolerance is None else tolerance
+    tol = tolerance_for(numerics, ref_logits) if tolerance is None else tolerance
     passed = matched == steps if mode == "token-matching" else max_diff <= tol
-    return {
-        "mode": mode,
-        "passed": passed,
-        "dtype": dtype,
-        "prompt_tokens": len(prompt_ids),
-        "new_tokens": steps,
-        "tokens_matched": matched,
-        "token_agreement": sum(map(int.__eq__, got_tokens, ref_tokens)) / steps,
-        "first_divergence": None if matched == steps else matched,
-        "max_logit_diff": max_diff,
-        "tolerance": tol if mode == "logit-matching" else None,
-        "artifact_tokens": got_tokens,
-        "reference_tokens": ref_tokens,
-    }
+    return AccuracyResult(
+        mode=mode,
+        passed=passed,
+        numerics=numerics,
+        reference="transformers float32",
+        prompt_tokens=len(prompt_ids),
+        new_tokens=steps,
+        tokens_matched=matched,
+        token_agreement=sum(map(int.__eq__, got_tokens, ref_tokens)) / steps,
+        first_divergence=None if matched == steps else matched,
+        max_logit_diff=max_diff,
+        tolerance=tol,
+        artifact_tokens=got_tokens,
+        reference_tokens=ref_tokens,
+    )
 
 
 def _encode(artifact_path: Path, prompt: str) -> list[int]:

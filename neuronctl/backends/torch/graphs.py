@@ -47,10 +47,19 @@ class GraphJob:
     dtype: str
     compiler: str  # "export" | "inductor"
     staging: str
+    compute: str = ""  # activations' dtype; "" = the storage dtype (modeling.Numerics)
+    quantized: bool = False  # int8 projections with per-channel scales
+    prompts: int = 1  # context encoding: prompts per call (prefill_batch)
 
     @property
     def name(self) -> str:
-        return graph_name(self.kind, self.bucket)
+        return graph_name(self.kind, self.bucket, self.prompts)
+
+    @property
+    def numerics(self) -> modeling.Numerics:
+        storage = DTYPES[self.dtype]
+        compute = DTYPES[self.compute] if self.compute else storage
+        return modeling.Numerics(storage, compute, self.quantized)
 
     @property
     def relpath(self) -> str:
@@ -58,37 +67,53 @@ class GraphJob:
 
     @property
     def packed(self) -> bool:
-        return packs_weights(self.compiler, self.batch_size, self.dtype)
+        return packs_weights(self.compiler, self.batch_size, self.numerics)
 
 
-def packs_weights(compiler: str, batch_size: int, dtype: str) -> bool:
+def packs_weights(compiler: str, batch_size: int, numerics: modeling.Numerics) -> bool:
     """Whether an artifact's graphs read oneDNN-prepacked weights (modeling.packed_linear).
 
-    AOTInductor artifacts above the GEMV's batch range, for dtypes oneDNN runs natively here:
-    its blocked-layout GEMM is 1.7x (bf16) to ~3x (fp32) faster than aten's at 8 rows.
+    AOTInductor artifacts above the GEMV's batch range whose weights are in the dtype they
+    compute in, where oneDNN runs it natively here: its blocked-layout GEMM is 1.7x (bf16) to
+    ~3x (fp32) faster than aten's at 8 rows. Narrower storage (int8, bf16 computed in fp32)
+    is widened per matmul instead (modeling.linear).
     """
     return (compiler == "inductor" and batch_size > GEMV_MAX_BATCH
-            and modeling.can_pack(DTYPES[dtype]))
+            and not numerics.quantized and numerics.storage == numerics.compute
+            and modeling.can_pack(numerics.compute))
 
 
-def graph_name(kind: str, bucket: int) -> str:
-    return f"{kind}_{bucket}"
+def graph_name(kind: str, bucket: int, prompts: int = 1) -> str:
+    return f"{kind}_{bucket}" if prompts == 1 else f"{kind}_{bucket}x{prompts}"
+
+
+def prompt_counts(batch_size: int) -> list[int]:
+    """How many prompts a context-encoding graph takes at once: 1, 2, 4, ... and batch_size.
+
+    Powers of two keep the padding of a partial group under 2x while adding only about
+    log2(batch_size) graphs per context bucket.
+    """
+    counts, n = [], 1
+    while n < batch_size:
+        counts.append(n)
+        n *= 2
+    return counts + [batch_size]
 
 
 def example_inputs(job: GraphJob) -> tuple[Any, ...]:
     """Inputs with the graph's static shapes; values are never read while tracing."""
     args = modeling.args_from_config(job.config)
     dtype = DTYPES[job.dtype]
-    shapes = modeling.graph_shapes(args, dtype, job.packed)
-    weights = {name: torch.empty(t.shape, dtype=dtype) for name, t in shapes.items()}
+    shapes = modeling.graph_shapes(args, dtype, job.packed, job.quantized)
+    weights = {name: torch.empty(t.shape, dtype=t.dtype) for name, t in shapes.items()}
     cache_shape = (job.batch_size, args.num_kv_heads, job.seq_len, args.head_dim)
     k = [torch.empty(cache_shape, dtype=dtype) for _ in range(args.num_layers)]
     v = [torch.empty(cache_shape, dtype=dtype) for _ in range(args.num_layers)]
     freq = modeling.inv_freq(args)
     if job.kind == CONTEXT:
-        tokens = torch.zeros(1, job.bucket, dtype=torch.long)
-        return (weights, freq, k, v, tokens, torch.ones(1, dtype=torch.long),
-                torch.zeros(1, dtype=torch.long))
+        tokens = torch.zeros(job.prompts, job.bucket, dtype=torch.long)
+        return (weights, freq, k, v, tokens, torch.ones(job.prompts, dtype=torch.long),
+                torch.zeros(job.prompts, dtype=torch.long))
     tokens = torch.zeros(job.batch_size, dtype=torch.long)
     return (weights, freq, k, v, tokens, torch.zeros(job.batch_size, dtype=torch.long))
 
@@ -96,11 +121,11 @@ def example_inputs(job: GraphJob) -> tuple[Any, ...]:
 def module_for(job: GraphJob) -> torch.nn.Module:
     args = modeling.args_from_config(job.config)
     if job.kind == CONTEXT:
-        return modeling.ContextEncoding(args, job.packed)
+        return modeling.ContextEncoding(args, job.numerics, job.packed)
     # Measured on a 2-core AVX-512 host: the fused GEMV streams weights at full bandwidth up
     # to 4 rows; beyond that aten's GEMM wins (docs/torch-backend.md).
     use_gemv = job.compiler == "inductor" and job.batch_size <= GEMV_MAX_BATCH
-    return modeling.TokenGeneration(args, job.bucket, use_gemv, job.packed)
+    return modeling.TokenGeneration(args, job.bucket, job.numerics, use_gemv, job.packed)
 
 
 def build_graph(job: GraphJob) -> str:

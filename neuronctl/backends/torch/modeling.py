@@ -62,6 +62,22 @@ class ModelArgs:
         return self.num_heads // self.num_kv_heads
 
 
+@dataclass(frozen=True)
+class Numerics:
+    """How an artifact stores its weights and computes with them.
+
+    `storage` is the artifact's dtype (weights, KV cache). `compute` is the activations' and
+    the matmuls' dtype: the storage dtype where the CPU has units for it, float32 where it
+    does not (bf16 on an AVX2 host: weights stay bf16 in memory and are widened inside each
+    kernel or matmul, as llama.cpp does). `quantized` artifacts hold every projection and the
+    LM head as int8 with one bf16 scale per output channel (`<name>_scale`).
+    """
+
+    storage: torch.dtype
+    compute: torch.dtype
+    quantized: bool = False
+
+
 def args_from_config(config: Mapping[str, Any]) -> ModelArgs:
     """Read a config.json (old and new transformers spellings); refuse what we cannot run."""
     archs = config.get("architectures") or []
@@ -171,8 +187,21 @@ def _llama3_scaling(freq: Tensor, rope: Mapping[str, Any]) -> Tensor:
     return torch.where(medium, smoothed, scaled)
 
 
-def weight_names(args: ModelArgs) -> list[str]:
-    """The checkpoint tensors the graphs read, in the order graphs take them."""
+def quantized_names(args: ModelArgs) -> list[str]:
+    """The tensors an int8 artifact stores quantized: every projection and the LM head."""
+    head = "model.embed_tokens.weight" if args.tie_word_embeddings else "lm_head.weight"
+    return sorted([n for n in weight_names(args) if n.endswith("_proj.weight")] + [head])
+
+
+def scale_name(name: str) -> str:
+    return name + "_scale"
+
+
+def weight_names(args: ModelArgs, quantized: bool = False) -> list[str]:
+    """The artifact tensors the graphs read (sorted); int8 artifacts add one scale each."""
+    if quantized:
+        names = weight_names(args)
+        return sorted(names + [scale_name(n) for n in quantized_names(args)])
     names = ["model.embed_tokens.weight", "model.norm.weight"]
     if not args.tie_word_embeddings:
         names.append("lm_head.weight")
@@ -187,6 +216,20 @@ def weight_names(args: ModelArgs) -> list[str]:
             names.append(f"{p}self_attn.o_proj.bias")
         names += [f"{p}mlp.{proj}.weight" for proj in ("gate_proj", "up_proj", "down_proj")]
     return sorted(names)
+
+
+def quantize(weight: Tensor, per_channel: bool) -> tuple[Tensor, Tensor]:
+    """Symmetric int8: (q [out, in] int8, scale [out]) with weight ~= q * scale[:, None].
+
+    The scale is rounded to bf16 first (int8_linear's kernel reads bf16 scales, and any
+    storage dtype holds it exactly), then the weight divided by it; values the rounding
+    pushes past 127 are clipped.
+    """
+    w = weight.float()
+    amax = w.abs().amax(dim=1) if per_channel else w.abs().amax().expand(w.shape[0])
+    scale = (amax / 127.0).clamp(min=1e-12).to(torch.bfloat16).float()
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale.to(torch.bfloat16).contiguous()
 
 
 def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
@@ -220,7 +263,7 @@ def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
 
 
 def graph_weights(
-    full: Mapping[str, Tensor], args: ModelArgs, packed: bool = False
+    full: Mapping[str, Tensor], args: ModelArgs, packed: bool = False, quantized: bool = False
 ) -> dict[str, Tensor]:
     """The tensors the graphs take, from checkpoint-named ones: q/k/v and gate/up fused.
 
@@ -239,10 +282,13 @@ def graph_weights(
         }
         if args.qkv_bias:
             groups["self_attn.qkv_proj.bias"] = [f"self_attn.{x}_proj.bias" for x in "qkv"]
+        if quantized:
+            groups.update({scale_name(k): [scale_name(x) for x in v]
+                           for k, v in list(groups.items()) if k.endswith(".weight")})
         for name, parts in groups.items():
             out[p + name] = torch.cat([full[p + part] for part in parts])
             fused.update(p + part for part in parts)
-    for name in weight_names(args):
+    for name in weight_names(args, quantized):
         if name not in fused:
             out[name] = full[name]
     if packed and args.tie_word_embeddings:
@@ -250,11 +296,18 @@ def graph_weights(
     return {name: out[name].contiguous() for name in sorted(out)}
 
 
-def graph_shapes(args: ModelArgs, dtype: torch.dtype, packed: bool = False) -> dict[str, Tensor]:
-    """Meta tensors with the shapes and order of graph_weights (for tracing)."""
+def graph_shapes(
+    args: ModelArgs, dtype: torch.dtype, packed: bool = False, quantized: bool = False
+) -> dict[str, Tensor]:
+    """Meta tensors with the shapes, dtypes and order of graph_weights (for tracing)."""
     meta = {n: torch.empty(s, dtype=dtype, device="meta")
             for n, s in expected_shapes(args).items()}
-    return graph_weights(meta, args, packed)
+    if quantized:
+        for name in quantized_names(args):
+            rows = meta[name].shape[0]
+            meta[name] = torch.empty(meta[name].shape, dtype=torch.int8, device="meta")
+            meta[scale_name(name)] = torch.empty(rows, dtype=torch.bfloat16, device="meta")
+    return graph_weights(meta, args, packed, quantized)
 
 
 def new_kv_cache(
@@ -276,11 +329,24 @@ def rms_norm(x: Tensor, weight: Tensor, eps: float) -> Tensor:
     return weight * x32.to(x.dtype)
 
 
-def linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
-    return torch.nn.functional.linear(x, weight, bias)
+def linear(
+    x: Tensor, weight: Tensor, bias: Tensor | None = None, scale: Tensor | None = None
+) -> Tensor:
+    """x @ weight.T in x's dtype: a narrower (bf16, int8) weight is widened for the matmul.
+
+    Widening per matmul is what a host without bf16 units needs for context encoding and
+    larger batches: aten's emulated bf16 GEMM is several times slower than widening the
+    weight and running the float32 GEMM. An int8 weight's scale applies to the output.
+    """
+    out = torch.nn.functional.linear(x, weight.to(x.dtype))
+    if scale is not None:
+        out = out * scale.to(x.dtype)
+    return out if bias is None else out + bias.to(x.dtype)
 
 
-def packed_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+def packed_linear(
+    x: Tensor, weight: Tensor, bias: Tensor | None = None, scale: Tensor | None = None
+) -> Tensor:
     """linear() by oneDNN on a weight the runner prepacked (`pack_weight`) at load time.
 
     For token-generation batches above the GEMV's range: aten's GEMM re-reads a plain
@@ -290,6 +356,7 @@ def packed_linear(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tens
     holds no weight and a fine-tune reuses it. Only for AOTInductor graphs (graphs.py lowers
     this op to oneDNN's kernel without requiring the weight to be a constant).
     """
+    assert scale is None, "quantized artifacts never pack weights"
     return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
 
 
@@ -313,16 +380,42 @@ def can_pack(dtype: torch.dtype) -> bool:
     return dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
 
 
-def gemv(x: Tensor, weight: Tensor, bias: Tensor | None = None) -> Tensor:
+def gemv(
+    x: Tensor, weight: Tensor, bias: Tensor | None = None, scale: Tensor | None = None
+) -> Tensor:
     """linear() for a handful of rows, written so inductor emits one fused reduction.
 
     aten's bf16/fp32 GEMV reads weights at about half this machine's bandwidth (one thread
     per matrix); inductor turns this into a kernel parallel over output rows that streams the
     weight once at full bandwidth. Products are accumulated in float32. Only for compiled
-    graphs: run eagerly it would materialise rows x weight.
+    graphs: run eagerly it would materialise rows x weight. A bf16 or int8 weight is widened
+    inside the kernel as it streams (float32 activations), so it is read at its own width.
     """
-    out = (x[..., None, :] * weight).sum(-1, dtype=torch.float32).to(x.dtype)
-    return out if bias is None else out + bias
+    out = (x[..., None, :] * weight).sum(-1, dtype=torch.float32)
+    if scale is not None:
+        out = out * scale
+    out = out.to(x.dtype)
+    return out if bias is None else out + bias.to(x.dtype)
+
+
+def int8_linear(
+    x: Tensor, weight: Tensor, bias: Tensor | None = None, scale: Tensor | None = None
+) -> Tensor:
+    """linear() on an int8 weight by aten's weight-only int8 kernel, for token generation.
+
+    The kernel widens int8 weights as it streams them and accumulates in float32; it is
+    vectorized for bf16 activations (float32 ones take a scalar path ~10x slower), so the
+    activations are rounded to bf16 for the product and the result widened back. Inductor's
+    own code for the same product loads int8 8 lanes at a time through a bounce buffer
+    (7x slower than its bf16 kernel on an AVX2 host).
+    """
+    assert scale is not None, "an int8 weight needs its scale"
+    rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
+    # The scale must be a graph input as is: inductor's lowering of this op does not
+    # materialise a computed one.
+    out = torch.ops.aten._weight_int8pack_mm(rows, weight, scale)
+    out = out.reshape(*x.shape[:-1], weight.shape[0]).to(x.dtype)
+    return out if bias is None else out + bias.to(x.dtype)
 
 
 def rope_tables(freq: Tensor, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
@@ -341,10 +434,12 @@ def apply_rope(x: Tensor, cos: Tensor, sin: Tensor) -> Tensor:
 def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, args: ModelArgs) -> Tensor:
     """Grouped-query attention without repeating K/V.
 
-    q [B, Hq, T, D]; k, v [B, Hkv, S, D]; mask [B, T, S] bool (True = attend). -> [B, T, Hq*D]
+    q [B, Hq, T, D]; k, v [B, Hkv, S, D] (widened to q's dtype if the cache is narrower);
+    mask [B, T, S] bool (True = attend). -> [B, T, Hq*D]
     """
     b, _, t, d = q.shape
     g, s = args.group_size, k.shape[2]
+    k, v = k.to(q.dtype), v.to(q.dtype)
     # Query heads h*g .. h*g+g-1 share KV head h: fold the group into the query rows.
     qg = q.reshape(b, args.num_kv_heads, g * t, d)
     scores = torch.matmul(qg, k.transpose(-1, -2)) * (d**-0.5)
@@ -355,13 +450,20 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, args: ModelArgs) ->
     return out.view(b, args.num_heads, t, d).transpose(1, 2).reshape(b, t, args.num_heads * d)
 
 
+def _proj(
+    linear: Linear, w: Weights, name: str, x: Tensor, bias: Tensor | None = None
+) -> Tensor:
+    """One projection; an int8 artifact passes the weight's per-channel scale along."""
+    return linear(x, w[name], bias, w.get(scale_name(name)))
+
+
 def _project_qkv(
     w: Weights, p: str, h: Tensor, args: ModelArgs, linear: Linear = linear
 ) -> tuple[Tensor, Tensor, Tensor]:
     b, t, _ = h.shape
     bias = w[p + "qkv_proj.bias"] if args.qkv_bias else None
     kv = args.num_kv_heads * args.head_dim
-    qkv = linear(h, w[p + "qkv_proj.weight"], bias)
+    qkv = _proj(linear, w, p + "qkv_proj.weight", h, bias)
     q, k, v = qkv.split([args.num_heads * args.head_dim, kv, kv], dim=-1)
     q = q.view(b, t, args.num_heads, args.head_dim).transpose(1, 2)
     k = k.view(b, t, args.num_kv_heads, args.head_dim).transpose(1, 2)
@@ -370,15 +472,39 @@ def _project_qkv(
 
 
 def _mlp(w: Weights, p: str, x: Tensor, linear: Linear = linear) -> Tensor:
-    gate, up = linear(x, w[p + "gate_up_proj.weight"]).chunk(2, dim=-1)
-    return linear(torch.nn.functional.silu(gate) * up, w[p + "down_proj.weight"])
+    gate, up = _proj(linear, w, p + "gate_up_proj.weight", x).chunk(2, dim=-1)
+    return _proj(linear, w, p + "down_proj.weight", torch.nn.functional.silu(gate) * up)
+
+
+def _embed(w: Weights, token_ids: Tensor, dtype: torch.dtype) -> Tensor:
+    """Embedding rows in the compute dtype; an int8 (tied) table is scaled per row."""
+    name = "model.embed_tokens.weight"
+    x = w[name][token_ids].to(dtype)
+    scale = w.get(scale_name(name))
+    return x if scale is None else x * scale[token_ids][..., None].to(dtype)
 
 
 def _lm_head(w: Weights, x: Tensor, args: ModelArgs, linear: Linear = linear) -> Tensor:
     x = rms_norm(x, w["model.norm.weight"], args.rms_norm_eps)
     # A packed artifact passes its tied head as lm_head.weight too (graph_weights).
-    head = w["lm_head.weight"] if "lm_head.weight" in w else w["model.embed_tokens.weight"]
-    return linear(x, head).float()
+    head = "lm_head.weight" if "lm_head.weight" in w else "model.embed_tokens.weight"
+    return _proj(linear, w, head, x).float()
+
+
+def _layer(
+    args: ModelArgs, w: Weights, i: int, x: Tensor, rope: tuple[Tensor, Tensor],
+    write_kv: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]], mask: Tensor, linear: Linear,
+) -> Tensor:
+    """One decoder layer; `write_kv` stores this step's K/V and returns what to attend to."""
+    p = f"model.layers.{i}."
+    h = rms_norm(x, w[p + "input_layernorm.weight"], args.rms_norm_eps)
+    q, k, v = _project_qkv(w, p + "self_attn.", h, args, linear)
+    q, k = apply_rope(q, *rope), apply_rope(k, *rope)
+    keys, values = write_kv(k, v)
+    o = attention(q, keys, values, mask, args)
+    x = x + _proj(linear, w, p + "self_attn.o_proj.weight", o, _o_bias(w, p, args))
+    h = rms_norm(x, w[p + "post_attention_layernorm.weight"], args.rms_norm_eps)
+    return x + _mlp(w, p + "mlp.", h, linear)
 
 
 def context_encode(
@@ -388,33 +514,35 @@ def context_encode(
     k_cache: list[Tensor],
     v_cache: list[Tensor],
     token_ids: Tensor,
-    length: Tensor,
-    slot: Tensor,
+    lengths: Tensor,
+    slots: Tensor,
     linear: Linear = linear,
+    compute: torch.dtype | None = None,
 ) -> Tensor:
-    """token_ids [1, bucket] (right-padded), length [1], slot [1] -> logits [vocab] float32.
+    """token_ids [P, bucket] (right-padded), lengths [P], slots [P] -> logits [P, vocab] fp32.
 
-    `linear` may be `packed_linear` in compiled graphs (see packed_linear).
+    P prompts in one call, each written into its own slot (a padding row repeats a real
+    one: same slot, same values). `linear` may be `packed_linear` in compiled graphs (see
+    packed_linear); `compute` is the activations' dtype (default: the cache's).
     """
-    bucket = token_ids.shape[1]
+    prompts, bucket = token_ids.shape
     positions = torch.arange(bucket, device=token_ids.device)
-    x = torch.nn.functional.embedding(token_ids, w["model.embed_tokens.weight"])
-    cos, sin = rope_tables(freq, positions[None], x.dtype)
+    x = _embed(w, token_ids, compute or k_cache[0].dtype)
+    rope = rope_tables(freq, positions[None], x.dtype)
     causal = (positions[None, :] <= positions[:, None])[None]  # [1, T, T]
+    rows, cols = slots[:, None], positions[None, :]
+
     for i in range(args.num_layers):
-        p = f"model.layers.{i}."
-        h = rms_norm(x, w[p + "input_layernorm.weight"], args.rms_norm_eps)
-        q, k, v = _project_qkv(w, p + "self_attn.", h, args, linear)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        # cache[slot, :, 0:bucket] = k; padded positions hold garbage that decode masks out
-        k_cache[i][slot, :, positions] = k[0].transpose(0, 1)
-        v_cache[i][slot, :, positions] = v[0].transpose(0, 1)
-        o = attention(q, k, v, causal, args)
-        x = x + linear(o, w[p + "self_attn.o_proj.weight"], _o_bias(w, p, args))
-        h = rms_norm(x, w[p + "post_attention_layernorm.weight"], args.rms_norm_eps)
-        x = x + _mlp(w, p + "mlp.", h, linear)
-    last = x.index_select(1, length - 1)  # [1, 1, hidden]: only the last real position
-    return _lm_head(w, last, args, linear)[0, 0]
+        def write_kv(k: Tensor, v: Tensor, i: int = i) -> tuple[Tensor, Tensor]:
+            # cache[slot, :, 0:bucket] = k per prompt; padded positions hold garbage that
+            # decode masks out. The [P, T] index puts heads last: values are [P, T, H, D].
+            k_cache[i][rows, :, cols] = k.transpose(1, 2).to(k_cache[i].dtype)
+            v_cache[i][rows, :, cols] = v.transpose(1, 2).to(v_cache[i].dtype)
+            return k, v
+
+        x = _layer(args, w, i, x, rope, write_kv, causal, linear)
+    last = x[torch.arange(prompts, device=x.device), lengths - 1]  # [P, hidden]
+    return _lm_head(w, last, args, linear)
 
 
 def token_generate(
@@ -427,11 +555,12 @@ def token_generate(
     positions: Tensor,
     bucket: int,
     linear: Linear = linear,
+    compute: torch.dtype | None = None,
 ) -> Tensor:
     """token_ids [B], positions [B] (-1 = idle slot) -> logits [B, vocab] float32.
 
     `linear` may be `gemv` for small batches or `packed_linear` for larger ones in compiled
-    graphs (see both).
+    graphs (see both); `compute` is the activations' dtype (default: the cache's).
     """
     batch = token_ids.shape[0]
     seq_len = k_cache[0].shape[2]
@@ -440,22 +569,17 @@ def token_generate(
     write_at = torch.where(positions < 0, seq_len - 1, positions)
     live = positions.clamp(min=0)
     slots = torch.arange(batch, device=token_ids.device)
-    x = torch.nn.functional.embedding(token_ids[:, None], w["model.embed_tokens.weight"])
-    cos, sin = rope_tables(freq, live[:, None], x.dtype)
+    x = _embed(w, token_ids[:, None], compute or k_cache[0].dtype)
+    rope = rope_tables(freq, live[:, None], x.dtype)
     span = torch.arange(bucket, device=token_ids.device)
     mask = (span[None, :] <= live[:, None])[:, None]  # [B, 1, bucket]
     for i in range(args.num_layers):
-        p = f"model.layers.{i}."
-        h = rms_norm(x, w[p + "input_layernorm.weight"], args.rms_norm_eps)
-        q, k, v = _project_qkv(w, p + "self_attn.", h, args, linear)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-        k_cache[i][slots, :, write_at] = k[:, :, 0]
-        v_cache[i][slots, :, write_at] = v[:, :, 0]
-        keys, values = k_cache[i][:, :, :bucket], v_cache[i][:, :, :bucket]
-        o = attention(q, keys, values, mask, args)
-        x = x + linear(o, w[p + "self_attn.o_proj.weight"], _o_bias(w, p, args))
-        h = rms_norm(x, w[p + "post_attention_layernorm.weight"], args.rms_norm_eps)
-        x = x + _mlp(w, p + "mlp.", h, linear)
+        def write_kv(k: Tensor, v: Tensor, i: int = i) -> tuple[Tensor, Tensor]:
+            k_cache[i][slots, :, write_at] = k[:, :, 0].to(k_cache[i].dtype)
+            v_cache[i][slots, :, write_at] = v[:, :, 0].to(v_cache[i].dtype)
+            return k_cache[i][:, :, :bucket], v_cache[i][:, :, :bucket]
+
+        x = _layer(args, w, i, x, rope, write_kv, mask, linear)
     return _lm_head(w, x, args, linear)[:, 0]
 
 
@@ -469,9 +593,10 @@ def _o_bias(w: Weights, p: str, args: ModelArgs) -> Tensor | None:
 class ContextEncoding(torch.nn.Module):
     """Holds no tensors: weights, rope frequencies and the KV cache are all inputs."""
 
-    def __init__(self, args: ModelArgs, packed: bool = False) -> None:
+    def __init__(self, args: ModelArgs, numerics: Numerics, packed: bool = False) -> None:
         super().__init__()
         self.args = args
+        self.compute = numerics.compute
         self.linear = packed_linear if packed else linear
 
     def forward(
@@ -481,22 +606,26 @@ class ContextEncoding(torch.nn.Module):
         k_cache: list[Tensor],
         v_cache: list[Tensor],
         token_ids: Tensor,
-        length: Tensor,
-        slot: Tensor,
+        lengths: Tensor,
+        slots: Tensor,
     ) -> Tensor:
         return context_encode(
-            self.args, weights, freq, k_cache, v_cache, token_ids, length, slot, self.linear
+            self.args, weights, freq, k_cache, v_cache, token_ids, lengths, slots, self.linear,
+            self.compute,
         )
 
 
 class TokenGeneration(torch.nn.Module):
     def __init__(
-        self, args: ModelArgs, bucket: int, use_gemv: bool = False, packed: bool = False
+        self, args: ModelArgs, bucket: int, numerics: Numerics, use_gemv: bool = False,
+        packed: bool = False,
     ) -> None:
         super().__init__()
         self.args = args
         self.bucket = bucket
-        self.linear = gemv if use_gemv else packed_linear if packed else linear
+        self.compute = numerics.compute
+        self.linear: Linear = (int8_linear if numerics.quantized else gemv if use_gemv
+                               else packed_linear if packed else linear)
 
     def forward(
         self,
@@ -509,5 +638,5 @@ class TokenGeneration(torch.nn.Module):
     ) -> Tensor:
         return token_generate(
             self.args, weights, freq, k_cache, v_cache, token_ids, positions, self.bucket,
-            self.linear,
+            self.linear, self.compute,
         )

@@ -11,7 +11,7 @@ from typing import TYPE_CHECKING, Any
 import torch
 
 from neuronctl.backends.torch import modeling
-from neuronctl.backends.torch.graphs import CONTEXT, DTYPES, TOKEN_GEN
+from neuronctl.backends.torch.graphs import CONTEXT, DTYPES, TOKEN_GEN, graph_name, prompt_counts
 from neuronctl.backends.torch.safeload import load_export_graph
 from neuronctl.errors import CheckpointError, NotFoundError, UsageError
 
@@ -43,8 +43,9 @@ class TorchRunner:
         # Inductor artifacts above the GEMV's batch range read oneDNN-prepacked weights
         # (modeling.packed_linear); the graph files are the same whatever the weights.
         self.packed = bool(config_data.get("packed_weights", False))
+        self.quantized = bool(spec.quantized)
         self.weights = _load_weights(path / "weights", self.args, self.dtype, self.packed,
-                                     self.batch_size)
+                                     self.batch_size, self.quantized)
         self.k_cache, self.v_cache = modeling.new_kv_cache(
             self.args, self.batch_size, self.seq_len, self.dtype
         )
@@ -56,24 +57,63 @@ class TorchRunner:
             *self.k_cache,
             *self.v_cache,
         ]
-        # The manifest lists the graphs (graphs/<kind>_<bucket>.pt2): no second map to trust.
-        graph_files = {Path(rel).stem: rel for rel in graphs}
-        self._context = {b: self._load_graph(path, graph_files, CONTEXT, b)
-                         for b in self.context_buckets}
-        self._token_gen = {b: self._load_graph(path, graph_files, TOKEN_GEN, b)
-                           for b in self.token_gen_buckets}
+        # The manifest lists the graphs (graphs/<name>.pt2): no second map to trust.
+        self._graph_files = {Path(rel).stem: rel for rel in graphs}
+        # Prompts per context-encoding call this artifact has graphs for (prefill_batch).
+        self.prompt_counts = [n for n in prompt_counts(self.batch_size)
+                              if graph_name(CONTEXT, self.context_buckets[0], n)
+                              in self._graph_files]
+        for name in [graph_name(CONTEXT, b, n) for b in self.context_buckets
+                     for n in self.prompt_counts]:
+            self._check_graph(name)
+        for name in [graph_name(TOKEN_GEN, b) for b in self.token_gen_buckets]:
+            self._check_graph(name)
+        # Loaded on first use: a process that serves short prompts never pays for the
+        # others, and loading is most of a cold start for exported programs.
+        self._graphs: dict[str, Graph] = {}
 
     def prefill(self, slot: int, token_ids: Sequence[int]) -> torch.Tensor:
-        n = len(token_ids)
-        if not 0 <= slot < self.batch_size:
-            raise UsageError(f"slot {slot} is outside 0..{self.batch_size - 1}")
-        if n == 0:
-            raise UsageError("cannot prefill an empty prompt")
-        bucket = _pick(self.context_buckets, n, "context bucket", "prompt length")
-        tokens = torch.zeros(1, bucket, dtype=torch.long)
-        tokens[0, :n] = torch.as_tensor(token_ids, dtype=torch.long)
-        inputs = [tokens, torch.tensor([n]), torch.tensor([slot])]
-        return self._context[bucket](self._prefix + inputs)
+        return self.prefill_batch([slot], [token_ids])[0]
+
+    def prefill_batch(
+        self, slots: Sequence[int], prompts: Sequence[Sequence[int]]
+    ) -> torch.Tensor:
+        """Context-encode one prompt per slot in as few graph calls as the graphs allow.
+
+        Prompts go in groups of the largest prompt count the artifact has graphs for, each
+        group padded to its longest prompt's context bucket and to a prompt count (padding
+        rows repeat the group's first prompt and slot, so they write what it writes).
+        Returns the last real position's logits, [len(slots), vocab] float32.
+        """
+        if len(slots) != len(prompts) or not slots:
+            raise UsageError("prefill_batch takes one prompt per slot, and at least one")
+        if len(set(slots)) != len(slots):
+            raise UsageError("prefill_batch got the same slot twice")
+        for slot, ids in zip(slots, prompts, strict=True):
+            if not 0 <= slot < self.batch_size:
+                raise UsageError(f"slot {slot} is outside 0..{self.batch_size - 1}")
+            if not ids:
+                raise UsageError("cannot prefill an empty prompt")
+        step = self.prompt_counts[-1]
+        out = [self._encode_group(slots[i:i + step], prompts[i:i + step])
+               for i in range(0, len(slots), step)]
+        return out[0] if len(out) == 1 else torch.cat(out)
+
+    def _encode_group(
+        self, slots: Sequence[int], prompts: Sequence[Sequence[int]]
+    ) -> torch.Tensor:
+        longest = max(len(ids) for ids in prompts)
+        bucket = _pick(self.context_buckets, longest, "context bucket", "prompt length")
+        count = _pick(self.prompt_counts, len(prompts), "prompt count", "prompt count")
+        rows = list(range(len(prompts))) + [0] * (count - len(prompts))
+        tokens = torch.zeros(count, bucket, dtype=torch.long)
+        for row, i in enumerate(rows):
+            tokens[row, :len(prompts[i])] = torch.as_tensor(prompts[i], dtype=torch.long)
+        lengths = torch.tensor([len(prompts[i]) for i in rows])
+        slot_ids = torch.tensor([slots[i] for i in rows])
+        logits = self._graph(graph_name(CONTEXT, bucket, count))(
+            self._prefix + [tokens, lengths, slot_ids])
+        return logits[:len(prompts)]
 
     def decode(self, token_ids: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
         if len(token_ids) != self.batch_size or len(positions) != self.batch_size:
@@ -86,26 +126,32 @@ class TorchRunner:
         bucket = _pick(self.token_gen_buckets, top + 1, "token-generation bucket", "position")
         inputs = [torch.as_tensor(token_ids, dtype=torch.long),
                   torch.as_tensor(positions, dtype=torch.long)]
-        return self._token_gen[bucket](self._prefix + inputs)
+        return self._graph(graph_name(TOKEN_GEN, bucket))(self._prefix + inputs)
 
     def reset(self) -> None:
         """Zero the KV cache (tests; a real engine simply overwrites slots)."""
         for t in (*self.k_cache, *self.v_cache):
             t.zero_()
 
-    def _load_graph(self, path: Path, files: dict[str, str], kind: str, bucket: int) -> Graph:
-        name = f"{kind}_{bucket}"
-        rel = files.get(name)
-        if rel is None or not (path / rel).is_file():
-            raise NotFoundError(f"{path} has no graph {name}", "recompile the artifact")
-        return load_graph(path / rel, self.compiler)
+    def _check_graph(self, name: str) -> None:
+        rel = self._graph_files.get(name)
+        if rel is None or not (self.path / rel).is_file():
+            raise NotFoundError(f"{self.path} has no graph {name}", "recompile the artifact")
+
+    def _graph(self, name: str) -> Graph:
+        graph = self._graphs.get(name)
+        if graph is None:
+            graph = load_graph(self.path / self._graph_files[name], self.compiler)
+            self._graphs[name] = graph
+        return graph
 
 
 def load_graph(file: Path, compiler: str) -> Graph:
     """A callable taking the graph's flat input list and returning its output tensor."""
     if compiler == "inductor":
-        package = torch._inductor.aoti_load_package(str(file))
-        loader = package.loader  # calling the loader directly skips pytree work per step
+        # torch's own package loader, without torch._inductor.aoti_load_package: that
+        # imports all of inductor and dynamo (~2 s of a cold start) to wrap this object.
+        loader = torch._C._aoti.AOTIModelPackageLoader(str(file), "model", False, 1, -1)
         return lambda flat: loader.run(flat)[0]
     program = load_export_graph(file)  # refuses pickled payloads before torch reads it
     module = program.module()
@@ -135,16 +181,17 @@ def _neuron_config(path: Path) -> dict[str, Any]:
 
 def _load_weights(
     weights_dir: Path, args: modeling.ModelArgs, dtype: torch.dtype, packed: bool = False,
-    batch_size: int = 1,
+    batch_size: int = 1, quantized: bool = False,
 ) -> dict[str, torch.Tensor]:
     from neuronctl.sharding import load_full_tensors
 
     full = load_full_tensors(weights_dir)
-    missing = [n for n in modeling.weight_names(args) if n not in full]
+    names = modeling.weight_names(args, quantized)
+    missing = [n for n in names if n not in full]
     if missing:
         raise CheckpointError(f"{weights_dir} lacks {missing[0]}", "recompile the artifact")
-    needed = {n: full.pop(n).to(dtype) for n in modeling.weight_names(args)}
-    weights = modeling.graph_weights(needed, args, packed)
+    needed = {n: _as_graph_input(n, full.pop(n), dtype) for n in names}
+    weights = modeling.graph_weights(needed, args, packed, quantized)
     if packed:
         if not modeling.can_pack(dtype):
             raise CheckpointError(
@@ -154,3 +201,11 @@ def _load_weights(
         for name in modeling.packed_names(args):
             weights[name] = modeling.pack_weight(weights[name], batch_size)
     return weights
+
+
+def _as_graph_input(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """int8 weights stay int8, their scales are bf16 (modeling.quantize), the rest the
+    artifact's dtype."""
+    if tensor.dtype == torch.int8:
+        return tensor
+    return tensor.to(torch.bfloat16 if name.endswith("_scale") else dtype)

@@ -1,0 +1,523 @@
+"""neuronctl beside llama.cpp and transformers on this CPU, interleaved, in one process tree.
+
+    python bench/peers.py                 # every row of issue 14's table (about 10 minutes)
+    python bench/peers.py --rounds 1 --skip cold   # a quicker look
+
+A random checkpoint with the SmolLM2-135M shape (bench/decode.py's, plus a byte-level
+tokenizer) is made locally, compiled by neuronctl (bf16, fp32, int8; batch 1 and 8;
+`--compiler inductor`) and converted to GGUF (BF16, F32 and Q8_0) with the `gguf` package.
+Every round measures, back to back for each row, neuronctl's Runner, llama.cpp (through
+llama-cpp-python's C API: one llama_decode per step, as llama-batched-bench does) and
+transformers eager; each figure is the best over the rounds. Then the cold start: a fresh
+`neuronctl generate` for one token, the same for llama.cpp and transformers, and the floor,
+`python -c "import torch"`. Prints one JSON line per measurement, then every ratio with its
+target. Needs the bench extra (`pip install -e '.[bench]'`: llama-cpp-python builds from
+source with cmake); without llama.cpp the llama.cpp columns say so and the rest still runs.
+"""
+
+from __future__ import annotations
+
+import argparse
+import ctypes
+import json
+import os
+import platform
+import shutil
+import subprocess
+import sys
+import time
+from collections.abc import Callable
+from pathlib import Path
+from typing import Any
+
+import torch
+
+HERE = Path(__file__).resolve().parent
+ROOT = HERE.parent
+sys.path[:0] = [str(ROOT), str(HERE)]
+from decode import NEW, PROMPT, SHAPE, bandwidth_gbs, make_checkpoint  # noqa: E402
+
+VOCAB = int(SHAPE["vocab_size"])
+PROMPT_TEXT = "The quick brown fox jumps over the lazy dog. " * 2
+
+
+# --- the checkpoint ------------------------------------------------------------------------
+
+
+def make_model(out: Path) -> Path:
+    """decode.py's checkpoint plus a byte-level tokenizer (ids 0..258), for `generate`."""
+    make_checkpoint(out)
+    if (out / "tokenizer.json").is_file():
+        return out
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<s>", "</s>", "<pad>"])
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                            pad_token="<pad>").save_pretrained(out)
+    return out
+
+
+GGUF_NAMES = {
+    "input_layernorm.weight": "attn_norm.weight",
+    "post_attention_layernorm.weight": "ffn_norm.weight",
+    "self_attn.q_proj.weight": "attn_q.weight",
+    "self_attn.k_proj.weight": "attn_k.weight",
+    "self_attn.v_proj.weight": "attn_v.weight",
+    "self_attn.o_proj.weight": "attn_output.weight",
+    "mlp.gate_proj.weight": "ffn_gate.weight",
+    "mlp.up_proj.weight": "ffn_up.weight",
+    "mlp.down_proj.weight": "ffn_down.weight",
+}
+
+
+def write_gguf(ckpt: Path, out: Path, kind: str) -> Path:
+    """The checkpoint as llama.cpp's convert script would write it: kind BF16, F32 or Q8_0.
+
+    2-D weights in `kind`, norms in F32; q/k rows permuted from Hugging Face's half-split
+    rotary layout to GGML's interleaved one; a tied head is simply absent (llama.cpp then
+    uses token_embd). The tokenizer is a placeholder SentencePiece vocabulary: the bench
+    feeds token ids.
+    """
+    if out.is_file():
+        return out
+    import gguf
+    import numpy as np
+    from safetensors.torch import load_file
+
+    qtype = getattr(gguf.GGMLQuantizationType, kind)
+    cfg = SHAPE
+    heads, kv_heads = int(cfg["num_attention_heads"]), int(cfg["num_key_value_heads"])
+    writer = gguf.GGUFWriter(str(out) + ".tmp", "llama")
+    writer.add_name("smollm2-135m-shape-random")
+    writer.add_block_count(int(cfg["num_hidden_layers"]))
+    writer.add_context_length(int(cfg["max_position_embeddings"]))
+    writer.add_embedding_length(int(cfg["hidden_size"]))
+    writer.add_feed_forward_length(int(cfg["intermediate_size"]))
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_dimension_count(int(cfg["head_dim"]))
+    writer.add_layer_norm_rms_eps(float(cfg["rms_norm_eps"]))
+    writer.add_rope_freq_base(float(cfg["rope_parameters"]["rope_theta"]))  # type: ignore[index]
+    writer.add_vocab_size(VOCAB)
+    file_types = {"BF16": gguf.LlamaFileType.MOSTLY_BF16, "F32": gguf.LlamaFileType.ALL_F32,
+                  "Q8_0": gguf.LlamaFileType.MOSTLY_Q8_0}
+    writer.add_file_type(file_types[kind])
+    writer.add_tokenizer_model("llama")
+    writer.add_token_list(["<unk>", "<s>", "</s>"] + [f"<0x{b:02X}>" for b in range(256)]
+                          + [f"t{i}" for i in range(259, VOCAB)])
+    writer.add_token_scores([0.0] * VOCAB)
+    types = [gguf.TokenType.UNKNOWN, gguf.TokenType.CONTROL, gguf.TokenType.CONTROL]
+    types += [gguf.TokenType.BYTE] * 256 + [gguf.TokenType.NORMAL] * (VOCAB - 259)
+    writer.add_token_types(types)
+    writer.add_bos_token_id(1)
+    writer.add_eos_token_id(2)
+    writer.add_unk_token_id(0)
+    for name, tensor in load_file(str(ckpt / "model.safetensors")).items():
+        data = tensor.float().numpy()
+        if name.endswith(("q_proj.weight", "k_proj.weight")):
+            n = heads if "q_proj" in name else kv_heads
+            data = (data.reshape(n, 2, data.shape[0] // n // 2, *data.shape[1:])
+                    .swapaxes(1, 2).reshape(data.shape))
+        if name == "model.embed_tokens.weight":
+            gname = "token_embd.weight"
+        elif name == "model.norm.weight":
+            gname = "output_norm.weight"
+        elif name == "lm_head.weight":
+            gname = "output.weight"
+        else:
+            layer, rest = name.removeprefix("model.layers.").split(".", 1)
+            gname = f"blk.{layer}.{GGUF_NAMES[rest]}"
+        if data.ndim == 1:
+            writer.add_tensor(gname, data.astype(np.float32))
+        else:
+            writer.add_tensor(gname, gguf.quants.quantize(data, qtype), raw_dtype=qtype)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    os.replace(str(out) + ".tmp", out)
+    return out
+
+
+# --- the three systems ---------------------------------------------------------------------
+
+
+def prompts(batch: int) -> list[list[int]]:
+    gen = torch.Generator().manual_seed(1)
+    return torch.randint(3, VOCAB, (batch, PROMPT), generator=gen).tolist()
+
+
+class Neuronctl:
+    """A compiled artifact's Runner, driven directly (no engine)."""
+
+    def __init__(self, path: Path) -> None:
+        from neuronctl.backends import get_backend
+        from neuronctl.store.manifest import read_manifest
+
+        self.runner = get_backend("torch").load(path, read_manifest(path))
+
+    def decode(self, batch: int) -> float:
+        runner, ids = self.runner, prompts(batch)
+        slots = list(range(batch))
+        tokens = runner.prefill_batch(slots, ids).argmax(-1).tolist()
+        start = time.perf_counter()
+        for step in range(NEW):
+            tokens = runner.decode(tokens, [PROMPT + step] * batch).argmax(-1).tolist()
+        return batch * NEW / (time.perf_counter() - start)
+
+    def ttft(self) -> float:
+        ids = prompts(1)[0]
+        start = time.perf_counter()
+        int(self.runner.prefill(0, ids).argmax())
+        return time.perf_counter() - start
+
+
+class Transformers:
+    """transformers eager, as bench/decode.py measures it."""
+
+    def __init__(self, ckpt: Path, dtype: str) -> None:
+        from transformers import AutoModelForCausalLM
+
+        self.model = AutoModelForCausalLM.from_pretrained(ckpt, dtype=getattr(torch, dtype))
+        self.model.eval()
+
+    @torch.no_grad()
+    def _generate(self, ids: torch.Tensor, n: int) -> float:
+        start = time.perf_counter()
+        self.model.generate(ids, attention_mask=torch.ones_like(ids), max_new_tokens=n,
+                            min_new_tokens=n, do_sample=False, pad_token_id=0)
+        return time.perf_counter() - start
+
+    def decode(self, batch: int) -> float:
+        """Decode-only tokens/s: (T(64 new) - T(1 new)) over 63 steps."""
+        ids = torch.tensor(prompts(batch))
+        return batch * (NEW - 1) / max(self._generate(ids, NEW) - self._generate(ids, 1), 1e-9)
+
+    @torch.no_grad()
+    def ttft(self) -> float:
+        ids = torch.tensor(prompts(1))
+        start = time.perf_counter()
+        int(self.model(ids, use_cache=True).logits[0, -1].argmax())
+        return time.perf_counter() - start
+
+
+_LOG_CALLBACK: Any = None
+
+
+class LlamaCpp:
+    """llama.cpp through llama-cpp-python's C API: one context with a sequence per slot."""
+
+    def __init__(self, gguf_path: Path, n_seq: int, threads: int) -> None:
+        import llama_cpp as lc
+
+        global _LOG_CALLBACK
+        if _LOG_CALLBACK is None:  # keep llama.cpp's load log off the bench output
+            _LOG_CALLBACK = lc.ggml_log_callback(lambda level, text, data: None)
+            lc.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
+        lc.llama_backend_init()
+        self.lc = lc
+        self.model = lc.llama_model_load_from_file(str(gguf_path).encode(),
+                                                   lc.llama_model_default_params())
+        if not self.model:
+            raise RuntimeError(f"llama.cpp could not load {gguf_path}")
+        params = lc.llama_context_default_params()
+        params.n_ctx = (PROMPT + NEW) * n_seq
+        params.n_batch = params.n_ubatch = PROMPT * n_seq
+        params.n_seq_max = n_seq
+        params.n_threads = params.n_threads_batch = threads
+        self.ctx = lc.llama_init_from_model(self.model, params)
+        if not self.ctx:
+            raise RuntimeError("llama.cpp could not create a context")
+        self.n_vocab = lc.llama_vocab_n_tokens(lc.llama_model_get_vocab(self.model))
+        self.batch = lc.llama_batch_init(PROMPT * n_seq, 0, 1)
+
+    def _decode(self, items: list[tuple[int, int, int, bool]]) -> None:
+        """One llama_decode of (token, position, sequence, wants logits) items."""
+        batch = self.batch
+        batch.n_tokens = len(items)
+        for i, (token, pos, seq, logits) in enumerate(items):
+            batch.token[i], batch.pos[i], batch.n_seq_id[i] = token, pos, 1
+            batch.seq_id[i][0], batch.logits[i] = seq, logits
+        if self.lc.llama_decode(self.ctx, batch) != 0:
+            raise RuntimeError("llama_decode failed")
+
+    def _argmax(self, i: int) -> int:
+        import numpy as np
+
+        row = np.ctypeslib.as_array(self.lc.llama_get_logits_ith(self.ctx, i),
+                                    shape=(self.n_vocab,))
+        return int(row.argmax())
+
+    def _prefill(self, ids: list[list[int]]) -> list[int]:
+        """Every prompt in one llama_decode (llama.cpp's batched prompt processing)."""
+        self.lc.llama_memory_clear(self.lc.llama_get_memory(self.ctx), True)
+        items = [(t, p, s, p == len(seq) - 1) for s, seq in enumerate(ids)
+                 for p, t in enumerate(seq)]
+        self._decode(items)
+        return [self._argmax(i) for i, item in enumerate(items) if item[3]]
+
+    def decode(self, batch: int) -> float:
+        tokens = self._prefill(prompts(batch))
+        start = time.perf_counter()
+        for step in range(NEW):
+            self._decode([(t, PROMPT + step, s, True) for s, t in enumerate(tokens)])
+            tokens = [self._argmax(s) for s in range(batch)]
+        return batch * NEW / (time.perf_counter() - start)
+
+    def ttft(self) -> float:
+        ids = prompts(1)
+        self.lc.llama_memory_clear(self.lc.llama_get_memory(self.ctx), True)
+        start = time.perf_counter()
+        self._prefill(ids)
+        return time.perf_counter() - start
+
+
+# --- compile, measure, report --------------------------------------------------------------
+
+
+def compile_artifact(ckpt: Path, store: Path, dtype: str, batch: int, quantized: bool) -> Path:
+    from neuronctl.build import compile_model, resolve_build
+
+    spec: dict[str, Any] = {
+        "dtype": dtype, "batch_size": batch, "seq_len": PROMPT + NEW,
+        "max_context_length": PROMPT, "context_buckets": str(PROMPT),
+        "token_gen_buckets": str(PROMPT + NEW), "compiler": "inductor",
+    }
+    if quantized:
+        spec.update(quantized=True, quantization_type="per_channel_symmetric")
+    start = time.perf_counter()
+    outcome = compile_model(resolve_build(str(ckpt), spec, store_dir=store),
+                            jobs=os.cpu_count() or 1)
+    verb = "cache hit" if outcome.cache_hit else "compiled"
+    print(f"# {verb} {dtype} batch {batch}{' int8' if quantized else ''} "
+          f"in {time.perf_counter() - start:.1f} s", flush=True)
+    return Path(outcome.path)
+
+
+def llama_cpp_available() -> str | None:
+    """None when llama-cpp-python and gguf import, else why not."""
+    try:
+        import gguf  # noqa: F401
+        import llama_cpp  # noqa: F401
+    except ImportError as exc:
+        return f"{exc.name} is not installed (pip install -e '.[bench]')"
+    return None
+
+
+def host_facts() -> dict[str, Any]:
+    from neuronctl.backends.torch import cpu_isa, half_units
+
+    model = platform.processor()
+    try:
+        for line in Path("/proc/cpuinfo").read_text().splitlines():
+            if line.startswith("model name"):
+                model = line.partition(":")[2].strip()
+                break
+    except OSError:
+        pass
+    return {"cpu": model, "isa": cpu_isa(), "half_units": half_units(),
+            "threads": torch.get_num_threads(), "cores": os.cpu_count(),
+            "torch": torch.__version__}
+
+
+def cold_start(args: list[str], env: dict[str, str]) -> float:
+    start = time.perf_counter()
+    subprocess.run(args, check=True, env=env, stdout=subprocess.DEVNULL,
+                   stderr=subprocess.DEVNULL)
+    return time.perf_counter() - start
+
+
+def cold_commands(artifact: Path, ckpt: Path, gguf_path: Path | None) -> dict[str, list[str]]:
+    py = sys.executable
+    ids = prompts(1)[0]
+    commands = {
+        "import torch": [py, "-c", "import torch"],
+        "neuronctl": [py, "-m", "neuronctl.cli.main", "generate", str(artifact), "--prompt",
+                      PROMPT_TEXT, "--max-tokens", "1"],
+        "transformers": [py, "-c", (
+            "import sys, torch\n"
+            "from transformers import AutoModelForCausalLM, AutoTokenizer\n"
+            "tok = AutoTokenizer.from_pretrained(sys.argv[1])\n"
+            "model = AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16)\n"
+            "ids = tok(sys.argv[2], return_tensors='pt').input_ids\n"
+            "print(tok.decode(model.generate(ids, max_new_tokens=1, do_sample=False)[0, -1:]))"
+        ), str(ckpt), PROMPT_TEXT],
+    }
+    if gguf_path is not None:
+        commands["llama.cpp"] = [py, "-c", (
+            "import sys, json\nfrom llama_cpp import Llama\n"
+            "llm = Llama(sys.argv[1], n_ctx=256, verbose=False)\n"
+            "llm.eval(json.loads(sys.argv[2]))\n"
+            "print(int(llm.scores[llm.n_tokens - 1].argmax()))"
+        ), str(gguf_path), json.dumps(ids)]
+    return commands
+
+
+def best(values: list[float], higher: bool) -> float:
+    return max(values) if higher else min(values)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--cold-runs", type=int, default=3)
+    parser.add_argument("--work", type=Path, default=Path("/tmp/neuronctl-bench-peers"))
+    parser.add_argument("--fresh", action="store_true", help="recompile and reconvert")
+    parser.add_argument("--skip", default="", help="comma list of: transformers, llama.cpp,"
+                        " cold, batch8, int8")
+    opts = parser.parse_args()
+    skip = set(filter(None, opts.skip.split(",")))
+    if opts.fresh:
+        shutil.rmtree(opts.work, ignore_errors=True)
+    ckpt = make_model(opts.work / "smollm2-135m-shape")
+    store = opts.work / "store"
+    threads = torch.get_num_threads()
+    facts = host_facts()
+    facts["read_bandwidth_gbs"] = round(bandwidth_gbs(3), 1)
+    print(json.dumps({"host": facts}), flush=True)
+    why_no_llama = "skipped" if "llama.cpp" in skip else llama_cpp_available()
+    if why_no_llama:
+        print(f"# llama.cpp: {why_no_llama}; its columns are left empty", flush=True)
+
+    rows: list[tuple[str, str, int, bool]] = []  # (label, dtype, batch, quantized)
+    for dtype in ("bfloat16", "float32"):
+        rows.append((f"{dtype} batch 1", dtype, 1, False))
+        if "batch8" not in skip:
+            rows.append((f"{dtype} batch 8", dtype, 8, False))
+    if "int8" not in skip:
+        rows.append(("int8 batch 1", "bfloat16", 1, True))
+    gguf_kind = {"bfloat16": "BF16", "float32": "F32"}
+
+    systems: dict[str, dict[str, Any]] = {}
+    for label, dtype, batch, quantized in rows:
+        entry: dict[str, Any] = {
+            "neuronctl": Neuronctl(compile_artifact(ckpt, store, dtype, batch, quantized))}
+        if not why_no_llama:
+            kind = "Q8_0" if quantized else gguf_kind[dtype]
+            path = write_gguf(ckpt, opts.work / f"model-{kind}.gguf", kind)
+            entry["llama.cpp"] = LlamaCpp(path, batch, threads)
+        if "transformers" not in skip and not quantized:
+            entry["transformers"] = Transformers(ckpt, dtype)
+        systems[label] = entry
+
+    decode: dict[tuple[str, str], list[float]] = {}
+    ttft: dict[tuple[str, str], list[float]] = {}
+    for round_ in range(opts.rounds):
+        for label, _dtype, batch, quantized in rows:
+            for name, system in systems[label].items():
+                tok_s = system.decode(batch)
+                decode.setdefault((label, name), []).append(tok_s)
+                print(json.dumps({"round": round_, "row": label, "system": name,
+                                  "decode_tok_s": round(tok_s, 1)}), flush=True)
+                if batch == 1 and not quantized:
+                    secs = system.ttft()
+                    ttft.setdefault((label, name), []).append(secs)
+                    print(json.dumps({"round": round_, "row": label, "system": name,
+                                      "ttft_ms": round(secs * 1e3, 1)}), flush=True)
+
+    cold: dict[str, list[float]] = {}
+    if "cold" not in skip:
+        env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        gguf_path = None if why_no_llama else opts.work / "model-BF16.gguf"
+        artifact = compile_artifact(ckpt, store, "bfloat16", 1, False)
+        commands = cold_commands(artifact, ckpt, gguf_path)
+        if "transformers" in skip:
+            commands.pop("transformers")
+        for run in range(opts.cold_runs):
+            for name, args in commands.items():
+                secs = cold_start(args, env)
+                cold.setdefault(name, []).append(secs)
+                print(json.dumps({"run": run, "cold_start": name, "s": round(secs, 2)}),
+                      flush=True)
+    facts["read_bandwidth_gbs_after"] = round(bandwidth_gbs(3), 1)
+    report(facts, rows, decode, ttft, cold)
+
+
+def report(
+    facts: dict[str, Any],
+    rows: list[tuple[str, str, int, bool]],
+    decode: dict[tuple[str, str], list[float]],
+    ttft: dict[tuple[str, str], list[float]],
+    cold: dict[str, list[float]],
+) -> None:
+    def get(table: dict[Any, list[float]], key: Any, higher: bool) -> float | None:
+        return best(table[key], higher) if key in table else None
+
+    def ratio(a: float | None, b: float | None) -> str:
+        return f"{a / b:.2f}x" if a and b else "-"
+
+    def verdict(value: float | None, target: float, strict: bool = False) -> str:
+        if value is None:
+            return "not measured"
+        return "met" if (value > target if strict else value >= target) else "NOT met"
+
+    print(f"\nhost: {facts['cpu']}; ISA {facts['isa']}; half-precision units "
+          f"{facts['half_units']}; {facts['threads']} threads; read bandwidth "
+          f"{facts['read_bandwidth_gbs']}-{facts['read_bandwidth_gbs_after']} GB/s; "
+          f"torch {facts['torch']}")
+    print("\n| what | neuronctl | llama.cpp | transformers | vs llama.cpp | vs transformers |"
+          " target |")
+    print("| --- | --- | --- | --- | --- | --- | --- |")
+    lines: list[tuple[str, float | None, float | None, float | None, str]] = []
+    for label, _dtype, batch, quantized in rows:
+        if quantized:
+            continue
+        nc = get(decode, (label, "neuronctl"), True)
+        lc = get(decode, (label, "llama.cpp"), True)
+        hf = get(decode, (label, "transformers"), True)
+        strict = batch > 1  # level at batch 1, ahead at batch 8
+        target = (f"{'>' if strict else '>='} 1.0x llama.cpp: "
+                  f"{verdict(nc / lc if nc and lc else None, 1.0, strict)}")
+        lines.append((f"{label} decode, tok/s", nc, lc, hf, target))
+    for dtype in ("bfloat16", "float32"):
+        key = f"{dtype} batch 1"
+        nc = get(ttft, (key, "neuronctl"), False)
+        lc = get(ttft, (key, "llama.cpp"), False)
+        hf = get(ttft, (key, "transformers"), False)
+        speedup = lc / nc if nc and lc else None
+        lines.append((f"{dtype} TTFT, {PROMPT}-token prompt, ms", _ms(nc), _ms(lc), _ms(hf),
+                      f"<= llama.cpp: {verdict(speedup, 1.0)}"))
+    for label, nc, lc, hf, target in lines:
+        # For times the ratio is theirs over ours, so > 1 always means neuronctl is faster.
+        flip = "ms" in label
+        print(f"| {label} | {_fmt(nc)} | {_fmt(lc)} | {_fmt(hf)} | "
+              f"{ratio(lc, nc) if flip else ratio(nc, lc)} | "
+              f"{ratio(hf, nc) if flip else ratio(nc, hf)} | {target} |")
+    if cold:
+        floor = best(cold["import torch"], False)
+        nc = best(cold["neuronctl"], False)
+        lc = get(cold, "llama.cpp", False)
+        hf = get(cold, "transformers", False)
+        print(f"| process start -> first token, s (floor `import torch` {floor:.2f} s) | "
+              f"{nc:.2f} | {_fmt(lc)} | {_fmt(hf)} | {ratio(lc, nc)} | {ratio(hf, nc)} | "
+              f"<= 2x the floor: {nc / floor:.2f}x, {verdict(2.0 - nc / floor, 0.0)} |")
+    int8 = get(decode, ("int8 batch 1", "neuronctl"), True)
+    if int8:
+        bf16 = get(decode, ("bfloat16 batch 1", "neuronctl"), True)
+        q8 = get(decode, ("int8 batch 1", "llama.cpp"), True)
+        print(f"| int8 batch 1 decode, tok/s (llama.cpp Q8_0) | {int8:.1f} | {_fmt(q8)} | - | "
+              f"{ratio(int8, q8)} | - | >= 1.6x bf16: {ratio(int8, bf16)}, "
+              f"{verdict(int8 / bf16 if bf16 else None, 1.6)}; > Q8_0: "
+              f"{verdict(int8 / q8 if q8 else None, 1.0, True)} |")
+    print("\nratios are neuronctl's speed over the peer's (> 1: neuronctl is faster); each "
+          "figure is the best of the rounds")
+
+
+def _ms(secs: float | None) -> float | None:
+    return None if secs is None else secs * 1e3
+
+
+def _fmt(value: float | None) -> str:
+    return "-" if value is None else f"{value:.1f}"
+
+
+Measure = Callable[[], float]
+
+if __name__ == "__main__":
+    main()
