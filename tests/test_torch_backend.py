@@ -182,7 +182,7 @@ def test_passing_host_checks_say_why(compiled_artifact: Path) -> None:
         update={"spec": manifest.spec.model_copy(update={"compiler": "inductor"})}
     )
     checks = TorchBackend().host_checks(inductor)
-    assert [c.name for c in checks] == ["cpu isa", "cores"]
+    assert [c.name for c in checks] == ["cpu isa", "half-precision units", "cores"]
     assert all(c.ok and c.reason for c in checks)
 
 
