@@ -18,6 +18,7 @@ from tests.test_remote import (  # noqa: F401  (fixtures)
     s3server,
     sample_files,
     tree_bytes,
+    trusted_env,  # pushes sign with $NEURONCTL_SIGNING_KEY, pulls trust $NEURONCTL_TRUSTED_KEYS
 )
 
 
