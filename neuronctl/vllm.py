@@ -227,7 +227,9 @@ def cli_target(manifest: Manifest, requested: str | None, framework: str | None 
 
 
 def artifact_spec(manifest: Manifest) -> BuildSpec:
-    spec = manifest.spec  # typed: store.manifest reads it back as a BuildSpec
+    spec = manifest.spec  # typed when read_manifest validated it
+    if not isinstance(spec, BuildSpec):  # a Manifest.model_construct()ed by a caller
+        spec = BuildSpec.model_validate(spec)
     if spec.dtype == "auto" or "auto" in (spec.context_buckets, spec.token_gen_buckets):
         raise NeuronctlError("the artifact's manifest spec is not finalized (has 'auto' values)")
     return spec
