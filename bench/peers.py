@@ -26,7 +26,6 @@ import shutil
 import subprocess
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -277,7 +276,46 @@ class LlamaCpp:
         return time.perf_counter() - start
 
 
+# --- quality ------------------------------------------------------------------------------
+
+
+QUALITY_PROMPTS = [(9, 2), (20, 1), (24, 8), (40, 12), (60, 5)]  # (length, seed) as the tests
+
+
+@torch.no_grad()
+def quality(runner: Any, reference: Any, steps: int = 16) -> dict[str, float]:
+    """Top-1 agreement and logit error of an artifact against float32 transformers.
+
+    Teacher-forced along the reference's own greedy continuation of each prompt (random ids
+    of the parity tests' lengths and seeds), so every step compares the same prefix.
+    """
+    agree, total, max_err, rel_err = 0, 0, 0.0, 0.0
+    for length, seed in QUALITY_PROMPTS:
+        ids = torch.randint(3, VOCAB, (length,),
+                            generator=torch.Generator().manual_seed(seed)).tolist()
+        seq = list(ids)
+        for _ in range(steps):
+            seq.append(int(reference(torch.tensor([seq])).logits[0, -1].argmax()))
+        ref = reference(torch.tensor([seq])).logits[0, length - 1:-1].float()
+        got = [runner.prefill(0, ids)]
+        slots = runner.batch_size
+        for pos in range(length, length + steps - 1):
+            got.append(runner.decode([seq[pos]] + [0] * (slots - 1),
+                                     [pos] + [-1] * (slots - 1))[0])
+        got_t = torch.stack(got)
+        agree += int((got_t.argmax(-1) == ref.argmax(-1)).sum())
+        total += len(got)
+        err = float((got_t - ref).abs().max())
+        max_err = max(max_err, err)
+        rel_err = max(rel_err, err / float(ref.abs().max()))
+    return {"top1_agreement": agree / total, "max_logit_error": max_err,
+            "max_logit_error_relative": rel_err}
+
+
 # --- compile, measure, report --------------------------------------------------------------
+
+
+COMPILER = "inductor"  # --compiler export: a quick smoke run of the script itself
 
 
 def compile_artifact(ckpt: Path, store: Path, dtype: str, batch: int, quantized: bool) -> Path:
@@ -286,7 +324,7 @@ def compile_artifact(ckpt: Path, store: Path, dtype: str, batch: int, quantized:
     spec: dict[str, Any] = {
         "dtype": dtype, "batch_size": batch, "seq_len": PROMPT + NEW,
         "max_context_length": PROMPT, "context_buckets": str(PROMPT),
-        "token_gen_buckets": str(PROMPT + NEW), "compiler": "inductor",
+        "token_gen_buckets": str(PROMPT + NEW), "compiler": COMPILER,
     }
     if quantized:
         spec.update(quantized=True, quantization_type="per_channel_symmetric")
@@ -369,8 +407,12 @@ def main() -> None:
     parser.add_argument("--work", type=Path, default=Path("/tmp/neuronctl-bench-peers"))
     parser.add_argument("--fresh", action="store_true", help="recompile and reconvert")
     parser.add_argument("--skip", default="", help="comma list of: transformers, llama.cpp,"
-                        " cold, batch8, int8")
+                        " cold, batch8, int8, quality")
+    parser.add_argument("--compiler", default="inductor", choices=["inductor", "export"],
+                        help="export only to check the script quickly; its figures mean little")
     opts = parser.parse_args()
+    global COMPILER
+    COMPILER = opts.compiler
     skip = set(filter(None, opts.skip.split(",")))
     if opts.fresh:
         shutil.rmtree(opts.work, ignore_errors=True)
@@ -420,6 +462,17 @@ def main() -> None:
                     print(json.dumps({"round": round_, "row": label, "system": name,
                                       "ttft_ms": round(secs * 1e3, 1)}), flush=True)
 
+    scores: dict[str, dict[str, float]] = {}
+    if "quality" not in skip:
+        from transformers import AutoModelForCausalLM
+
+        reference = AutoModelForCausalLM.from_pretrained(ckpt, dtype=torch.float32).eval()
+        for label, dtype, batch, quantized in rows:
+            if batch == 1:
+                name = "int8" if quantized else dtype
+                scores[name] = quality(systems[label]["neuronctl"].runner, reference)
+                print(json.dumps({"quality": name, **scores[name]}), flush=True)
+
     cold: dict[str, list[float]] = {}
     if "cold" not in skip:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(
@@ -437,6 +490,10 @@ def main() -> None:
                       flush=True)
     facts["read_bandwidth_gbs_after"] = round(bandwidth_gbs(3), 1)
     report(facts, rows, decode, ttft, cold)
+    for name, score in scores.items():
+        print(f"quality {name} vs float32 transformers: top-1 agreement "
+              f"{score['top1_agreement']:.3f}, max logit error {score['max_logit_error']:.4f} "
+              f"({score['max_logit_error_relative']:.4f} of the largest logit)")
 
 
 def report(
@@ -516,8 +573,6 @@ def _ms(secs: float | None) -> float | None:
 def _fmt(value: float | None) -> str:
     return "-" if value is None else f"{value:.1f}"
 
-
-Measure = Callable[[], float]
 
 if __name__ == "__main__":
     main()

@@ -56,7 +56,7 @@ def test_env_maps_vllm_names() -> None:
         ({}, {"VLLM_NEURON_FRAMEWORK": "tensorrt"}, "VLLM_NEURON_FRAMEWORK"),
         ({"tp_degree": 0}, {}, "tp_degree"),
         ({"num_speculative_tokens": 4}, {}, "num_speculative_tokens"),
-        ({"backend": "torch", "quantized": True}, {}, "backend"),
+        ({"backend": "torch", "draft_model": "d", "num_speculative_tokens": 2}, {}, "backend"),
     ],
 )
 def test_invalid_values_are_refused_naming_the_field(flags, env, field) -> None:

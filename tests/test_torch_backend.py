@@ -186,6 +186,28 @@ def test_passing_host_checks_say_why(compiled_artifact: Path) -> None:
     assert all(c.ok and c.reason for c in checks)
 
 
+def test_an_artifact_computing_in_bf16_needs_bf16_units(
+    compiled_artifact: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import neuronctl.backends.torch as backend
+
+    manifest = read_manifest(compiled_artifact)
+    native = manifest.model_copy(update={
+        "backend_versions": {**manifest.backend_versions, "cpu_half_units": "bf16"},
+        "spec": {**manifest.spec, "dtype": "bfloat16"},
+    })
+    monkeypatch.setattr(backend, "half_units", lambda: "none")
+    failed = [c.reason for c in TorchBackend().host_checks(native) if not c.ok]
+    assert failed and "compute in bfloat16" in failed[0] and "recompile here" in failed[0]
+    monkeypatch.setattr(backend, "half_units", lambda: "bf16 fp16")
+    assert all(c.ok for c in TorchBackend().host_checks(native))
+    # Built where bf16 is emulated, it computes in float32 and runs anywhere.
+    emulated = native.model_copy(update={
+        "backend_versions": {**manifest.backend_versions, "cpu_half_units": "none"}})
+    monkeypatch.setattr(backend, "half_units", lambda: "none")
+    assert all(c.ok for c in TorchBackend().host_checks(emulated))
+
+
 def test_cpu_isa_is_cached_across_processes(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     import neuronctl.backends.torch as backend
 

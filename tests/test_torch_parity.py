@@ -191,12 +191,16 @@ def test_prefill_batch_equals_one_prefill_per_prompt(artifact: Any) -> None:
 
 def test_prefill_batch_splits_more_prompts_than_a_graph_takes(tmp_path: Path) -> None:
     ckpt = make_checkpoint(tmp_path / "ckpt", "llama")
+    # batch 3: graphs for 1 and 3 prompts; 5 prompts go as 3 (one graph) + 2 (padded to 3).
     runner = load(build(ckpt, tmp_path / "store", batch_size=3, context_buckets="16,64").path)
-    assert runner.prompt_counts == [1, 2, 3]
-    prompts = [random_ids(n, seed=n) for n in (5, 40, 12)]
-    got = runner.prefill_batch([2, 0, 1], prompts)
-    for row, (slot, ids) in enumerate(zip([2, 0, 1], prompts, strict=True)):
-        assert (got[row] - runner.prefill(slot, ids)).abs().max() < 1e-5
+    assert runner.prompt_counts == [1, 3]
+    prompts = [random_ids(n, seed=n) for n in (5, 40, 12, 7, 16)]
+    slots = [2, 0, 1, 0, 2]
+    got = runner.prefill_batch(slots[:3], prompts[:3])
+    rest = runner.prefill_batch(slots[3:], prompts[3:])
+    for row, (slot, ids) in enumerate(zip(slots, prompts, strict=True)):
+        expected = runner.prefill(slot, ids)
+        assert ((got[row] if row < 3 else rest[row - 3]) - expected).abs().max() < 1e-5
     with pytest.raises(UsageError, match="same slot"):
         runner.prefill_batch([1, 1], prompts[:2])
 

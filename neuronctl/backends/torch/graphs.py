@@ -88,16 +88,13 @@ def graph_name(kind: str, bucket: int, prompts: int = 1) -> str:
 
 
 def prompt_counts(batch_size: int) -> list[int]:
-    """How many prompts a context-encoding graph takes at once: 1, 2, 4, ... and batch_size.
+    """How many prompts a context-encoding graph takes at once: 1, and batch_size.
 
-    Powers of two keep the padding of a partial group under 2x while adding only about
-    log2(batch_size) graphs per context bucket.
+    One extra graph per context bucket: every graph is compile time (tens of seconds with
+    inductor). The runner pads a group to batch_size only when that at most doubles its
+    rows; smaller groups go one prompt per call.
     """
-    counts, n = [], 1
-    while n < batch_size:
-        counts.append(n)
-        n *= 2
-    return counts + [batch_size]
+    return [1] if batch_size == 1 else [1, batch_size]
 
 
 def example_inputs(job: GraphJob) -> tuple[Any, ...]:

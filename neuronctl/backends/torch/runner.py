@@ -80,9 +80,10 @@ class TorchRunner:
     ) -> torch.Tensor:
         """Context-encode one prompt per slot in as few graph calls as the graphs allow.
 
-        Prompts go in groups of the largest prompt count the artifact has graphs for, each
-        group padded to its longest prompt's context bucket and to a prompt count (padding
-        rows repeat the group's first prompt and slot, so they write what it writes).
+        Prompts go in groups of batch_size, each group padded to its longest prompt's context
+        bucket and to batch_size rows (padding rows repeat the group's first prompt and slot,
+        so they write what it writes); a group under half of batch_size goes one prompt per
+        call instead, where padding would more than double the work.
         Returns the last real position's logits, [len(slots), vocab] float32.
         """
         if len(slots) != len(prompts) or not slots:
@@ -95,8 +96,14 @@ class TorchRunner:
             if not ids:
                 raise UsageError("cannot prefill an empty prompt")
         step = self.prompt_counts[-1]
-        out = [self._encode_group(slots[i:i + step], prompts[i:i + step])
-               for i in range(0, len(slots), step)]
+        out = []
+        for i in range(0, len(slots), step):
+            group_slots, group = slots[i:i + step], prompts[i:i + step]
+            if 2 * len(group) >= step:  # padding at most doubles the rows
+                out.append(self._encode_group(group_slots, group))
+            else:
+                out += [self._encode_group([s], [ids]) for s, ids in zip(group_slots, group,
+                                                                        strict=True)]
         return out[0] if len(out) == 1 else torch.cat(out)
 
     def _encode_group(
