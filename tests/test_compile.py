@@ -46,7 +46,13 @@ def test_artifact_is_complete_and_self_contained(compiled_artifact: Path) -> Non
     ):
         assert name in names
     assert manifest.graphs and all(g in names for g in manifest.graphs)
-    assert len(manifest.graphs) == 4  # 2 context buckets + 2 token-generation buckets
+    # per context bucket one graph for a prompt and one for batch_size prompts (batched
+    # prefill), plus one per token-generation bucket
+    assert sorted(manifest.graphs) == sorted(
+        ["graphs/context_encoding_32.pt2", "graphs/context_encoding_32x4.pt2",
+         "graphs/context_encoding_64.pt2", "graphs/context_encoding_64x4.pt2",
+         "graphs/token_generation_64.pt2", "graphs/token_generation_128.pt2"]
+    )  # fmt: skip
     assert manifest.spec.context_buckets == [32, 64]
     assert manifest.source.digest and manifest.keys.artifact.startswith(
         compiled_artifact.name
@@ -92,7 +98,7 @@ def test_compile_remote_pulls_a_hit_instead_of_compiling(tiny_llama: Path, tmp_p
     # A fresh host: the remote has it, so it is pulled, bit for bit, and nothing compiles.
     pulled = compile_json(tiny_llama, tmp_path / "host", "--remote", remote)
     assert pulled["pulled"] is True and pulled["cache_hit"] is True
-    assert read_manifest(Path(pulled["path"])).files == read_manifest(Path(built["path"])).files
+    assert pulled_files(Path(pulled["path"])) == read_manifest(Path(built["path"])).files
 
 
 def test_compile_remote_hit_over_s3_is_pulled_not_compiled(
@@ -108,7 +114,14 @@ def test_compile_remote_hit_over_s3_is_pulled_not_compiled(
     pulled = compile_json(tiny_llama, tmp_path / "host", "--remote", remote)
     assert pulled["pulled"] is True and pulled["graphs_reused"] is False
     assert s3server.requests["PUT"] == 0  # a hit uploads nothing
-    assert read_manifest(Path(pulled["path"])).files == read_manifest(Path(built["path"])).files
+    assert pulled_files(Path(pulled["path"])) == read_manifest(Path(built["path"])).files
+
+
+def pulled_files(path: Path) -> dict[str, Any]:
+    """A pulled artifact's files: the remote's, bit for bit, plus where it came from."""
+    files = dict(read_manifest(path).files)
+    assert files.pop("provenance.json", None) is not None
+    return files
 
 
 def test_compile_plan_entry(tiny_llama: Path, tmp_path: Path) -> None:

@@ -61,7 +61,8 @@ def neuronctl(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
         capture_output=True,
         text=True,
         cwd=cwd,
-        env=os.environ.copy(),
+        # cwd is a scratch dir, so put this checkout first rather than whatever is installed
+        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
         timeout=120,
     )
 

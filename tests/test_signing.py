@@ -270,6 +270,8 @@ def test_an_unverified_pull_never_donates_graphs_to_a_local_build(tmp_path: Path
     artifact = make_artifact(tmp_path / "a", sample_files(big=20_000))
     manifest = read_manifest(artifact)
     with_graphs = manifest.model_copy(update={"graphs": ["graphs/ctx_128.pt2"]})
+    # as a build would record it: the record digest covers the graph list
+    with_graphs = with_graphs.model_copy(update={"record_sha256": with_graphs.recorded_sha256()})
     from neuronctl.store.manifest import write_manifest
 
     write_manifest(artifact, with_graphs)

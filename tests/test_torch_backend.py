@@ -194,7 +194,7 @@ def test_an_artifact_computing_in_bf16_needs_bf16_units(
     manifest = read_manifest(compiled_artifact)
     native = manifest.model_copy(update={
         "backend_versions": {**manifest.backend_versions, "cpu_half_units": "bf16"},
-        "spec": {**manifest.spec, "dtype": "bfloat16"},
+        "spec": manifest.spec.model_copy(update={"dtype": "bfloat16"}),
     })
     monkeypatch.setattr(backend, "half_units", lambda: "none")
     failed = [c.reason for c in TorchBackend().host_checks(native) if not c.ok]

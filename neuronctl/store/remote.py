@@ -29,6 +29,7 @@ from pathlib import Path, PurePosixPath
 from typing import Any
 
 from fsspec.callbacks import Callback
+from pydantic import ValidationError
 
 from neuronctl.errors import NeuronctlError, NotFoundError, UsageError
 from neuronctl.keys import KEY_LENGTH
@@ -40,6 +41,7 @@ from neuronctl.store.manifest import (
     FileEntry,
     Manifest,
     is_intact,
+    path_rule,
     read_manifest,
     sha256_file,
 )
@@ -230,13 +232,7 @@ class RemoteStore:
             data = self.fs.cat_file(self.path(dirname, MANIFEST))
         except FileNotFoundError:
             return None
-        try:
-            return Manifest.model_validate_json(data)
-        except ValueError:
-            raise RemoteArtifactError(
-                f"{self.artifact_url(dirname)}/{MANIFEST} is not a neuronctl manifest",
-                "push the artifact again with `neuronctl artifacts push`",
-            ) from None
+        return self._parse(dirname, data)
 
     @_remote_errors
     def sizes(self, dirname: str) -> dict[str, int]:
@@ -459,9 +455,10 @@ class RemoteStore:
     def _parse(self, dirname: str, data: bytes) -> Manifest:
         try:
             return Manifest.model_validate_json(data)
-        except ValueError:
+        except ValidationError as exc:
             raise RemoteArtifactError(
-                f"{self.artifact_url(dirname)}/{MANIFEST} is not a neuronctl manifest",
+                f"{self.artifact_url(dirname)}/{MANIFEST} is not a neuronctl manifest: "
+                f"{exc.errors()[0]['msg']}",
                 "push the artifact again with `neuronctl artifacts push`",
             ) from None
 
@@ -510,6 +507,11 @@ class RemoteStore:
         if published.cache_hit:
             check_origin(published.path, read_manifest(published.path), policy)
         return published
+
+    @_remote_errors
+    def check_trusted(self, dirname: str, policy: TrustPolicy | None = None) -> None:
+        """Raise unless `policy` trusts the remote artifact; nothing is downloaded."""
+        self._checked_manifest(dirname, policy if policy is not None else TrustPolicy.load())
 
     def vouch(self, path: Path, policy: TrustPolicy | None = None) -> Vouch:
         """Who vouches for a pulled (or local) artifact under `policy`."""
@@ -589,6 +591,14 @@ def resolve_artifacts_arg(
     return remote.pull(remote.resolve(dirname), store, progress, policy).path
 
 
+def check_remote_trust(value: str, policy: TrustPolicy | None = None) -> None:
+    """Refuse a remote artifact `policy` does not trust, reading only its manifest and
+    signature (what --dry-run does instead of pulling)."""
+    url, dirname = split_artifact_url(value)
+    remote = open_remote(url)
+    remote.check_trusted(remote.resolve(dirname), policy)
+
+
 def split_artifact_url(value: str) -> tuple[str, str]:
     """`s3://b/p/KEY` -> (`s3://b/p`, `KEY`), dropping a trailing neuron-compiled-artifacts.
 
@@ -621,16 +631,10 @@ def _relative(name: str, base: str) -> str:
 
 
 def entry_problem(rel: str) -> str | None:
-    """Why a manifest entry cannot name a file of an artifact, or None when it can.
-
-    One rule for push and pull: a plain relative POSIX path that stays inside the artifact
-    and is none of the store's own file names.
-    TODO(contract): point at the typed manifest's path rule once it lands."""
-    path = PurePosixPath(rel)
-    if not rel or path.is_absolute() or "\\" in rel or ":" in path.parts[0]:
-        return "not a relative path"
-    if rel != path.as_posix() or any(part in ("", ".", "..") for part in rel.split("/")):
-        return "not a plain path inside the artifact"
+    """Why a manifest entry cannot name a file of an artifact, or None when it can: the
+    manifest's path rule, and none of the store's own file names."""
+    if (problem := path_rule(rel)) is not None:
+        return problem
     if rel in RESERVED_NAMES:
         return "a name the store reserves for itself"
     return None

@@ -56,7 +56,11 @@ def resolve_artifact(
         path = local.resolve(text)
         logger.info("artifact %s -> %s", text, path)
         return path
-    from neuronctl.store.remote import resolve_artifacts_arg, split_artifact_url
+    from neuronctl.store.remote import (
+        check_remote_trust,
+        resolve_artifacts_arg,
+        split_artifact_url,
+    )
 
     if not fetch:
         _url, key = split_artifact_url(text)
@@ -65,6 +69,7 @@ def resolve_artifact(
         except NotFoundError:
             found = None
         if found is None or not is_intact(found):
+            check_remote_trust(text, policy)  # a dry run still says an untrusted one is refused
             raise NotFoundError(
                 f"{text} is not in the local store {local.artifacts} yet",
                 "without --dry-run it is pulled (sha256-verified) first",

@@ -201,7 +201,9 @@ class TorchBackend:
 
     def load(self, path: Path, manifest: Manifest) -> TorchRunner:
         from neuronctl.backends.torch.runner import TorchRunner
+        from neuronctl.backends.torch.safeload import check_artifact
 
+        check_artifact(path, manifest)  # every graph, though each loads only when first used
         return TorchRunner(path, manifest.spec, manifest.architecture, manifest.graphs)
 
     def host_checks(self, manifest: Manifest) -> list[HostCheck]:

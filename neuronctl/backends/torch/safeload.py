@@ -219,13 +219,19 @@ def _is_json(data: bytes) -> bool:
 
 def artifact_problem(root: Path, manifest: Any) -> str | None:
     """validate --deep: the first export graph of a torch artifact that is not pure data."""
+    try:
+        check_artifact(root, manifest)
+    except UnsafeGraphError as exc:
+        return exc.message
+    return None
+
+
+def check_artifact(root: Path, manifest: Any) -> None:
+    """Raise UnsafeGraphError for the first export graph that is not pure data. Run when an
+    artifact is opened, since graphs load lazily and a refusal mid-request helps nobody."""
     spec = manifest.spec
     compiler = spec.get("compiler") if isinstance(spec, dict) else getattr(spec, "compiler", None)
     if manifest.backend != "torch" or compiler != "export":
-        return None
+        return
     for rel in manifest.graphs:
-        try:
-            check_export_graph(root / rel)
-        except UnsafeGraphError as exc:
-            return exc.message
-    return None
+        check_export_graph(root / rel)
