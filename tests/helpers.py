@@ -123,3 +123,19 @@ def cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) 
         cwd=cwd,
         timeout=600,
     )
+
+
+def run_in_process(args: list[str], capsys: Any, monkeypatch: Any) -> tuple[int, str, str]:
+    """Run the CLI in this process (argv patched); return (exit code, stdout, stderr)."""
+    import sys
+
+    from neuronctl.cli.main import main
+
+    monkeypatch.setattr(sys, "argv", ["neuronctl", *args])
+    code = 0
+    try:
+        main()
+    except SystemExit as exc:
+        code = int(exc.code or 0)
+    out, err = capsys.readouterr()
+    return code, out, err

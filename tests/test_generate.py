@@ -4,25 +4,17 @@ from __future__ import annotations
 
 import json
 import shutil
-import sys
 from pathlib import Path
 
 import pytest
 
-from neuronctl.cli.main import main
+from tests.helpers import run_in_process
 
 
 def run(
     args: list[str], capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
 ) -> tuple[int, str, str]:
-    monkeypatch.setattr(sys, "argv", ["neuronctl", *args])
-    code = 0
-    try:
-        main()
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
+    return run_in_process(args, capsys, monkeypatch)
 
 
 def lines(out: str) -> list[dict]:

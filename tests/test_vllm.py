@@ -29,6 +29,7 @@ from neuronctl.spec import ModelShape, build_spec, finalize
 from neuronctl.store.manifest import Manifest, Source, write_manifest
 from neuronctl.vllm import Generation, Target
 from tests import standins
+from tests.helpers import run_in_process
 
 ARCH = {
     "model_type": "llama",
@@ -669,16 +670,7 @@ neuron_standins = standins.neuron_standins  # the stand-in SDK fixture
 
 
 def run_cli(args: list[str], capsys, monkeypatch) -> tuple[int, str, str]:  # type: ignore[no-untyped-def]
-    from neuronctl.cli.main import main
-
-    monkeypatch.setattr(sys, "argv", ["neuronctl", *args])
-    code = 0
-    try:
-        main()
-    except SystemExit as exc:
-        code = int(exc.code or 0)
-    out, err = capsys.readouterr()
-    return code, out, err
+    return run_in_process(args, capsys, monkeypatch)
 
 
 def test_dry_runs_show_what_each_generation_runs(  # type: ignore[no-untyped-def]
