@@ -176,6 +176,28 @@ class Neuronctl:
         return time.perf_counter() - start
 
 
+class Engine:
+    """The same artifact served: neuronctl's Engine (scheduler, sampling, detokenizing) with
+    `batch` concurrent greedy requests, as `serve` runs it minus HTTP. Decode tokens/s come
+    from the token times, so prefill is left out as it is for the Runner."""
+
+    def __init__(self, runner: Any, path: Path) -> None:
+        from neuronctl.engine.engine import Engine as NeuronctlEngine
+        from neuronctl.engine.loader import load_tokenizer
+
+        self.engine = NeuronctlEngine(runner, load_tokenizer(path).new_decoder).start()
+
+    def decode(self, batch: int) -> float:
+        from neuronctl.engine.sampling import SamplingParams
+
+        greedy = SamplingParams(temperature=0, max_tokens=NEW, ignore_eos=True)
+        outputs = self.engine.generate(prompts(batch), greedy)
+        first = max(o.token_times[0] for o in outputs)  # every slot is decoding from here
+        last = max(o.token_times[-1] for o in outputs)
+        steps = sum(1 for o in outputs for t in o.token_times if first < t <= last)
+        return steps / (last - first)
+
+
 class Transformers:
     """transformers eager, as bench/decode.py measures it."""
 
@@ -437,8 +459,10 @@ def main() -> None:
 
     systems: dict[str, dict[str, Any]] = {}
     for label, dtype, batch, quantized in rows:
-        entry: dict[str, Any] = {
-            "neuronctl": Neuronctl(compile_artifact(ckpt, store, dtype, batch, quantized))}
+        path = compile_artifact(ckpt, store, dtype, batch, quantized)
+        entry: dict[str, Any] = {"neuronctl": Neuronctl(path)}
+        if not quantized:
+            entry["engine"] = Engine(entry["neuronctl"].runner, path)
         if not why_no_llama:
             kind = "Q8_0" if quantized else gguf_kind[dtype]
             path = write_gguf(ckpt, opts.work / f"model-{kind}.gguf", kind)
@@ -456,7 +480,7 @@ def main() -> None:
                 decode.setdefault((label, name), []).append(tok_s)
                 print(json.dumps({"round": round_, "row": label, "system": name,
                                   "decode_tok_s": round(tok_s, 1)}), flush=True)
-                if batch == 1 and not quantized:
+                if batch == 1 and not quantized and hasattr(system, "ttft"):
                     secs = system.ttft()
                     ttft.setdefault((label, name), []).append(secs)
                     print(json.dumps({"round": round_, "row": label, "system": name,
@@ -532,6 +556,11 @@ def report(
         target = (f"{'>' if strict else '>='} 1.0x llama.cpp: "
                   f"{verdict(nc / lc if nc and lc else None, 1.0, strict)}")
         lines.append((f"{label} decode, tok/s", nc, lc, hf, target))
+        served = get(decode, (label, "engine"), True)
+        if served:
+            ratio_ = served / nc if nc else None
+            lines.append((f"{label} decode through the engine, tok/s", served, lc, hf,
+                          f">= 0.9x the Runner: {ratio_ or 0:.2f}x, {verdict(ratio_, 0.9)}"))
     for dtype in ("bfloat16", "float32"):
         key = f"{dtype} batch 1"
         nc = get(ttft, (key, "neuronctl"), False)

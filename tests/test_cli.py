@@ -224,7 +224,8 @@ def test_serve_dry_run_of_a_url_never_pulls(compiled_artifact: Path, tmp_path: P
     pushed = cli("artifacts", "push", str(compiled_artifact), f"file://{remote}")
     assert pushed.returncode == 0, pushed.stderr
     url = f"file://{remote}/{compiled_artifact.name}"
-    result = cli("serve", "--artifacts", url, "--dry-run", "--json")
+    # unsigned, so the dry run needs the say-so a real run would (test_signing has the refusal)
+    result = cli("serve", "--artifacts", url, "--dry-run", "--json", "--allow-unsigned")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["action"] == "pull"
     assert not (tmp_path / "xdg-cache" / "neuronctl" / "neuron-compiled-artifacts").exists()
