@@ -645,23 +645,25 @@ def env_exports(
 # --- vLLM's default-path directory name ----------------------------------------------------------
 
 
-def vllm_dirname_exact(spec: BuildSpec, config: Mapping[str, Any]) -> tuple[str, bool]:
+def vllm_dirname_exact(
+    spec: BuildSpec, config: Mapping[str, Any], model_path: str | None = None
+) -> tuple[str, bool]:
     """The md5 directory name vLLM's NxDI path computes under
     `<model>/neuron-compiled-artifacts/`, and whether it is exact.
 
-    vLLM hashes `InferenceConfig.to_json_string()` = json.dumps(to_dict, indent=2,
-    sort_keys=True) of the config it builds. That includes `_name_or_path`, the --model path
-    as vLLM was given it, so no name is exact without it; this one hashes the NeuronConfig
-    neuronctl compiles over the HF config with the real classes when the SDK is installed, an
-    approximation without it. Only used without NEURON_COMPILED_ARTIFACTS, where vLLM deletes
-    the directory and recompiles anyway.
+    vLLM hashes `InferenceConfig.to_json_string()` of the config it builds from `--model`,
+    which includes that path as `_name_or_path` (vllm model_loader/neuronx_distributed.py,
+    load_weights). So the name is exact only with the SDK installed and `model_path` (default
+    spec.model) the local directory vLLM is given, spelled the same way. Only used without
+    NEURON_COMPILED_ARTIFACTS, where vLLM deletes the directory and recompiles anyway.
     """
     from neuronctl.backends import nxdi_inference_config_json, nxdi_neuron_config
 
     kwargs = nxdi_neuron_config(spec)
+    path = model_path if model_path is not None else spec.model
     try:
-        text = nxdi_inference_config_json(kwargs, config)
-        exact = True
+        text = nxdi_inference_config_json(kwargs, config, path)
+        exact = Path(path).joinpath("config.json").is_file()
     except ImportError:
         data = {**dict(config), "neuron_config": kwargs}
         text = json.dumps(data, indent=2, sort_keys=True)
@@ -669,8 +671,8 @@ def vllm_dirname_exact(spec: BuildSpec, config: Mapping[str, Any]) -> tuple[str,
     return hashlib.md5(text.encode()).hexdigest(), exact
 
 
-def vllm_dirname(spec: BuildSpec, config: Mapping[str, Any]) -> str:
-    return vllm_dirname_exact(spec, config)[0]
+def vllm_dirname(spec: BuildSpec, config: Mapping[str, Any], model_path: str | None = None) -> str:
+    return vllm_dirname_exact(spec, config, model_path)[0]
 
 
 # --- the offline program generate_launch runs (inside the vLLM environment) ----------------------

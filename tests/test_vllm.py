@@ -701,3 +701,23 @@ def test_dry_runs_show_what_each_generation_runs(  # type: ignore[no-untyped-def
     code, out, err = run_cli([*gen_args, "--vllm-target", B_FORK], capsys, monkeypatch)
     assert code == 0 and "neuronctl.vllm generate" in out and "--max-prompt-tokens 64" in out
     assert '"device": "neuron"' in out  # in --engine-args: the fork still takes it
+
+
+def test_vllm_dirname_is_stable_and_names_the_model_path(  # type: ignore[no-untyped-def]
+    neuron_standins, tiny_llama, tmp_path
+) -> None:
+    """vLLM hashes InferenceConfig.to_json_string(), which holds the HF config's
+    `_name_or_path`: the --model path (vllm model_loader/neuronx_distributed.py, load_weights:
+    `load_pretrained_config(model_name_or_path)` then `hashlib.md5(config.to_json_string())`).
+    So the name is exact for one path, and the same on every call (no temporary directory)."""
+    import shutil
+
+    spec = make_manifest().spec
+    config = json.loads((tiny_llama / "config.json").read_text())
+    first, exact = vllm.vllm_dirname_exact(spec, config, str(tiny_llama))
+    assert exact and vllm.vllm_dirname(spec, config, str(tiny_llama)) == first
+    copy = tmp_path / "elsewhere"
+    shutil.copytree(tiny_llama, copy)
+    assert vllm.vllm_dirname(spec, config, str(copy)) != first  # another --model, another name
+    name, exact = vllm.vllm_dirname_exact(spec, config, "org/not-a-local-dir")
+    assert not exact and vllm.vllm_dirname(spec, config, "org/not-a-local-dir") == name

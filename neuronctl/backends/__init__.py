@@ -56,11 +56,14 @@ def nxdi_neuron_config(spec: BuildSpec) -> dict[str, Any]:
     return neuron_config_kwargs(spec)
 
 
-def nxdi_inference_config_json(kwargs: Mapping[str, Any], config: Mapping[str, Any]) -> str:
-    """NxDI's InferenceConfig.to_json_string(); raises ImportError without the SDK."""
+def nxdi_inference_config_json(
+    kwargs: Mapping[str, Any], config: Mapping[str, Any], model_path: str | None = None
+) -> str:
+    """NxDI's InferenceConfig.to_json_string() as vLLM builds it for `--model model_path`;
+    raises ImportError without the SDK."""
     from neuronctl.backends.nxdi.sdk import inference_config_json
 
-    return inference_config_json(kwargs, config)
+    return inference_config_json(kwargs, config, model_path)
 
 
 def tnx_neuron_config(spec: BuildSpec) -> dict[str, Any]:

@@ -7,8 +7,8 @@ with the Neuron pip repository configured).
 from __future__ import annotations
 
 import importlib
-import json
 from collections.abc import Mapping
+from pathlib import Path
 from types import ModuleType
 from typing import Any
 
@@ -107,19 +107,27 @@ def inference_config(model_type: str, kwargs: Mapping[str, Any], model_path: str
     return config_cls(neuron_config(model_type, kwargs), load_config=load_config)
 
 
-def inference_config_json(kwargs: Mapping[str, Any], config: Mapping[str, Any]) -> str:
-    """InferenceConfig.to_json_string() for an HF config dict (used for vLLM's md5 name).
+def inference_config_json(
+    kwargs: Mapping[str, Any], config: Mapping[str, Any], model_path: str | None = None
+) -> str:
+    """InferenceConfig.to_json_string() as vLLM builds it for `--model model_path` (used for
+    its md5 directory name). The JSON holds the HF config's `_name_or_path`, the path vLLM was
+    given, so without a local `model_path` the result is stable but not vLLM's.
 
     Raises ImportError when the SDK is missing (callers fall back to an approximation).
     """
-    import tempfile
-    from pathlib import Path
-
     try:
         module("")
     except BackendUnavailableError as exc:
         raise ImportError(str(exc)) from None
-    with tempfile.TemporaryDirectory() as tmp:
-        (Path(tmp) / "config.json").write_text(json.dumps(dict(config)))
-        ic = inference_config(str(config.get("model_type")), kwargs, tmp)
-        return str(ic.to_json_string())
+    model_type = str(config.get("model_type"))
+    if model_path is not None and (Path(model_path) / "config.json").is_file():
+        return str(inference_config(model_type, kwargs, model_path).to_json_string())
+    from transformers import AutoConfig
+
+    fields = {k: v for k, v in config.items() if k != "model_type"}
+    hf_config = AutoConfig.for_model(model_type, **fields)  # _name_or_path "": no path, no drift
+    _model_cls, config_cls = model_classes(model_type)
+    load_config = module("utils.hf_adapter").load_pretrained_config(hf_config=hf_config)
+    ic = config_cls(neuron_config(model_type, kwargs), load_config=load_config)
+    return str(ic.to_json_string())
