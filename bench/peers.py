@@ -37,7 +37,7 @@ sys.path[:0] = [str(ROOT), str(HERE)]
 from decode import NEW, PROMPT, SHAPE, bandwidth_gbs, make_checkpoint  # noqa: E402
 
 VOCAB = int(SHAPE["vocab_size"])
-PROMPT_TEXT = "The quick brown fox jumps over the lazy dog. " * 2
+PROMPT_TEXT = "The quick brown fox jumps over the lazy dog. "  # 45 tokens byte-level, < PROMPT
 
 
 # --- the checkpoint ------------------------------------------------------------------------
@@ -238,7 +238,7 @@ class LlamaCpp:
 
         global _LOG_CALLBACK
         if _LOG_CALLBACK is None:  # keep llama.cpp's load log off the bench output
-            _LOG_CALLBACK = lc.ggml_log_callback(lambda level, text, data: None)
+            _LOG_CALLBACK = lc.llama_log_callback(lambda level, text, data: None)
             lc.llama_log_set(_LOG_CALLBACK, ctypes.c_void_p(0))
         lc.llama_backend_init()
         self.lc = lc
@@ -387,8 +387,10 @@ def host_facts() -> dict[str, Any]:
 
 def cold_start(args: list[str], env: dict[str, str]) -> float:
     start = time.perf_counter()
-    subprocess.run(args, check=True, env=env, stdout=subprocess.DEVNULL,
-                   stderr=subprocess.DEVNULL)
+    done = subprocess.run(args, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE,
+                          text=True)
+    if done.returncode:
+        raise SystemExit(f"cold start of {args[:4]} failed:\n{done.stderr[-2000:]}")
     return time.perf_counter() - start
 
 
@@ -397,7 +399,8 @@ def cold_commands(artifact: Path, ckpt: Path, gguf_path: Path | None) -> dict[st
     ids = prompts(1)[0]
     commands = {
         "import torch": [py, "-c", "import torch"],
-        "neuronctl": [py, "-m", "neuronctl.cli.main", "generate", str(artifact), "--prompt",
+        "neuronctl": [py, "-m", "neuronctl.cli.main", "generate", "--artifacts", str(artifact),
+                      "--prompt",
                       PROMPT_TEXT, "--max-tokens", "1"],
         "transformers": [py, "-c", (
             "import sys, torch\n"
