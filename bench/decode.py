@@ -46,8 +46,10 @@ PROMPT, NEW = 64, 64
 
 
 def make_checkpoint(out: Path) -> Path:
-    """config.json + model.safetensors with HF-like init (std 0.02, unit norms), bf16."""
+    """config.json + model.safetensors with HF-like init (std 0.02, unit norms), bf16, and a
+    byte-level tokenizer (ids 0..258), which compile requires."""
     if (out / "model.safetensors").is_file():
+        write_tokenizer(out)
         return out
     from safetensors.torch import save_file
 
@@ -64,7 +66,23 @@ def make_checkpoint(out: Path) -> Path:
             tensors[name] = (torch.randn(shape, generator=gen) * 0.02).to(torch.bfloat16)
     save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
     (out / "config.json").write_text(json.dumps(SHAPE, indent=2))
+    write_tokenizer(out)
     return out
+
+
+def write_tokenizer(out: Path) -> None:
+    if (out / "tokenizer.json").is_file():
+        return
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+    from transformers import PreTrainedTokenizerFast
+
+    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
+    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(alphabet)}, merges=[]))
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    tok.add_special_tokens(["<s>", "</s>", "<pad>"])
+    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
+                            pad_token="<pad>").save_pretrained(out)
 
 
 def bandwidth_gbs(runs: int) -> float:

@@ -6,7 +6,8 @@
 A random checkpoint with the SmolLM2-135M shape (bench/decode.py's, plus a byte-level
 tokenizer) is made locally, compiled by neuronctl (bf16, fp32, int8; batch 1 and 8;
 `--compiler inductor`) and converted to GGUF (BF16, F32 and Q8_0) with the `gguf` package.
-Every round measures, back to back for each row, neuronctl's Runner, llama.cpp (through
+Each system runs in its own worker process (so no two thread pools share the cores); every
+round measures, back to back for each row, neuronctl's Runner, its Engine, llama.cpp (through
 llama-cpp-python's C API: one llama_decode per step, as llama-batched-bench does) and
 transformers eager; each figure is the best over the rounds. Then the cold start: a fresh
 `neuronctl generate` for one token, the same for llama.cpp and transformers, and the floor,
@@ -44,21 +45,8 @@ PROMPT_TEXT = "The quick brown fox jumps over the lazy dog. "  # 45 tokens byte-
 
 
 def make_model(out: Path) -> Path:
-    """decode.py's checkpoint plus a byte-level tokenizer (ids 0..258), for `generate`."""
-    make_checkpoint(out)
-    if (out / "tokenizer.json").is_file():
-        return out
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
-    from transformers import PreTrainedTokenizerFast
-
-    alphabet = sorted(pre_tokenizers.ByteLevel.alphabet())
-    tok = Tokenizer(models.BPE(vocab={t: i for i, t in enumerate(alphabet)}, merges=[]))
-    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
-    tok.decoder = decoders.ByteLevel()
-    tok.add_special_tokens(["<s>", "</s>", "<pad>"])
-    PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>",
-                            pad_token="<pad>").save_pretrained(out)
-    return out
+    """decode.py's checkpoint (with its byte-level tokenizer, ids 0..258, for `generate`)."""
+    return make_checkpoint(out)
 
 
 GGUF_NAMES = {
@@ -298,6 +286,73 @@ class LlamaCpp:
         return time.perf_counter() - start
 
 
+# --- one process per system ---------------------------------------------------------------
+
+
+def make_system(spec: dict[str, Any]) -> Any:
+    kind = spec["kind"]
+    if kind == "neuronctl":
+        return Neuronctl(Path(spec["path"]))
+    if kind == "engine":
+        return Engine(Neuronctl(Path(spec["path"])).runner, Path(spec["path"]))
+    if kind == "llama.cpp":
+        return LlamaCpp(Path(spec["path"]), spec["n_seq"], spec["threads"])
+    return Transformers(Path(spec["path"]), spec["dtype"])
+
+
+def serve_worker(spec: dict[str, Any]) -> None:
+    """`peers.py --worker SPEC`: build one system, then answer {"op": "decode"|"ttft"} lines."""
+    system = make_system(spec)
+    out = sys.stdout
+    sys.stdout = sys.stderr  # anything a library prints stays off the answer channel
+    print(json.dumps({"ready": True}), file=out, flush=True)
+    for line in sys.stdin:
+        request = json.loads(line)
+        if request["op"] == "decode":
+            value = system.decode(request["batch"])
+        else:
+            value = system.ttft()
+        print(json.dumps({"value": value}), file=out, flush=True)
+
+
+class Worker:
+    """A system in its own process. In one process, the thread pools of torch (OpenMP) and
+    llama.cpp (ggml) spin after their work and take cores from whichever runs next: measured
+    side by side in one process, llama.cpp ran at about half its own speed."""
+
+    def __init__(self, spec: dict[str, Any], threads: int) -> None:
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "PYTHONPATH": os.pathsep.join(
+            filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+        self.proc = subprocess.Popen(
+            [sys.executable, str(Path(__file__).resolve()), "--worker", json.dumps(spec)],
+            stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True, env=env)
+        self._read()  # ready
+
+    def _read(self) -> Any:
+        assert self.proc.stdout is not None
+        line = self.proc.stdout.readline()
+        if not line:
+            raise SystemExit(f"a bench worker died (exit {self.proc.wait()})")
+        return json.loads(line)
+
+    def _ask(self, **request: Any) -> float:
+        assert self.proc.stdin is not None
+        self.proc.stdin.write(json.dumps(request) + "\n")
+        self.proc.stdin.flush()
+        return float(self._read()["value"])
+
+    def decode(self, batch: int) -> float:
+        return self._ask(op="decode", batch=batch)
+
+    def ttft(self) -> float:
+        return self._ask(op="ttft")
+
+    def close(self) -> None:
+        if self.proc.stdin:
+            self.proc.stdin.close()
+        self.proc.wait(timeout=60)
+
+
 # --- quality ------------------------------------------------------------------------------
 
 
@@ -426,6 +481,9 @@ def best(values: list[float], higher: bool) -> float:
 
 
 def main() -> None:
+    if len(sys.argv) == 3 and sys.argv[1] == "--worker":
+        serve_worker(json.loads(sys.argv[2]))
+        return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--cold-runs", type=int, default=3)
@@ -460,19 +518,21 @@ def main() -> None:
         rows.append(("int8 batch 1", "bfloat16", 1, True))
     gguf_kind = {"bfloat16": "BF16", "float32": "F32"}
 
-    systems: dict[str, dict[str, Any]] = {}
+    systems: dict[str, dict[str, Worker]] = {}
+    artifacts: dict[str, Path] = {}
     for label, dtype, batch, quantized in rows:
-        path = compile_artifact(ckpt, store, dtype, batch, quantized)
-        entry: dict[str, Any] = {"neuronctl": Neuronctl(path)}
+        artifacts[label] = path = compile_artifact(ckpt, store, dtype, batch, quantized)
+        specs: dict[str, dict[str, Any]] = {"neuronctl": {"kind": "neuronctl", "path": str(path)}}
         if not quantized:
-            entry["engine"] = Engine(entry["neuronctl"].runner, path)
+            specs["engine"] = {"kind": "engine", "path": str(path)}
         if not why_no_llama:
             kind = "Q8_0" if quantized else gguf_kind[dtype]
-            path = write_gguf(ckpt, opts.work / f"model-{kind}.gguf", kind)
-            entry["llama.cpp"] = LlamaCpp(path, batch, threads)
+            gguf_path = write_gguf(ckpt, opts.work / f"model-{kind}.gguf", kind)
+            specs["llama.cpp"] = {"kind": "llama.cpp", "path": str(gguf_path), "n_seq": batch,
+                                  "threads": threads}
         if "transformers" not in skip and not quantized:
-            entry["transformers"] = Transformers(ckpt, dtype)
-        systems[label] = entry
+            specs["transformers"] = {"kind": "transformers", "path": str(ckpt), "dtype": dtype}
+        systems[label] = {name: Worker(spec, threads) for name, spec in specs.items()}
 
     decode: dict[tuple[str, str], list[float]] = {}
     ttft: dict[tuple[str, str], list[float]] = {}
@@ -483,7 +543,7 @@ def main() -> None:
                 decode.setdefault((label, name), []).append(tok_s)
                 print(json.dumps({"round": round_, "row": label, "system": name,
                                   "decode_tok_s": round(tok_s, 1)}), flush=True)
-                if batch == 1 and not quantized and hasattr(system, "ttft"):
+                if batch == 1 and not quantized and name != "engine":
                     secs = system.ttft()
                     ttft.setdefault((label, name), []).append(secs)
                     print(json.dumps({"round": round_, "row": label, "system": name,
@@ -497,9 +557,12 @@ def main() -> None:
         for label, dtype, batch, quantized in rows:
             if batch == 1:
                 name = "int8" if quantized else dtype
-                scores[name] = quality(systems[label]["neuronctl"].runner, reference)
+                scores[name] = quality(Neuronctl(artifacts[label]).runner, reference)
                 print(json.dumps({"quality": name, **scores[name]}), flush=True)
 
+    for entry in systems.values():
+        for worker in entry.values():
+            worker.close()
     cold: dict[str, list[float]] = {}
     if "cold" not in skip:
         env = {**os.environ, "PYTHONPATH": os.pathsep.join(

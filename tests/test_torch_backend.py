@@ -131,6 +131,30 @@ def test_a_failing_graph_names_its_bucket_and_keeps_a_log(
     assert "lowering exploded" in log
 
 
+@pytest.mark.parametrize(
+    ("dtype", "compute", "quantized", "batch", "kernel"),
+    [
+        ("bfloat16", "float32", False, 8, "gemv"),  # widened as it streams (AVX2 host)
+        ("bfloat16", "float32", False, 16, "linear"),
+        ("float32", "", False, 8, "packed_linear"),  # native: oneDNN's packed GEMM
+        ("float32", "", False, 4, "gemv"),
+        ("bfloat16", "float32", True, 8, "int8_linear"),
+    ],
+)
+def test_token_generation_picks_its_matmul_by_rows_and_numerics(
+    tmp_path: Path, dtype: str, compute: str, quantized: bool, batch: int, kernel: str
+) -> None:
+    from neuronctl.backends.torch.graphs import module_for
+
+    ckpt = make_checkpoint(tmp_path / "ckpt", "llama")
+    job = GraphJob(TOKEN_GEN, 64, read_config(ckpt), batch, 128, dtype, "inductor",
+                   str(tmp_path), compute=compute, quantized=quantized)  # fmt: skip
+    linear = module_for(job).linear
+    if kernel == "packed_linear" and not modeling.can_pack(torch.float32):
+        kernel = "linear"  # no oneDNN in this torch build
+    assert linear.__name__ == kernel
+
+
 def test_runner_refuses_prompts_and_positions_beyond_its_buckets(
     compiled_artifact: Path,
 ) -> None:
