@@ -293,8 +293,10 @@ def make_system(spec: dict[str, Any]) -> Any:
     kind = spec["kind"]
     if kind == "neuronctl":
         return Neuronctl(Path(spec["path"]))
-    if kind == "engine":
-        return Engine(Neuronctl(Path(spec["path"])).runner, Path(spec["path"]))
+    if kind == "engine":  # loaded as serve and generate load it
+        from neuronctl.engine.loader import open_artifact
+
+        return Engine(open_artifact(Path(spec["path"])).runner, Path(spec["path"]))
     if kind == "llama.cpp":
         return LlamaCpp(Path(spec["path"]), spec["n_seq"], spec["threads"])
     return Transformers(Path(spec["path"]), spec["dtype"])

@@ -299,3 +299,27 @@ def test_a_4000_token_output_is_detokenized_with_constant_work_per_token() -> No
     assert out is not None and len(out.token_ids) == 4000
     assert "".join(e.text for e in events) == out.text == byte_detokenize(out.token_ids)
     assert decoded_ids <= 4 * 4000  # re-decoding all ids each step: ~8 million
+
+
+def test_artifacts_load_without_an_openmp_team_on_the_loading_thread(
+    compiled_artifact, monkeypatch: pytest.MonkeyPatch  # type: ignore[no-untyped-def]
+) -> None:
+    """The engine runs the model on its own thread; a team the main thread starts while
+    loading takes cores from it (2.5x slower decode on 2 cores, docs/performance.md). So the
+    backend loads with one intra-op thread, and the count is restored after."""
+    import torch
+
+    from neuronctl.backends.torch import TorchBackend
+    from neuronctl.engine.loader import open_artifact
+
+    seen: list[int] = []
+    real_load = TorchBackend.load
+
+    def load(self, path, manifest):  # type: ignore[no-untyped-def]
+        seen.append(torch.get_num_threads())
+        return real_load(self, path, manifest)
+
+    monkeypatch.setattr(TorchBackend, "load", load)
+    before = torch.get_num_threads()
+    open_artifact(compiled_artifact)
+    assert seen == [1] and torch.get_num_threads() == before

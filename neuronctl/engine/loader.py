@@ -7,6 +7,8 @@ at compile time), never from flags, so what runs is what was compiled.
 from __future__ import annotations
 
 import json
+from collections.abc import Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
@@ -79,7 +81,8 @@ def open_artifact(
         check_reusable(root)
     manifest = read_manifest(root)
     vouch = vouch_for(root, policy)  # before loading: graphs and libraries are code
-    runner = get_backend(manifest.backend).load(root, manifest)
+    with one_intra_op_thread():
+        runner = get_backend(manifest.backend).load(root, manifest)
     tokenizer = load_tokenizer(root)
     eos = eos_token_ids(root)
     if not eos and tokenizer.eos_token_id is not None:
@@ -87,6 +90,24 @@ def open_artifact(
     return LoadedArtifact(
         root, manifest, runner, tokenizer, eos, global_topk(manifest), vouch=vouch
     )
+
+
+@contextmanager
+def one_intra_op_thread() -> Iterator[None]:
+    """Load on this thread without starting an OpenMP team on it.
+
+    The engine runs the model on its own thread. A team this (main) thread started while
+    loading stays behind and takes cores from the engine's: on 2 cores, bf16 batch-1 decode
+    from the engine thread ran at 21-26 tok/s after a loading team, 52-61 without one (the
+    same Runner from the main thread: 53-61). docs/performance.md has the measurement."""
+    import torch
+
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        yield
+    finally:
+        torch.set_num_threads(threads)
 
 
 def vouch_for(path: Path, policy: TrustPolicy | None = None) -> Vouch:
