@@ -663,7 +663,7 @@ def vllm_dirname_exact(
     path = model_path if model_path is not None else spec.model
     try:
         text = nxdi_inference_config_json(kwargs, config, path)
-        exact = Path(path).joinpath("config.json").is_file()
+        exact = path is not None and Path(path).joinpath("config.json").is_file()
     except ImportError:
         data = {**dict(config), "neuron_config": kwargs}
         text = json.dumps(data, indent=2, sort_keys=True)
