@@ -586,17 +586,22 @@ def resolve_artifacts_arg(
     """
     if "://" not in value:
         return Path(value).expanduser()
-    url, dirname = split_artifact_url(value)
-    remote = open_remote(url)
-    return remote.pull(remote.resolve(dirname), store, progress, policy).path
+    remote, dirname = _remote_artifact(value)
+    return remote.pull(dirname, store, progress, policy).path
 
 
 def check_remote_trust(value: str, policy: TrustPolicy | None = None) -> None:
     """Refuse a remote artifact `policy` does not trust, reading only its manifest and
     signature (what --dry-run does instead of pulling)."""
-    url, dirname = split_artifact_url(value)
+    remote, dirname = _remote_artifact(value)
+    remote.check_trusted(dirname, policy)
+
+
+def _remote_artifact(value: str) -> tuple[RemoteStore, str]:
+    """The remote store an artifact URL names, and the artifact's directory name in it."""
+    url, key = split_artifact_url(value)
     remote = open_remote(url)
-    remote.check_trusted(remote.resolve(dirname), policy)
+    return remote, remote.resolve(key)
 
 
 def split_artifact_url(value: str) -> tuple[str, str]:

@@ -99,11 +99,17 @@ def neuron_config(model_type: str, kwargs: Mapping[str, Any]) -> Any:
     return config_cls.get_neuron_config_cls()(**kwargs)
 
 
-def inference_config(model_type: str, kwargs: Mapping[str, Any], model_path: str) -> Any:
-    """`XInferenceConfig(NeuronConfig(**kwargs), load_config=load_pretrained_config(path))`."""
+def inference_config(
+    model_type: str, kwargs: Mapping[str, Any], model_path: str | None, hf_config: Any = None
+) -> Any:
+    """`XInferenceConfig(NeuronConfig(**kwargs), load_config=load_pretrained_config(...))`
+    from a model directory, or from an in-memory HF config (`model_path` None)."""
     _model_cls, config_cls = model_classes(model_type)
     load_pretrained_config = module("utils.hf_adapter").load_pretrained_config
-    load_config = load_pretrained_config(model_path)
+    if model_path is None:
+        load_config = load_pretrained_config(hf_config=hf_config)
+    else:
+        load_config = load_pretrained_config(model_path)
     return config_cls(neuron_config(model_type, kwargs), load_config=load_config)
 
 
@@ -127,7 +133,4 @@ def inference_config_json(
 
     fields = {k: v for k, v in config.items() if k != "model_type"}
     hf_config = AutoConfig.for_model(model_type, **fields)  # _name_or_path "": no path, no drift
-    _model_cls, config_cls = model_classes(model_type)
-    load_config = module("utils.hf_adapter").load_pretrained_config(hf_config=hf_config)
-    ic = config_cls(neuron_config(model_type, kwargs), load_config=load_config)
-    return str(ic.to_json_string())
+    return str(inference_config(model_type, kwargs, None, hf_config).to_json_string())
