@@ -10,9 +10,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from neuronctl.errors import NeuronctlError, NotFoundError, UsageError
+from neuronctl.errors import NeuronctlError, UsageError
 from neuronctl.store.manifest import is_intact
-from neuronctl.store.resolve import is_url, open_store, resolve_artifact
+from neuronctl.store.resolve import NotPulledError, open_store, resolve_artifact
 from neuronctl.validate import check_reusable, requested_spec
 
 if TYPE_CHECKING:
@@ -53,9 +53,9 @@ def artifact_to_run(
         path = resolve_artifact(artifacts, store, fetch=not dry_run, policy=policy)
         check_reusable(path, spec, sources)
         return Target(path, "use")
-    except NotFoundError as exc:
+    except NotPulledError as exc:  # only a dry run leaves a remote artifact unpulled
         missing: NeuronctlError = exc
-        if dry_run and artifacts and is_url(artifacts) and not compile_if_missing:
+        if not compile_if_missing:
             where = open_store(store).artifacts
             return Target(None, "pull", f"{artifacts} would be pulled into {where}")
     except NeuronctlError as exc:

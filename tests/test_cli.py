@@ -241,3 +241,12 @@ def test_pull_takes_a_plain_path_as_push_does(compiled_artifact: Path, tmp_path:
     assert pulled.returncode == 0, pulled.stderr
     pulled_dir = store / "neuron-compiled-artifacts" / compiled_artifact.name
     assert (pulled_dir / "manifest.json").is_file()
+
+
+def test_serve_dry_run_of_a_url_the_remote_lacks_says_so(tmp_path: Path) -> None:
+    """A dry run plans a pull only for what the remote holds; otherwise it fails as the
+    real run would (exit 1, one line naming the remote)."""
+    url = f"file://{tmp_path / 'remote'}/0123456789abcdef0123"
+    result = cli("serve", "--artifacts", url, "--dry-run", "--json", "--allow-unsigned")
+    assert result.returncode == 1 and "no artifact 0123456789abcdef0123" in result.stderr
+    assert "would be pulled" not in result.stdout and "Traceback" not in result.stderr

@@ -35,6 +35,10 @@ def is_url(ref: str) -> bool:
     return "://" in ref
 
 
+class NotPulledError(NotFoundError):
+    """A trusted remote holds the artifact; it is not in the local store yet."""
+
+
 def resolve_artifact(
     ref: str | Path | None,
     store: Path | Store | None = None,
@@ -44,7 +48,8 @@ def resolve_artifact(
     policy: TrustPolicy | None = None,
 ) -> Path:
     """The local artifact directory `ref` names. With `fetch=False` a URL is never pulled:
-    an artifact not yet in the local store is a NotFoundError (what --dry-run reports)."""
+    an artifact not yet in the local store is a NotPulledError (what --dry-run reports) once
+    the remote is known to hold it under a trusted signature."""
     if ref is None or not str(ref).strip():
         raise UsageError(
             "no artifact given",
@@ -70,7 +75,7 @@ def resolve_artifact(
             found = None
         if found is None or not is_intact(found):
             check_remote_trust(text, policy)  # a dry run still says an untrusted one is refused
-            raise NotFoundError(
+            raise NotPulledError(
                 f"{text} is not in the local store {local.artifacts} yet",
                 "without --dry-run it is pulled (sha256-verified) first",
             )
