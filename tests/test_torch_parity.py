@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from neuronctl.backends import get_backend
-from neuronctl.backends.torch import modeling
+from neuronctl.backends.torch import _cpu_flags, kernel, modeling
 from neuronctl.build import compile_model, resolve_build
 from neuronctl.errors import SpecError, UsageError
 from neuronctl.store.manifest import read_manifest
@@ -226,7 +226,8 @@ def test_bf16_without_bf16_units_computes_in_float32(
     ckpt = make_checkpoint(tmp_path / "ckpt", "qwen2", tie_word_embeddings=True)
     path = build(ckpt, tmp_path / "store", dtype="bfloat16").path
     config = json.loads((path / "neuron_config.json").read_text())
-    assert config["numerics"] == {"storage": "bfloat16", "compute": "float32", "quantized": None}
+    assert config["numerics"] == {"storage": "bfloat16", "compute": "float32", "quantized": None,
+                                  "matmul": "aten (traced graph, run by torch.export)"}
     assert read_manifest(path).backend_versions["cpu_half_units"] == "none"
     runner = load(path)
     assert runner.weights["model.layers.0.self_attn.qkv_proj.weight"].dtype == torch.bfloat16
@@ -307,6 +308,8 @@ def test_inductor_artifact_matches_transformers(tmp_path: Path) -> None:
     outcome = build(ckpt, tmp_path / "store", compiler="inductor", context_buckets="32",
                     token_gen_buckets="64", batch_size=2, seq_len=64, max_context_length=32)
     runner = load(outcome.path)
+    # float32 on an AVX2 host: every projection by neuronctl's kernel on blocked weights
+    assert runner.blocked == kernel.usable(_cpu_flags())
     ids = random_ids(40, seed=8)
     ref = hf_logits(hf_model(ckpt), ids)
     got = [runner.prefill(1, ids[:24])]
@@ -316,10 +319,40 @@ def test_inductor_artifact_matches_transformers(tmp_path: Path) -> None:
 
 
 @pytest.mark.slow
+@pytest.mark.parametrize("quantized", [False, True])
+def test_inductor_bf16_and_int8_match_their_traced_graphs(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, quantized: bool
+) -> None:
+    # bf16 weights on a CPU without bf16 units, and int8 ones: the kernel widens them in
+    # registers; the traced graphs (aten) widen whole matrices. Same artifact spec otherwise.
+    import neuronctl.backends.torch as torch_backend
+
+    monkeypatch.setattr(torch_backend, "half_units", lambda: "none")
+    ckpt = make_checkpoint(tmp_path / "ckpt", "qwen2", tie_word_embeddings=True)
+    ids = random_ids(40, seed=13)
+    outs = []
+    for compiler in ("export", "inductor"):
+        path = build(ckpt, tmp_path / "store", compiler=compiler, dtype="bfloat16",
+                     quantized=quantized, context_buckets="32", token_gen_buckets="64",
+                     batch_size=2, seq_len=64, max_context_length=32).path
+        runner = load(path)
+        got = [runner.prefill(1, ids[:24])]
+        got += [runner.decode([0, ids[p]], [-1, p])[1] for p in range(24, 40)]
+        outs.append(torch.stack(got))
+    assert runner.blocked == kernel.usable(_cpu_flags())
+    # int8's traced graphs round activations to bf16 for aten's int8 kernel; the kernel not
+    assert (outs[0] - outs[1]).abs().max() < (1e-2 if quantized else 1e-4)
+    assert torch.equal(outs[0].argmax(-1), outs[1].argmax(-1))
+
+
+@pytest.mark.slow
 def test_inductor_prepacked_batch_matches_transformers(tmp_path: Path) -> None:
     # Above the GEMV's batch range the graphs read oneDNN-prepacked weights (a tied head is
     # packed as lm_head.weight); same tolerance, still no weight in any graph, still movable.
-    ckpt = make_checkpoint(tmp_path / "ckpt", "qwen2", tie_word_embeddings=True)
+    # A hidden size of 72 is not a multiple of neuronctl's kernel's 16 columns, so even an
+    # AVX2 host takes oneDNN here.
+    ckpt = make_checkpoint(tmp_path / "ckpt", "qwen2", tie_word_embeddings=True,
+                           hidden_size=72)
     outcome = build(ckpt, tmp_path / "store", compiler="inductor", context_buckets="32",
                     token_gen_buckets="64", batch_size=6, seq_len=64, max_context_length=32)
     moved = tmp_path / "moved"

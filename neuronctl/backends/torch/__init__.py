@@ -33,6 +33,14 @@ if TYPE_CHECKING:
 # Bump when modeling.py or the graph signatures change what a graph computes or takes.
 MODELING_VERSION = "5"
 NEURON_CONFIG = "neuron_config.json"
+KERNEL_SOURCE = Path(__file__).with_name("gemv.cpp")
+
+
+@cache
+def kernel_digest() -> str:
+    """The source digest of neuronctl's matmul kernel (kernel.py): a graph calling it depends
+    on it, so it is part of the graph key (read without importing torch)."""
+    return hashlib.sha256(KERNEL_SOURCE.read_bytes()).hexdigest()[:16]
 
 
 @cache
@@ -143,6 +151,7 @@ class TorchBackend:
         return {
             "torch": torch_version(),
             "modeling": MODELING_VERSION,
+            "kernel": kernel_digest(),
             "cpu_isa": cpu_isa(),
             "cpu_half_units": half_units(),
         }
@@ -231,12 +240,23 @@ def check_tensors(checkpoint: Checkpoint, args: modeling.ModelArgs) -> None:
 
 
 def graph_jobs(spec: BuildSpec, config: dict[str, Any], staging: Path) -> list[Any]:
-    from neuronctl.backends.torch.graphs import CONTEXT, TOKEN_GEN, GraphJob, prompt_counts
+    from neuronctl.backends.torch import modeling
+    from neuronctl.backends.torch.graphs import (
+        CONTEXT,
+        DTYPES,
+        TOKEN_GEN,
+        GraphJob,
+        prompt_counts,
+        uses_kernel,
+    )
 
     assert isinstance(spec.context_buckets, list) and isinstance(spec.token_gen_buckets, list)
     kinds = [(CONTEXT, b, n) for b in spec.context_buckets for n in prompt_counts(spec.batch_size)]
     kinds += [(TOKEN_GEN, b, 1) for b in spec.token_gen_buckets]
     compute = compute_dtype(str(spec.dtype), spec.quantized, half_units())
+    numerics = modeling.Numerics(DTYPES[str(spec.dtype)], DTYPES[compute], spec.quantized)
+    blocked = uses_kernel(str(spec.compiler), numerics, modeling.args_from_config(config),
+                          _cpu_flags())
     return [
         GraphJob(
             kind,
@@ -250,6 +270,7 @@ def graph_jobs(spec: BuildSpec, config: dict[str, Any], staging: Path) -> list[A
             compute=compute,
             quantized=spec.quantized,
             prompts=prompts,
+            blocked=blocked,
         )
         for kind, bucket, prompts in kinds
     ]
@@ -285,6 +306,7 @@ def write_neuron_config(
             "storage": str(spec.dtype),
             "compute": str(numerics.compute).removeprefix("torch."),
             "quantized": "int8 " + spec.quantization_type if spec.quantized else None,
+            "matmul": matmul_choice(jobs),
         },
         "kv_cache": {
             "layout": ["batch_size", "num_key_value_heads", "seq_len", "head_dim"],
@@ -296,6 +318,9 @@ def write_neuron_config(
         # The graphs read oneDNN-prepacked projection weights (and a tied head as
         # lm_head.weight): the runner packs them at load time (modeling.packed_linear).
         "packed_weights": any(job.packed for job in jobs),
+        # The graphs call neuronctl::linear_blocked (kernel.py) on weights the runner blocks
+        # at load time; it loads the kernel, built from this digest, before any graph.
+        "blocked_weights": kernel_digest() if jobs[0].blocked else None,
         "graph_inputs": {
             "context_encoding": "weights, inv_freq, k_cache[L], v_cache[L], token_ids[P,bucket],"
             " lengths[P], slots[P] -> logits[P,vocab] (graph name suffix xP when P > 1)",
@@ -304,6 +329,19 @@ def write_neuron_config(
         },
     }
     (staging / NEURON_CONFIG).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def matmul_choice(jobs: list[Any]) -> str:
+    """The matmul kernels an artifact's graphs use, in words (neuron_config numerics)."""
+    job = jobs[0]
+    if job.blocked:
+        return ("neuronctl::linear_blocked (AVX2+FMA; weights blocked 4x16 at load, widened "
+                "in registers, float32 accumulation)")
+    if job.compiler != "inductor":
+        return "aten (traced graph, run by torch.export)"
+    if any(j.packed for j in jobs):
+        return "oneDNN on prepacked weights (token generation), aten elsewhere"
+    return "inductor fused GEMV (token generation), aten elsewhere"
 
 
 def build_facts(spec: BuildSpec) -> dict[str, Any]:

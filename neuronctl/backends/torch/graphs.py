@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from neuronctl.backends.torch import modeling
+from neuronctl.backends.torch import kernel, modeling
 from neuronctl.errors import BuildError
 from neuronctl.progress import Progress
 from neuronctl.workers import die_with_parent
@@ -54,6 +54,7 @@ class GraphJob:
     compute: str = ""  # activations' dtype; "" = the storage dtype (modeling.Numerics)
     quantized: bool = False  # int8 projections with per-channel scales
     prompts: int = 1  # context encoding: prompts per call (prefill_batch)
+    blocked: bool = False  # projections by kernel.linear on blocked weights (uses_kernel)
 
     @property
     def name(self) -> str:
@@ -71,7 +72,20 @@ class GraphJob:
 
     @property
     def packed(self) -> bool:
-        return packs_weights(self.compiler, self.batch_size, self.numerics)
+        return not self.blocked and packs_weights(self.compiler, self.batch_size, self.numerics)
+
+
+def uses_kernel(compiler: str, numerics: modeling.Numerics, args: modeling.ModelArgs,
+                cpu_flags: str) -> bool:
+    """Whether an artifact's graphs multiply by neuronctl's kernel (kernel.py, gemv.cpp).
+
+    AOTInductor artifacts that compute in float32 on an AVX2 host: float32 weights, bf16
+    ones on a CPU without bf16 units and int8 ones. On an AVX2 EPYC it streams bf16 weights
+    at 0.9 of the read bandwidth where inductor's reduction reaches 0.6, and at 64 rows it
+    is level with MKL's float32 GEMM without widening anything (docs/torch-backend.md).
+    """
+    return (compiler == "inductor" and numerics.compute == torch.float32
+            and kernel.usable(cpu_flags) and modeling.blockable(args))
 
 
 def packs_weights(compiler: str, batch_size: int, numerics: modeling.Numerics) -> bool:
@@ -105,7 +119,7 @@ def example_inputs(job: GraphJob) -> tuple[Any, ...]:
     """Inputs with the graph's static shapes; values are never read while tracing."""
     args = modeling.args_from_config(job.config)
     dtype = DTYPES[job.dtype]
-    shapes = modeling.graph_shapes(args, dtype, job.packed, job.quantized)
+    shapes = modeling.graph_shapes(args, dtype, job.packed, job.quantized, job.blocked)
     weights = {name: torch.empty(t.shape, dtype=t.dtype) for name, t in shapes.items()}
     cache_shape = (job.batch_size, args.num_kv_heads, job.seq_len, args.head_dim)
     k = [torch.empty(cache_shape, dtype=dtype) for _ in range(args.num_layers)]
@@ -122,7 +136,7 @@ def example_inputs(job: GraphJob) -> tuple[Any, ...]:
 def module_for(job: GraphJob) -> torch.nn.Module:
     args = modeling.args_from_config(job.config)
     if job.kind == CONTEXT:
-        return modeling.ContextEncoding(args, job.numerics, job.packed)
+        return modeling.ContextEncoding(args, job.numerics, job.packed, job.blocked)
     # Measured on a 2-core AVX-512 host: the fused GEMV streams weights at full bandwidth up
     # to 4 rows; beyond that aten's GEMM wins (docs/torch-backend.md), unless the weights
     # must be widened first.
@@ -130,7 +144,8 @@ def module_for(job: GraphJob) -> torch.nn.Module:
     widened = numerics.storage != numerics.compute and not numerics.quantized
     most = GEMV_MAX_WIDENED_BATCH if widened else GEMV_MAX_BATCH
     use_gemv = job.compiler == "inductor" and job.batch_size <= most
-    return modeling.TokenGeneration(args, job.bucket, job.numerics, use_gemv, job.packed)
+    return modeling.TokenGeneration(args, job.bucket, job.numerics, use_gemv, job.packed,
+                                    job.blocked)
 
 
 def build_graph(job: GraphJob) -> str:
@@ -143,6 +158,8 @@ def build_graph(job: GraphJob) -> str:
     handler = logging.FileHandler(log_path)
     torch_logger = logging.getLogger("torch")
     torch_logger.addHandler(handler)
+    if job.blocked:
+        kernel.load()  # fails here, not on the serving host, if it cannot be built
     try:
         with torch.no_grad():
             program = torch.export.export(module_for(job), example_inputs(job), strict=False)

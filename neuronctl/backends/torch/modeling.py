@@ -27,6 +27,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
+from neuronctl.backends.torch import kernel
 from neuronctl.errors import CheckpointError, SpecError
 
 ARCHITECTURES = {
@@ -263,14 +264,17 @@ def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
 
 
 def graph_weights(
-    full: Mapping[str, Tensor], args: ModelArgs, packed: bool = False, quantized: bool = False
+    full: Mapping[str, Tensor], args: ModelArgs, packed: bool = False, quantized: bool = False,
+    blocked: bool = False,
 ) -> dict[str, Tensor]:
     """The tensors the graphs take, from checkpoint-named ones: q/k/v and gate/up fused.
 
     One projection per input vector instead of three (two) means fewer, larger matmul
     kernels per layer; the checkpoint and its shards keep Hugging Face names. `packed`
     graphs (packed_linear) also take a tied LM head as `lm_head.weight`: the embedding
-    lookup needs the plain table, the head its packed copy.
+    lookup needs the plain table, the head its packed copy. `blocked` graphs (kernel.linear)
+    take every projection and the head in the kernel's blocked layout; a tied table is then
+    only `lm_head.weight` (and its scale), blocked, and the embedding reads rows out of it.
     """
     out: dict[str, Tensor] = {}
     fused: set[str] = set()
@@ -291,13 +295,22 @@ def graph_weights(
     for name in weight_names(args, quantized):
         if name not in fused:
             out[name] = full[name]
+    if blocked and args.tie_word_embeddings:
+        # One copy: the embedding lookup reads rows out of the blocked head (_embed).
+        for name in [n for n in out if n.startswith("model.embed_tokens.weight")]:
+            out[name.replace("model.embed_tokens", "lm_head")] = out.pop(name)
     if packed and args.tie_word_embeddings:
         out["lm_head.weight"] = full["model.embed_tokens.weight"]
+    if blocked:
+        for name in out:
+            if name.endswith("_proj.weight") or name == "lm_head.weight":
+                out[name] = kernel.block(out[name])
     return {name: out[name].contiguous() for name in sorted(out)}
 
 
 def graph_shapes(
-    args: ModelArgs, dtype: torch.dtype, packed: bool = False, quantized: bool = False
+    args: ModelArgs, dtype: torch.dtype, packed: bool = False, quantized: bool = False,
+    blocked: bool = False,
 ) -> dict[str, Tensor]:
     """Meta tensors with the shapes, dtypes and order of graph_weights (for tracing)."""
     meta = {n: torch.empty(s, dtype=dtype, device="meta")
@@ -307,7 +320,14 @@ def graph_shapes(
             rows = meta[name].shape[0]
             meta[name] = torch.empty(meta[name].shape, dtype=torch.int8, device="meta")
             meta[scale_name(name)] = torch.empty(rows, dtype=torch.bfloat16, device="meta")
-    return graph_weights(meta, args, packed, quantized)
+    return graph_weights(meta, args, packed, quantized, blocked)
+
+
+def blockable(args: ModelArgs) -> bool:
+    """Every matrix the graphs multiply by fits kernel.block's layout unpadded."""
+    return all(kernel.fits(shape) for name, shape in expected_shapes(args).items()
+               if name.endswith("_proj.weight") or name in ("lm_head.weight",
+                                                            "model.embed_tokens.weight"))
 
 
 def new_kv_cache(
@@ -479,7 +499,12 @@ def _mlp(w: Weights, p: str, x: Tensor, linear: Linear = linear) -> Tensor:
 def _embed(w: Weights, token_ids: Tensor, dtype: torch.dtype) -> Tensor:
     """Embedding rows in the compute dtype; an int8 (tied) table is scaled per row."""
     name = "model.embed_tokens.weight"
-    x = w[name][token_ids].to(dtype)
+    if name in w:
+        x = w[name][token_ids].to(dtype)
+    else:  # a tied table held only as the blocked head (graph_weights)
+        name = "lm_head.weight"
+        rows = w[name][token_ids // kernel.ROWS, :, token_ids % kernel.ROWS]  # [..., K/16, 16]
+        x = rows.flatten(-2).to(dtype)
     scale = w.get(scale_name(name))
     return x if scale is None else x * scale[token_ids][..., None].to(dtype)
 
@@ -593,11 +618,13 @@ def _o_bias(w: Weights, p: str, args: ModelArgs) -> Tensor | None:
 class ContextEncoding(torch.nn.Module):
     """Holds no tensors: weights, rope frequencies and the KV cache are all inputs."""
 
-    def __init__(self, args: ModelArgs, numerics: Numerics, packed: bool = False) -> None:
+    def __init__(
+        self, args: ModelArgs, numerics: Numerics, packed: bool = False, blocked: bool = False
+    ) -> None:
         super().__init__()
         self.args = args
         self.compute = numerics.compute
-        self.linear = packed_linear if packed else linear
+        self.linear = kernel.linear if blocked else packed_linear if packed else linear
 
     def forward(
         self,
@@ -618,14 +645,14 @@ class ContextEncoding(torch.nn.Module):
 class TokenGeneration(torch.nn.Module):
     def __init__(
         self, args: ModelArgs, bucket: int, numerics: Numerics, use_gemv: bool = False,
-        packed: bool = False,
+        packed: bool = False, blocked: bool = False,
     ) -> None:
         super().__init__()
         self.args = args
         self.bucket = bucket
         self.compute = numerics.compute
-        self.linear: Linear = (int8_linear if numerics.quantized else gemv if use_gemv
-                               else packed_linear if packed else linear)
+        self.linear: Linear = (kernel.linear if blocked else int8_linear if numerics.quantized
+                               else gemv if use_gemv else packed_linear if packed else linear)
 
     def forward(
         self,

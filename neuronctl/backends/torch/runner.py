@@ -43,9 +43,13 @@ class TorchRunner:
         # Inductor artifacts above the GEMV's batch range read oneDNN-prepacked weights
         # (modeling.packed_linear); the graph files are the same whatever the weights.
         self.packed = bool(config_data.get("packed_weights", False))
+        # Graphs that call neuronctl's kernel read blocked weights (kernel.block).
+        self.blocked = bool(config_data.get("blocked_weights"))
+        if self.blocked:
+            _load_kernel(str(config_data["blocked_weights"]))
         self.quantized = bool(spec.quantized)
         self.weights = _load_weights(path / "weights", self.args, self.dtype, self.packed,
-                                     self.batch_size, self.quantized)
+                                     self.batch_size, self.quantized, self.blocked)
         self.k_cache, self.v_cache = modeling.new_kv_cache(
             self.args, self.batch_size, self.seq_len, self.dtype
         )
@@ -186,9 +190,20 @@ def _neuron_config(path: Path) -> dict[str, Any]:
         raise NotFoundError(f"{path} has no {NEURON_CONFIG}", "recompile the artifact") from None
 
 
+def _load_kernel(built_with: str) -> None:
+    from neuronctl.backends.torch import kernel
+
+    if built_with != kernel.digest():
+        raise CheckpointError(
+            f"this artifact's graphs call neuronctl's matmul kernel as of source {built_with},"
+            f" this neuronctl has {kernel.digest()}", "recompile the artifact",
+        )
+    kernel.load()
+
+
 def _load_weights(
     weights_dir: Path, args: modeling.ModelArgs, dtype: torch.dtype, packed: bool = False,
-    batch_size: int = 1, quantized: bool = False,
+    batch_size: int = 1, quantized: bool = False, blocked: bool = False,
 ) -> dict[str, torch.Tensor]:
     from neuronctl.sharding import load_full_tensors
 
@@ -198,7 +213,7 @@ def _load_weights(
     if missing:
         raise CheckpointError(f"{weights_dir} lacks {missing[0]}", "recompile the artifact")
     needed = {n: _as_graph_input(n, full.pop(n), dtype) for n in names}
-    weights = modeling.graph_weights(needed, args, packed, quantized)
+    weights = modeling.graph_weights(needed, args, packed, quantized, blocked)
     if packed:
         if not modeling.can_pack(dtype):
             raise CheckpointError(

@@ -1,0 +1,152 @@
+// neuronctl::linear_blocked: x @ W.T for float32 activations and float32, bfloat16 or int8
+// weights, on AVX2 + FMA. Built at first use by kernel.py (torch.utils.cpp_extension).
+//
+// Why: on a CPU without bf16 units, aten and inductor either widen a bf16 matrix to float32
+// before every matmul (a full extra write and read of the weights) or widen it lane by lane
+// through shuffles at half the memory bandwidth. Here a weight is widened in registers as it
+// streams: bf16 by one shift and one mask per 16 values, int8 by one sign extension per 8.
+//
+// Weights are blocked at load time (kernel.block): [N/4][K/16][4][16], so the 4 rows one
+// thread works on are one sequential stream. Activations are copied once per call into the
+// lane order the weights need (bf16: each 16-chunk as its 8 even then its 8 odd elements).
+// Rows of x are taken 1, 2 or 3 at a time against each block of 4 weight rows, so one pass
+// over the weights serves every row, and larger M (context encoding) keeps the block in L1.
+#include <immintrin.h>
+
+#include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
+#include <torch/library.h>
+
+#include <type_traits>
+#include <vector>
+
+namespace {
+constexpr int kRows = 4;    // weight rows per block
+constexpr int kChunk = 16;  // weight columns per chunk
+
+inline float hsum(__m256 v) {
+  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_add_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Half h (0 or 1) of one row's 16-column chunk, as 8 floats in the activations' lane order.
+template <typename W>
+inline __m256 half8(const W* p, int h) {
+  if constexpr (std::is_same_v<W, float>) {
+    return _mm256_loadu_ps(p + h * 8);
+  } else if constexpr (std::is_same_v<W, uint16_t>) {
+    // A bf16 is the top half of a float: even elements shifted up, odd ones masked.
+    __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
+    return h ? _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF0000)))
+             : _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
+  } else {
+    __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + h * 8));
+    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
+  }
+}
+
+// acc[i][m] = lane sums of weight row i times activation row m over the whole K.
+template <typename W, int MG>
+inline void block_dot(const float* xs, int64_t kp, const W* wb, __m256 (&acc)[kRows][MG]) {
+  for (int i = 0; i < kRows; i++)
+    for (int m = 0; m < MG; m++) acc[i][m] = _mm256_setzero_ps();
+  for (int64_t k = 0; k < kp; k += kChunk) {
+    const W* p = wb + k * kRows;
+#pragma GCC unroll 2
+    for (int h = 0; h < 2; h++) {
+      __m256 xv[MG];
+#pragma GCC unroll 4
+      for (int m = 0; m < MG; m++) xv[m] = _mm256_loadu_ps(xs + m * kp + k + h * 8);
+#pragma GCC unroll 4
+      for (int i = 0; i < kRows; i++) {
+        __m256 wv = half8(p + i * kChunk, h);
+#pragma GCC unroll 4
+        for (int m = 0; m < MG; m++) acc[i][m] = _mm256_fmadd_ps(wv, xv[m], acc[i][m]);
+      }
+    }
+  }
+}
+
+template <typename W, int MG>
+inline void store(const float* xs, int64_t kp, const W* wb, int64_t n0, int64_t n,
+                  const float* scale, float* out) {
+  __m256 acc[kRows][MG];
+  block_dot<W, MG>(xs, kp, wb, acc);
+  for (int i = 0; i < kRows; i++)
+    for (int m = 0; m < MG; m++) {
+      float s = hsum(acc[i][m]);
+      out[m * n + n0 + i] = scale ? s * scale[n0 + i] : s;
+    }
+}
+
+// Every activation row against one block: threes while they last (12 accumulators fit the
+// 16 registers), then the remainder.
+template <typename W>
+void one_block(const float* xs, int64_t m_rows, int64_t kp, const W* wb, int64_t n0, int64_t n,
+               const float* scale, float* out) {
+  int64_t m = 0;
+  for (; m + 3 <= m_rows; m += 3) store<W, 3>(xs + m * kp, kp, wb, n0, n, scale, out + m * n);
+  if (m_rows - m == 2) store<W, 2>(xs + m * kp, kp, wb, n0, n, scale, out + m * n);
+  if (m_rows - m == 1) store<W, 1>(xs + m * kp, kp, wb, n0, n, scale, out + m * n);
+}
+
+template <typename W>
+void run(const float* xs, int64_t m_rows, int64_t kp, const W* w, int64_t n,
+         const float* scale, float* out) {
+  int64_t blocks = n / kRows;
+  // OpenMP, as inductor's own kernels: the team torch.set_num_threads sized. (at::parallel_for
+  // measured 1.5x slower here for these ~10 us calls.)
+#pragma omp parallel for schedule(static)
+  for (int64_t b = 0; b < blocks; b++)
+    one_block<W>(xs, m_rows, kp, w + b * kRows * kp, b * kRows, n, scale, out);
+}
+
+// x [..., K] float32; w [N/4, K/16, 4, 16]; scale [N] (int8 weights) or none -> [..., N].
+at::Tensor linear_blocked(const at::Tensor& x, const at::Tensor& w,
+                          const std::optional<at::Tensor>& scale) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, "linear_blocked takes float32 activations");
+  TORCH_CHECK(w.dim() == 4 && w.size(2) == kRows && w.size(3) == kChunk && w.is_contiguous(),
+              "linear_blocked: the weight is not blocked [N/4, K/16, 4, 16]");
+  const int64_t k = x.size(-1), n = w.size(0) * kRows, kp = w.size(1) * kChunk;
+  TORCH_CHECK(k == kp, "linear_blocked: activations have ", k, " columns, weights ", kp);
+  const int64_t m_rows = k ? x.numel() / k : 0;
+  auto xc = x.contiguous();
+  const float* xp = xc.data_ptr<float>();
+  const bool split = w.scalar_type() == at::kBFloat16;
+  std::vector<float> xs(m_rows * k);
+  for (int64_t r = 0; r < m_rows * k; r += kChunk)
+    for (int j = 0; j < kChunk; j++) xs[r + (split ? (j % 2) * 8 + j / 2 : j)] = xp[r + j];
+  std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
+  shape.back() = n;
+  at::Tensor out = at::empty(shape, x.options());
+  at::Tensor sc;
+  const float* sp = nullptr;
+  if (scale.has_value()) {
+    TORCH_CHECK(scale->numel() == n, "linear_blocked: one scale per output row");
+    sc = scale->to(at::kFloat).contiguous();
+    sp = sc.data_ptr<float>();
+  }
+  float* op = out.data_ptr<float>();
+  switch (w.scalar_type()) {
+    case at::kFloat:
+      run<float>(xs.data(), m_rows, kp, w.data_ptr<float>(), n, sp, op);
+      break;
+    case at::kBFloat16:
+      run<uint16_t>(xs.data(), m_rows, kp, static_cast<const uint16_t*>(w.data_ptr()), n, sp,
+                    op);
+      break;
+    case at::kChar:
+      run<int8_t>(xs.data(), m_rows, kp, w.data_ptr<int8_t>(), n, sp, op);
+      break;
+    default:
+      TORCH_CHECK(false, "linear_blocked: weights are float32, bfloat16 or int8");
+  }
+  return out;
+}
+}  // namespace
+
+// The schema is defined in Python (kernel.py) with its shape function, so graphs trace
+// and export without this library; serving loads it before any graph.
+TORCH_LIBRARY_IMPL(neuronctl, CPU, m) { m.impl("linear_blocked", linear_blocked); }

@@ -1,0 +1,110 @@
+"""neuronctl's own matmul kernel for float32 compute: `neuronctl::linear_blocked` (gemv.cpp).
+
+On a CPU without bf16 units, bf16 and int8 weights must be widened to float32 somewhere.
+aten and inductor do it per matmul or lane by lane; gemv.cpp does it in registers as the
+weights stream, from a blocked layout the runner makes at load time (`block`). One kernel
+serves token generation (a few rows) and context encoding (a bucket of rows), so the
+weights are held once, in one layout.
+
+The C++ is compiled on first use on this host (torch.utils.cpp_extension, ~15 s, the same
+compiler AOTInductor uses) into the user cache, keyed by the source's digest and torch's
+version. The op's schema and shape function live here, so graphs trace and export without
+the library; `load()` must run before a graph that calls it is loaded.
+"""
+
+from __future__ import annotations
+
+import platform
+from functools import cache
+from pathlib import Path
+
+import torch
+from torch import Tensor
+
+from neuronctl.backends.torch import KERNEL_SOURCE
+from neuronctl.errors import BuildError
+from neuronctl.store.local import user_cache_store
+
+ROWS, CHUNK = 4, 16  # the blocked layout: [N/ROWS, K/CHUNK, ROWS, CHUNK]
+DTYPES = (torch.float32, torch.bfloat16, torch.int8)
+
+
+def digest() -> str:
+    """What a graph calling the kernel depends on: its source (part of the graph key)."""
+    from neuronctl.backends.torch import kernel_digest
+
+    return kernel_digest()
+
+
+def usable(cpu_flags: str) -> bool:
+    """The kernel's instructions exist on this CPU (x86-64 with AVX2 and FMA)."""
+    flags = set(cpu_flags.split())
+    return platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma"} <= flags
+
+
+def fits(shape: tuple[int, ...]) -> bool:
+    """A [N, K] weight the layout holds without padding (every Llama-family projection)."""
+    return len(shape) == 2 and shape[0] % ROWS == 0 and shape[1] % CHUNK == 0
+
+
+def block(weight: Tensor) -> Tensor:
+    """[N, K] -> [N/4, K/16, 4, 16]: each block of 4 rows one sequential stream."""
+    n, k = weight.shape
+    return weight.reshape(n // ROWS, ROWS, k // CHUNK, CHUNK).transpose(1, 2).contiguous()
+
+
+def unblock(blocked: Tensor) -> Tensor:
+    """The inverse of block (tests, and a weight read back for checking)."""
+    nb, kb, rows, chunk = blocked.shape
+    return blocked.transpose(1, 2).reshape(nb * rows, kb * chunk)
+
+
+def linear(
+    x: Tensor, weight: Tensor, bias: Tensor | None = None, scale: Tensor | None = None
+) -> Tensor:
+    """linear() on a blocked weight: products and sums in float32, the result in x's dtype."""
+    out = torch.ops.neuronctl.linear_blocked(x.float(), weight, scale).to(x.dtype)
+    return out if bias is None else out + bias.to(x.dtype)
+
+
+@cache
+def define() -> None:
+    """The op's schema and shape function (tracing and export need nothing more)."""
+    torch.library.define(
+        "neuronctl::linear_blocked", "(Tensor x, Tensor w, Tensor? scale) -> Tensor"
+    )
+
+    @torch.library.register_fake("neuronctl::linear_blocked")
+    def _shape(x: Tensor, w: Tensor, scale: Tensor | None) -> Tensor:
+        return x.new_empty((*x.shape[:-1], w.shape[0] * w.shape[2]))
+
+
+@cache
+def load() -> None:
+    """Define the op and give it its CPU implementation, compiling it on first use."""
+    define()
+    from torch.utils import cpp_extension
+
+    build_dir = cache_dir()
+    build_dir.mkdir(parents=True, exist_ok=True)
+    try:
+        cpp_extension.load(
+            name=f"neuronctl_kernel_{digest()}",
+            sources=[str(KERNEL_SOURCE)],
+            extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+            extra_ldflags=["-fopenmp"],
+            build_directory=str(build_dir),
+            is_python_module=False,
+            verbose=False,
+        )
+    except Exception as exc:  # a compiler or ninja missing, or a broken toolchain
+        raise BuildError(
+            f"building neuronctl's matmul kernel failed: {type(exc).__name__}: {exc}",
+            "install a C++ compiler and ninja (what AOTInductor needs too), or compile with "
+            "--compiler export",
+        ) from None
+
+
+def cache_dir() -> Path:
+    """Where the built library lives: the user's own cache, like inductor's."""
+    return user_cache_store() / "kernels" / f"torch{torch.__version__}-{digest()}"

@@ -1,0 +1,146 @@
+"""neuronctl's matmul kernel (backends/torch/kernel.py, gemv.cpp): numerics, layout, choice.
+
+The kernel is built on first use (~15 s, then cached per source digest); the modeling tests
+run it eagerly, so they need no AOTInductor compile.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from neuronctl.backends.torch import _cpu_flags, kernel, modeling
+from neuronctl.backends.torch.graphs import CONTEXT, TOKEN_GEN, GraphJob, module_for, uses_kernel
+from neuronctl.backends.torch.runner import _load_kernel
+from neuronctl.errors import CheckpointError
+from tests.helpers import make_checkpoint, read_config
+
+pytestmark = pytest.mark.skipif(
+    not kernel.usable(_cpu_flags()), reason="the kernel needs an x86-64 CPU with AVX2 and FMA"
+)
+
+
+@pytest.fixture(scope="module", autouse=True)
+def built() -> None:
+    kernel.load()
+
+
+def reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:
+    out = x.double() @ w.double().T
+    return out if scale is None else out * scale.double()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
+@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 67])
+def test_blocked_linear_is_the_float32_product(dtype: torch.dtype, rows: int) -> None:
+    # Every row count takes a different path (1, 2, threes and their remainders); 67 is a
+    # context bucket's worth. Leading dimensions are kept, as the graphs pass [B, T, K].
+    gen = torch.Generator().manual_seed(rows)
+    n, k = 52, 96
+    w = (torch.randn(n, k, generator=gen) * 30).to(dtype)
+    x = torch.randn(rows, 1, k, generator=gen)
+    scale = torch.rand(n, generator=gen).to(torch.bfloat16) if dtype == torch.int8 else None
+    got = torch.ops.neuronctl.linear_blocked(x, kernel.block(w), scale)
+    want = reference(x, w.float(), None if scale is None else scale.float())
+    assert got.shape == (rows, 1, n) and got.dtype == torch.float32
+    assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_linear_adds_bias_and_returns_the_activations_dtype() -> None:
+    w = torch.randn(8, 32).to(torch.bfloat16)
+    x, bias = torch.randn(2, 32), torch.randn(8)
+    got = kernel.linear(x, kernel.block(w), bias)
+    assert torch.allclose(got, x @ w.float().T + bias, atol=1e-5)
+    assert kernel.linear(x.bfloat16(), kernel.block(w)).dtype == torch.bfloat16
+
+
+def test_block_is_reversible_and_fits_only_unpadded_shapes() -> None:
+    w = torch.arange(8 * 32).reshape(8, 32)
+    assert kernel.block(w).shape == (2, 2, 4, 16)
+    assert torch.equal(kernel.unblock(kernel.block(w)), w)
+    assert kernel.fits((8, 32)) and not kernel.fits((6, 32)) and not kernel.fits((8, 40))
+
+
+def test_kernel_refuses_what_it_cannot_multiply() -> None:
+    w = kernel.block(torch.randn(8, 32))
+    with pytest.raises(RuntimeError, match="columns"):
+        torch.ops.neuronctl.linear_blocked(torch.randn(1, 48), w, None)
+    with pytest.raises(RuntimeError, match="not blocked"):
+        torch.ops.neuronctl.linear_blocked(torch.randn(1, 32), torch.randn(8, 32), None)
+    with pytest.raises(RuntimeError, match="float32 activations"):
+        torch.ops.neuronctl.linear_blocked(torch.randn(1, 32).bfloat16(), w, None)
+
+
+@pytest.mark.parametrize(("quantized", "tied"), [(False, True), (True, True), (True, False)])
+def test_blocked_graphs_compute_what_plain_ones_do(
+    tmp_path: Path, quantized: bool, tied: bool
+) -> None:
+    # The modeling code run eagerly with kernel.linear on blocked weights against the plain
+    # weights' modeling.linear: context encoding, then decode steps. A tied table is held
+    # only as the blocked head; the embedding reads its rows out of it.
+    config = read_config(make_checkpoint(tmp_path / "ckpt", "llama", tie_word_embeddings=tied))
+    args = modeling.args_from_config(config)
+    assert modeling.blockable(args)
+    gen = torch.Generator().manual_seed(3)
+    shapes = modeling.expected_shapes(args)
+    full = {n: torch.randn(s, generator=gen) * 0.1 for n, s in shapes.items()}
+    if quantized:
+        for name in modeling.quantized_names(args):
+            full[name], full[modeling.scale_name(name)] = modeling.quantize(full[name], True)
+    plain = modeling.graph_weights(full, args, quantized=quantized)
+    blocked = modeling.graph_weights(full, args, quantized=quantized, blocked=True)
+    assert ("model.embed_tokens.weight" in blocked) != tied
+    assert blocked["lm_head.weight"].dim() == 4
+    ids = torch.randint(0, args.vocab_size, (1, 12), generator=gen)
+    outs = []
+    for weights, linear in ((plain, _dequantizing_linear), (blocked, kernel.linear)):
+        k, v = modeling.new_kv_cache(args, 2, 32, torch.float32)
+        freq = modeling.inv_freq(args)
+        logits = [modeling.context_encode(args, weights, freq, k, v, ids, torch.tensor([12]),
+                                          torch.tensor([1]), linear, torch.float32)]
+        for pos in range(12, 16):
+            step = modeling.token_generate(args, weights, freq, k, v, torch.tensor([0, pos % 7]),
+                                           torch.tensor([-1, pos]), 32, linear, torch.float32)
+            logits.append(step[1:])
+        outs.append(torch.cat(logits))
+    assert (outs[0] - outs[1]).abs().max() < 1e-4
+
+
+def _dequantizing_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None,
+                         scale: torch.Tensor | None = None) -> torch.Tensor:
+    out = x @ weight.float().T
+    if scale is not None:
+        out = out * scale.float()
+    return out if bias is None else out + bias
+
+
+def test_only_float32_compute_on_avx2_inductor_graphs_use_the_kernel(tmp_path: Path) -> None:
+    args = modeling.args_from_config(read_config(make_checkpoint(tmp_path / "ckpt", "llama")))
+    fp32 = modeling.Numerics(torch.float32, torch.float32)
+    widened = modeling.Numerics(torch.bfloat16, torch.float32)
+    native = modeling.Numerics(torch.bfloat16, torch.bfloat16)
+    flags = "sse4_2 avx avx2 fma"
+    assert uses_kernel("inductor", fp32, args, flags)
+    assert uses_kernel("inductor", widened, args, flags)
+    assert not uses_kernel("inductor", native, args, flags)  # bf16 units: bf16 kernels
+    assert not uses_kernel("export", fp32, args, flags)
+    assert not uses_kernel("inductor", fp32, args, "sse4_2 avx")
+    odd = modeling.args_from_config({**read_config(tmp_path / "ckpt"), "vocab_size": 321})
+    assert not uses_kernel("inductor", fp32, odd, flags)
+
+
+def test_a_blocked_job_multiplies_by_the_kernel_in_both_graphs(tmp_path: Path) -> None:
+    config = read_config(make_checkpoint(tmp_path / "ckpt", "llama"))
+    for kind, batch in ((CONTEXT, 1), (TOKEN_GEN, 2), (TOKEN_GEN, 8), (TOKEN_GEN, 16)):
+        job = GraphJob(kind, 64, config, batch, 128, "bfloat16", "inductor", str(tmp_path),
+                       compute="float32", blocked=True)
+        assert module_for(job).linear is kernel.linear
+        assert not job.packed
+
+
+def test_runner_refuses_graphs_built_against_another_kernel_source() -> None:
+    with pytest.raises(CheckpointError, match="recompile"):
+        _load_kernel("0123456789abcdef")
+    _load_kernel(kernel.digest())
