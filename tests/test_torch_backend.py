@@ -250,9 +250,11 @@ def test_graphs_build_in_parallel_spawn_workers(tmp_path: Path) -> None:
     build = resolve_build(str(ckpt), TINY_SPEC, store_dir=tmp_path / "store")
     path = compile_model(build, jobs=2).path
     names = sorted(p.name for p in (path / "graphs").iterdir())
-    assert names == [
+    assert names == [  # batch 4: a one-prompt and a four-prompt graph per context bucket
         "context_encoding_32.pt2",
+        "context_encoding_32x4.pt2",
         "context_encoding_64.pt2",
+        "context_encoding_64x4.pt2",
         "token_generation_128.pt2",
         "token_generation_64.pt2",
     ]

@@ -7,8 +7,8 @@
 // streams: bf16 by one shift and one mask per 16 values, int8 by one sign extension per 8.
 //
 // Weights are blocked at load time (kernel.block): [N/4][K/16][4][16], so the 4 rows one
-// thread works on are one sequential stream. Activations are copied once per call into the
-// lane order the weights need (bf16: each 16-chunk as its 8 even then its 8 odd elements).
+// thread works on are one sequential stream. bf16 weights need the activations in their
+// lane order (each 16-chunk as its 8 even then its 8 odd elements): copied once per call.
 // Rows of x are taken 1, 2 or 3 at a time against each block of 4 weight rows, so one pass
 // over the weights serves every row, and larger M (context encoding) keeps the block in L1.
 #include <immintrin.h>
@@ -17,6 +17,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <cstring>
 #include <type_traits>
 #include <vector>
 
@@ -54,6 +55,10 @@ inline void block_dot(const float* xs, int64_t kp, const W* wb, __m256 (&acc)[kR
     for (int m = 0; m < MG; m++) acc[i][m] = _mm256_setzero_ps();
   for (int64_t k = 0; k < kp; k += kChunk) {
     const W* p = wb + k * kRows;
+    // Half a KiB ahead: small projections end before the hardware prefetcher ramps up.
+    constexpr int kBytes = kRows * kChunk * sizeof(W);
+    for (int b = 0; b < kBytes; b += 64)
+      _mm_prefetch(reinterpret_cast<const char*>(p) + 512 + b, _MM_HINT_T0);
 #pragma GCC unroll 2
     for (int h = 0; h < 2; h++) {
       __m256 xv[MG];
@@ -69,15 +74,23 @@ inline void block_dot(const float* xs, int64_t kp, const W* wb, __m256 (&acc)[kR
   }
 }
 
+inline float bf16_to_float(uint16_t v) {
+  uint32_t bits = static_cast<uint32_t>(v) << 16;
+  float f;
+  std::memcpy(&f, &bits, sizeof f);
+  return f;
+}
+
+// scale: one bf16 per output row (int8 weights), read as it is: no converted copy per call.
 template <typename W, int MG>
 inline void store(const float* xs, int64_t kp, const W* wb, int64_t n0, int64_t n,
-                  const float* scale, float* out) {
+                  const uint16_t* scale, float* out) {
   __m256 acc[kRows][MG];
   block_dot<W, MG>(xs, kp, wb, acc);
   for (int i = 0; i < kRows; i++)
     for (int m = 0; m < MG; m++) {
       float s = hsum(acc[i][m]);
-      out[m * n + n0 + i] = scale ? s * scale[n0 + i] : s;
+      out[m * n + n0 + i] = scale ? s * bf16_to_float(scale[n0 + i]) : s;
     }
 }
 
@@ -85,7 +98,7 @@ inline void store(const float* xs, int64_t kp, const W* wb, int64_t n0, int64_t 
 // 16 registers), then the remainder.
 template <typename W>
 void one_block(const float* xs, int64_t m_rows, int64_t kp, const W* wb, int64_t n0, int64_t n,
-               const float* scale, float* out) {
+               const uint16_t* scale, float* out) {
   int64_t m = 0;
   for (; m + 3 <= m_rows; m += 3) store<W, 3>(xs + m * kp, kp, wb, n0, n, scale, out + m * n);
   if (m_rows - m == 2) store<W, 2>(xs + m * kp, kp, wb, n0, n, scale, out + m * n);
@@ -94,7 +107,7 @@ void one_block(const float* xs, int64_t m_rows, int64_t kp, const W* wb, int64_t
 
 template <typename W>
 void run(const float* xs, int64_t m_rows, int64_t kp, const W* w, int64_t n,
-         const float* scale, float* out) {
+         const uint16_t* scale, float* out) {
   int64_t blocks = n / kRows;
   // OpenMP, as inductor's own kernels: the team torch.set_num_threads sized. (at::parallel_for
   // measured 1.5x slower here for these ~10 us calls.)
@@ -113,32 +126,35 @@ at::Tensor linear_blocked(const at::Tensor& x, const at::Tensor& w,
   TORCH_CHECK(k == kp, "linear_blocked: activations have ", k, " columns, weights ", kp);
   const int64_t m_rows = k ? x.numel() / k : 0;
   auto xc = x.contiguous();
-  const float* xp = xc.data_ptr<float>();
-  const bool split = w.scalar_type() == at::kBFloat16;
-  std::vector<float> xs(m_rows * k);
-  for (int64_t r = 0; r < m_rows * k; r += kChunk)
-    for (int j = 0; j < kChunk; j++) xs[r + (split ? (j % 2) * 8 + j / 2 : j)] = xp[r + j];
+  const float* xs = xc.data_ptr<float>();
+  std::vector<float> split;
+  if (w.scalar_type() == at::kBFloat16) {  // the lane order half8 gives bf16 weights
+    split.resize(m_rows * k);
+    for (int64_t r = 0; r < m_rows * k; r += kChunk)
+      for (int j = 0; j < kChunk; j++) split[r + (j % 2) * 8 + j / 2] = xs[r + j];
+    xs = split.data();
+  }
   std::vector<int64_t> shape(x.sizes().begin(), x.sizes().end());
   shape.back() = n;
   at::Tensor out = at::empty(shape, x.options());
   at::Tensor sc;
-  const float* sp = nullptr;
+  const uint16_t* sp = nullptr;
   if (scale.has_value()) {
     TORCH_CHECK(scale->numel() == n, "linear_blocked: one scale per output row");
-    sc = scale->to(at::kFloat).contiguous();
-    sp = sc.data_ptr<float>();
+    sc = scale->to(at::kBFloat16).contiguous();  // a no-op for the bf16 scales graphs pass
+    sp = static_cast<const uint16_t*>(sc.data_ptr());
   }
   float* op = out.data_ptr<float>();
   switch (w.scalar_type()) {
     case at::kFloat:
-      run<float>(xs.data(), m_rows, kp, w.data_ptr<float>(), n, sp, op);
+      run<float>(xs, m_rows, kp, w.data_ptr<float>(), n, sp, op);
       break;
     case at::kBFloat16:
-      run<uint16_t>(xs.data(), m_rows, kp, static_cast<const uint16_t*>(w.data_ptr()), n, sp,
+      run<uint16_t>(xs, m_rows, kp, static_cast<const uint16_t*>(w.data_ptr()), n, sp,
                     op);
       break;
     case at::kChar:
-      run<int8_t>(xs.data(), m_rows, kp, w.data_ptr<int8_t>(), n, sp, op);
+      run<int8_t>(xs, m_rows, kp, w.data_ptr<int8_t>(), n, sp, op);
       break;
     default:
       TORCH_CHECK(false, "linear_blocked: weights are float32, bfloat16 or int8");
