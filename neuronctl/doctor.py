@@ -90,6 +90,7 @@ def diagnose(backend: str = "torch", store: Path | None = None) -> DoctorReport:
     findings += [package_finding(name, backend) for name in NEURON_PACKAGES]
     findings += vllm_findings()
     findings.append(devices_finding(backend))
+    findings.append(toolchain_finding(backend))
     findings.append(disk_finding(store))
     return DoctorReport(backend, findings)
 
@@ -359,6 +360,22 @@ def devices_finding(backend: str) -> Finding:
     fix = "install the Neuron driver (aws-neuronx-dkms) on a Neuron instance" if note else ""
     detail = how + (f"; {note}" if note else "; not needed by the torch backend")
     return Finding("neuron devices", backend == "torch", detail, fix, section="host")
+
+
+def toolchain_finding(backend: str) -> Finding:
+    """What `--compiler inductor` needs on this host: a C++ compiler, and ninja to build
+    neuronctl's matmul kernel (backends/torch/kernel.py). Not required: export graphs and
+    the Neuron backends need neither."""
+    cxx = next((c for c in ("c++", "g++", "clang++") if shutil.which(c)), None)
+    ninja = shutil.which("ninja")
+    missing = [what for what, found in (("C++ compiler", cxx), ("ninja", ninja)) if not found]
+    if not missing:
+        return Finding("c++ toolchain", True, f"{cxx} and ninja: inductor graphs and "
+                       "neuronctl's matmul kernel can be built here", section="host")
+    needed = "needed by --compiler inductor" if backend == "torch" else "torch backend only"
+    return Finding("c++ toolchain", False, f"no {' or '.join(missing)} on PATH ({needed})",
+                   "install g++ and `pip install ninja`, or compile with --compiler export",
+                   section="host")
 
 
 def disk_finding(store: Path | None) -> Finding:

@@ -306,3 +306,20 @@ def test_two_platform_plugins_are_known_bad(host: dict, monkeypatch) -> None:
     assert "Only one platform plugin" in bad.detail and "VLLM_PLUGINS=neuron" in bad.fix
     monkeypatch.setenv("VLLM_PLUGINS", "neuron")
     assert "vllm.platform_plugins" not in _by_name(doctor.diagnose())
+
+
+def test_doctor_says_whether_inductor_and_the_kernel_can_be_built(
+    host: dict, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    found = {"g++": "/usr/bin/g++", "ninja": "/usr/bin/ninja"}
+    monkeypatch.setattr(doctor.shutil, "which", lambda name: found.get(name))
+    ok = doctor.toolchain_finding("torch")
+    assert ok.ok and "g++ and ninja" in ok.detail
+    del found["ninja"]
+    report = doctor.diagnose("torch")
+    finding = next(f for f in report.findings if f.name == "c++ toolchain")
+    assert not finding.ok and "no ninja" in finding.detail and "--compiler export" in finding.fix
+    assert report.healthy  # export graphs need neither: a warning, not a failure
+    found.clear()
+    neuron = doctor.toolchain_finding("nxdi")
+    assert neuron.detail == "no C++ compiler or ninja on PATH (torch backend only)"

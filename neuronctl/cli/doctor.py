@@ -18,7 +18,8 @@ def doctor_command(
     store: StoreOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
-    """Show Python and package versions, the Neuron SDK, vLLM, devices and store disk space.
+    """Show Python and package versions, the Neuron SDK, vLLM, devices, the C++ toolchain and
+    store disk space.
 
     Exit codes: 0 everything the backend needs is there, 1 something required is missing,
     2 usage error. Warnings (optional packages, known-bad combinations, low disk) do not fail.
