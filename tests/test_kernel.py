@@ -6,6 +6,9 @@ run it eagerly, so they need no AOTInductor compile.
 
 from __future__ import annotations
 
+import shutil
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -140,7 +143,30 @@ def test_a_blocked_job_multiplies_by_the_kernel_in_both_graphs(tmp_path: Path) -
         assert not job.packed
 
 
-def test_runner_refuses_graphs_built_against_another_kernel_source() -> None:
+def test_runner_refuses_graphs_built_against_another_kernel_source(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="recompile"):
-        _load_kernel("0123456789abcdef")
-    _load_kernel(kernel.digest())
+        _load_kernel("0123456789abcdef", tmp_path)
+    _load_kernel(kernel.digest(), tmp_path)
+
+
+def test_serving_registers_the_artifacts_copy_and_compiles_nothing(tmp_path: Path) -> None:
+    # A fresh process, as on a serving host: building is made to fail, and the op still runs
+    # from the library the artifact carries.
+    library = tmp_path / kernel.artifact_library()
+    library.parent.mkdir()
+    shutil.copyfile(kernel.load(), library)
+    script = f"""
+import torch, torch.utils.cpp_extension as ext
+def no_compiler(*args, **kwargs):
+    raise RuntimeError("the serving path compiled")
+ext.load = no_compiler
+from neuronctl.backends.torch import kernel
+from neuronctl.backends.torch.runner import _load_kernel
+_load_kernel(kernel.digest(), __import__("pathlib").Path({str(tmp_path)!r}))
+w = kernel.block(torch.ones(4, 16).bfloat16())
+print(float(torch.ops.neuronctl.linear_blocked(torch.ones(1, 16), w, None).sum()))
+"""
+    done = subprocess.run([sys.executable, "-c", script], capture_output=True, text=True,
+                          timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[-1] == "64.0"

@@ -308,8 +308,11 @@ def test_inductor_artifact_matches_transformers(tmp_path: Path) -> None:
     outcome = build(ckpt, tmp_path / "store", compiler="inductor", context_buckets="32",
                     token_gen_buckets="64", batch_size=2, seq_len=64, max_context_length=32)
     runner = load(outcome.path)
-    # float32 on an AVX2 host: every projection by neuronctl's kernel on blocked weights
+    # float32 on an AVX2 host: every projection by neuronctl's kernel on blocked weights,
+    # whose library the artifact carries (listed, so hashed and signed like the graphs)
     assert runner.blocked == kernel.usable(_cpu_flags())
+    if runner.blocked:
+        assert kernel.artifact_library() in read_manifest(outcome.path).files
     ids = random_ids(40, seed=8)
     ref = hf_logits(hf_model(ckpt), ids)
     got = [runner.prefill(1, ids[:24])]

@@ -194,6 +194,8 @@ class TorchBackend:
         else:
             graphs = build_graphs(jobs, request.jobs, request.progress)
         write_neuron_config(staging, spec, config, jobs)
+        if jobs[0].blocked:
+            carry_kernel(staging)
         checkpoint = request.checkpoint
         if spec.quantized:
             from neuronctl.backends.torch.quantize import QuantizedCheckpoint
@@ -274,6 +276,16 @@ def graph_jobs(spec: BuildSpec, config: dict[str, Any], staging: Path) -> list[A
         )
         for kind, bucket, prompts in kinds
     ]
+
+
+def carry_kernel(staging: Path) -> None:
+    """The artifact carries the matmul kernel its graphs call, built here, so that serving
+    never compiles (it is code the manifest lists, like AOTInductor's own libraries)."""
+    from neuronctl.backends.torch import kernel
+
+    target = staging / kernel.artifact_library()
+    target.parent.mkdir(parents=True, exist_ok=True)
+    shutil.copyfile(kernel.load(), target)
 
 
 def copy_graphs(donor: Path, staging: Path, jobs: list[Any]) -> list[str]:

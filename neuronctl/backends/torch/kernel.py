@@ -6,10 +6,11 @@ weights stream, from a blocked layout the runner makes at load time (`block`). O
 serves token generation (a few rows) and context encoding (a bucket of rows), so the
 weights are held once, in one layout.
 
-The C++ is compiled on first use on this host (torch.utils.cpp_extension, ~15 s, the same
-compiler AOTInductor uses) into the user cache, keyed by the source's digest and torch's
-version. The op's schema and shape function live here, so graphs trace and export without
-the library; `load()` must run before a graph that calls it is loaded.
+`compile` builds the C++ on this host (torch.utils.cpp_extension, ~15 s once, the compiler
+AOTInductor uses) into the user cache, keyed by the source's digest and torch's version, and
+puts a copy in the artifact (`kernels/`), as AOTInductor puts its own shared libraries there:
+serving registers that copy and compiles nothing. The op's schema and shape function live
+here, so graphs trace and export without the library.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ from neuronctl.errors import BuildError
 from neuronctl.store.local import user_cache_store
 
 ROWS, CHUNK = 4, 16  # the blocked layout: [N/ROWS, K/CHUNK, ROWS, CHUNK]
+LIBRARY_DIR = "kernels"
 DTYPES = (torch.float32, torch.bfloat16, torch.int8)
 
 
@@ -79,16 +81,46 @@ def define() -> None:
         return x.new_empty((*x.shape[:-1], w.shape[0] * w.shape[2]))
 
 
-@cache
-def load() -> None:
-    """Define the op and give it its CPU implementation, compiling it on first use."""
-    define()
+def library_name() -> str:
+    return f"neuronctl_kernel_{digest()}.so"
+
+
+def artifact_library() -> str:
+    """Where an artifact carries the library its graphs call (relative to the artifact)."""
+    return f"{LIBRARY_DIR}/{library_name()}"
+
+
+_library: Path | None = None  # the library that implements the op in this process
+
+
+def load() -> Path:
+    """Register the op's CPU implementation, compiling it on first use; the library's path.
+
+    Compile-time only: serving registers the copy the artifact carries (load_from)."""
+    global _library
+    if _library is None:
+        define()
+        _library = _build()
+    return _library
+
+
+def load_from(library: Path) -> None:
+    """Register the op from an artifact's copy of the library: no compiler on the serving
+    path. A process registers one library; the digest in the name is the source's."""
+    global _library
+    if _library is None:
+        define()
+        torch.ops.load_library(str(library))
+        _library = library
+
+
+def _build() -> Path:
     from torch.utils import cpp_extension
 
     build_dir = cache_dir()
     build_dir.mkdir(parents=True, exist_ok=True)
     try:
-        cpp_extension.load(
+        built = cpp_extension.load(
             name=f"neuronctl_kernel_{digest()}",
             sources=[str(KERNEL_SOURCE)],
             extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
@@ -103,6 +135,7 @@ def load() -> None:
             "install a C++ compiler and ninja (what AOTInductor needs too), or compile with "
             "--compiler export",
         ) from None
+    return Path(built)
 
 
 def cache_dir() -> Path:

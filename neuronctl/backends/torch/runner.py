@@ -46,7 +46,7 @@ class TorchRunner:
         # Graphs that call neuronctl's kernel read blocked weights (kernel.block).
         self.blocked = bool(config_data.get("blocked_weights"))
         if self.blocked:
-            _load_kernel(str(config_data["blocked_weights"]))
+            _load_kernel(str(config_data["blocked_weights"]), path)
         self.quantized = bool(spec.quantized)
         self.weights = _load_weights(path / "weights", self.args, self.dtype, self.packed,
                                      self.batch_size, self.quantized, self.blocked)
@@ -190,7 +190,9 @@ def _neuron_config(path: Path) -> dict[str, Any]:
         raise NotFoundError(f"{path} has no {NEURON_CONFIG}", "recompile the artifact") from None
 
 
-def _load_kernel(built_with: str) -> None:
+def _load_kernel(built_with: str, path: Path) -> None:
+    """Register the kernel the graphs call: the artifact's own copy (no compiler needed);
+    an artifact compiled before copies were carried has it built here instead."""
     from neuronctl.backends.torch import kernel
 
     if built_with != kernel.digest():
@@ -198,7 +200,12 @@ def _load_kernel(built_with: str) -> None:
             f"this artifact's graphs call neuronctl's matmul kernel as of source {built_with},"
             f" this neuronctl has {kernel.digest()}", "recompile the artifact",
         )
-    kernel.load()
+    # The name is derived, never read from a file: the digest was just checked.
+    library = path / kernel.artifact_library()
+    if library.is_file():
+        kernel.load_from(library)
+    else:
+        kernel.load()
 
 
 def _load_weights(
