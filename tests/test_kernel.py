@@ -20,9 +20,12 @@ from neuronctl.backends.torch.runner import _load_kernel
 from neuronctl.errors import CheckpointError
 from tests.helpers import make_checkpoint, read_config
 
-pytestmark = pytest.mark.skipif(
-    not kernel.usable(_cpu_flags()), reason="the kernel needs an x86-64 CPU with AVX2 and FMA"
-)
+pytestmark = [
+    pytest.mark.skipif(not kernel.usable(_cpu_flags()),
+                       reason="the kernel needs an x86-64 CPU with AVX2 and FMA"),
+    pytest.mark.skipif(not any(shutil.which(c) for c in ("c++", "g++", "clang++")),
+                       reason="building the kernel needs a C++ compiler"),
+]
 
 
 @pytest.fixture(scope="module", autouse=True)
@@ -170,3 +173,13 @@ print(float(torch.ops.neuronctl.linear_blocked(torch.ones(1, 16), w, None).sum()
                           timeout=120)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split()[-1] == "64.0"
+
+
+def test_the_ninja_neuronctl_installs_is_found_off_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # A PATH through a version manager's shims may not reach the env's own bin directory.
+    monkeypatch.setenv("PATH", str(tmp_path))
+    assert shutil.which("ninja") is None
+    kernel._find_ninja()
+    assert shutil.which("ninja") is not None

@@ -15,7 +15,9 @@ here, so graphs trace and export without the library.
 
 from __future__ import annotations
 
+import os
 import platform
+import shutil
 from functools import cache
 from pathlib import Path
 
@@ -117,6 +119,7 @@ def load_from(library: Path) -> None:
 def _build() -> Path:
     from torch.utils import cpp_extension
 
+    _find_ninja()
     build_dir = cache_dir()
     build_dir.mkdir(parents=True, exist_ok=True)
     try:
@@ -136,6 +139,18 @@ def _build() -> Path:
             "--compiler export",
         ) from None
     return Path(built)
+
+
+def _find_ninja() -> None:
+    """cpp_extension runs `ninja` from PATH; the ninja neuronctl depends on installs next to
+    this Python, which a PATH through a version manager's shims may not reach."""
+    if shutil.which("ninja"):
+        return
+    try:
+        import ninja  # type: ignore[import-untyped]
+    except ImportError:
+        return  # the build fails and says so
+    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
 
 
 def cache_dir() -> Path:
