@@ -260,3 +260,24 @@ def test_graphs_build_in_parallel_spawn_workers(tmp_path: Path) -> None:
     ]
     runner = get_backend("torch").load(path, read_manifest(path))
     assert runner.prefill(0, [1, 2, 3]).shape == (runner.vocab_size,)
+
+
+def test_a_host_without_a_compiler_still_runs_the_isa_it_has(
+    compiled_artifact: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    # Without a C++ compiler inductor's probes answer "none" (cpu_isa, supported_isas), but
+    # serving compiled code needs the instructions, not a compiler: judged from the CPU.
+    from torch._inductor import cpu_vec_isa
+
+    import neuronctl.backends.torch as backend
+
+    monkeypatch.setattr(backend, "supported_isas", lambda: {"none"})
+    monkeypatch.setattr(cpu_vec_isa, "x86_isa_checker", lambda: ["avx2", "avx512"])
+    manifest = read_manifest(compiled_artifact)
+    built_for = {**manifest.backend_versions, "cpu_isa": "avx2"}
+    here = {**manifest.backend_versions, "cpu_isa": "none"}
+    check = backend.isa_check(manifest.model_copy(update={"backend_versions": built_for}), here)
+    assert check.ok and "which this CPU runs" in check.reason
+    amx = {**built_for, "cpu_isa": "avx512 avx512_vnni amx_tile"}
+    check = backend.isa_check(manifest.model_copy(update={"backend_versions": amx}), here)
+    assert not check.ok and "recompile here" in check.reason

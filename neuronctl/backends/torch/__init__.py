@@ -59,6 +59,8 @@ def cpu_isa() -> str:
     except (OSError, ValueError, KeyError):
         pass
     isa = _detect_isa()
+    if isa == "none":
+        return isa  # also what a host without a compiler gets: ask again once it has one
     try:
         cache_file.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
@@ -130,6 +132,24 @@ def compute_dtype(dtype: str, quantized: bool, units: str) -> str:
 def torch_version() -> str:
     # Package metadata, not `import torch`: versions() runs on every validate.
     return metadata.version("torch")
+
+
+def cpu_runs(isa: str) -> bool:
+    """An x86 ISA inductor compiled for ("avx2", "avx512 avx512_vnni", ...) runs on this CPU.
+
+    From the CPU's own capabilities, as inductor checks them before its compile probes: a
+    host that serves compiled code needs the instructions, not a compiler (without one,
+    `supported_isas()` and `cpu_isa()` answer "none").
+    """
+    if isa == "none":
+        return True
+    try:
+        from torch._inductor.cpu_vec_isa import x86_isa_checker
+
+        here = set(x86_isa_checker())
+    except Exception:  # pragma: no cover - torch without it
+        return False
+    return bool(here) and set(isa.split()) <= here
 
 
 def supported_isas() -> set[str]:
@@ -423,6 +443,8 @@ def isa_check(manifest: Manifest, here: Mapping[str, str]) -> HostCheck:
     isa = manifest.backend_versions.get("cpu_isa", "none")
     if isa == here.get("cpu_isa"):  # the common case, answered from the cached probe
         return HostCheck("cpu isa", True, f"{isa}, as compiled")
+    if cpu_runs(isa):
+        return HostCheck("cpu isa", True, f"compiled for {isa}, which this CPU runs")
     supported = supported_isas()
     if isa in supported:
         return HostCheck("cpu isa", True, f"compiled for {isa}, which this host supports")
