@@ -65,7 +65,8 @@ def test_linear_adds_bias_and_returns_the_activations_dtype() -> None:
 def test_block_is_reversible_and_fits_only_unpadded_shapes() -> None:
     w = torch.arange(8 * 32).reshape(8, 32)
     assert kernel.block(w).shape == (2, 2, 4, 16)
-    assert torch.equal(kernel.unblock(kernel.block(w)), w)
+    blocked = kernel.block(w)
+    assert torch.equal(blocked.transpose(1, 2).reshape(8, 32), w)  # the inverse
     assert kernel.fits((8, 32)) and not kernel.fits((6, 32)) and not kernel.fits((8, 40))
 
 
@@ -124,17 +125,14 @@ def _dequantizing_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
 def test_only_float32_compute_on_avx2_inductor_graphs_use_the_kernel(tmp_path: Path) -> None:
     args = modeling.args_from_config(read_config(make_checkpoint(tmp_path / "ckpt", "llama")))
-    fp32 = modeling.Numerics(torch.float32, torch.float32)
-    widened = modeling.Numerics(torch.bfloat16, torch.float32)
-    native = modeling.Numerics(torch.bfloat16, torch.bfloat16)
     flags = "sse4_2 avx avx2 fma"
-    assert uses_kernel("inductor", fp32, args, flags)
-    assert uses_kernel("inductor", widened, args, flags)
-    assert not uses_kernel("inductor", native, args, flags)  # bf16 units: bf16 kernels
-    assert not uses_kernel("export", fp32, args, flags)
-    assert not uses_kernel("inductor", fp32, args, "sse4_2 avx")
+    # float32 compute: fp32 weights, and bf16 or int8 ones on a CPU without bf16 units
+    assert uses_kernel("inductor", "float32", args, flags)
+    assert not uses_kernel("inductor", "bfloat16", args, flags)  # bf16 units: bf16 kernels
+    assert not uses_kernel("export", "float32", args, flags)
+    assert not uses_kernel("inductor", "float32", args, "sse4_2 avx")
     odd = modeling.args_from_config({**read_config(tmp_path / "ckpt"), "vocab_size": 321})
-    assert not uses_kernel("inductor", fp32, odd, flags)
+    assert not uses_kernel("inductor", "float32", odd, flags)
 
 
 def test_a_blocked_job_multiplies_by_the_kernel_in_both_graphs(tmp_path: Path) -> None:

@@ -265,7 +265,6 @@ def graph_jobs(spec: BuildSpec, config: dict[str, Any], staging: Path) -> list[A
     from neuronctl.backends.torch import modeling
     from neuronctl.backends.torch.graphs import (
         CONTEXT,
-        DTYPES,
         TOKEN_GEN,
         GraphJob,
         prompt_counts,
@@ -276,8 +275,7 @@ def graph_jobs(spec: BuildSpec, config: dict[str, Any], staging: Path) -> list[A
     kinds = [(CONTEXT, b, n) for b in spec.context_buckets for n in prompt_counts(spec.batch_size)]
     kinds += [(TOKEN_GEN, b, 1) for b in spec.token_gen_buckets]
     compute = compute_dtype(str(spec.dtype), spec.quantized, half_units())
-    numerics = modeling.Numerics(DTYPES[str(spec.dtype)], DTYPES[compute], spec.quantized)
-    blocked = uses_kernel(str(spec.compiler), numerics, modeling.args_from_config(config),
+    blocked = uses_kernel(str(spec.compiler), compute, modeling.args_from_config(config),
                           _cpu_flags())
     return [
         GraphJob(

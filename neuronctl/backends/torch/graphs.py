@@ -75,8 +75,7 @@ class GraphJob:
         return not self.blocked and packs_weights(self.compiler, self.batch_size, self.numerics)
 
 
-def uses_kernel(compiler: str, numerics: modeling.Numerics, args: modeling.ModelArgs,
-                cpu_flags: str) -> bool:
+def uses_kernel(compiler: str, compute: str, args: modeling.ModelArgs, cpu_flags: str) -> bool:
     """Whether an artifact's graphs multiply by neuronctl's kernel (kernel.py, gemv.cpp).
 
     AOTInductor artifacts that compute in float32 on an AVX2 host: float32 weights, bf16
@@ -84,8 +83,8 @@ def uses_kernel(compiler: str, numerics: modeling.Numerics, args: modeling.Model
     at 0.9 of the read bandwidth where inductor's reduction reaches 0.6, and at 64 rows it
     is level with MKL's float32 GEMM without widening anything (docs/torch-backend.md).
     """
-    return (compiler == "inductor" and numerics.compute == torch.float32
-            and kernel.usable(cpu_flags) and modeling.blockable(args))
+    return (compiler == "inductor" and compute == "float32" and kernel.usable(cpu_flags)
+            and modeling.blockable(args))
 
 
 def packs_weights(compiler: str, batch_size: int, numerics: modeling.Numerics) -> bool:

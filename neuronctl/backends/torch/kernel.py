@@ -25,19 +25,12 @@ import torch
 from torch import Tensor
 
 from neuronctl.backends.torch import KERNEL_SOURCE
+from neuronctl.backends.torch import kernel_digest as digest  # part of the graph key
 from neuronctl.errors import BuildError
 from neuronctl.store.local import user_cache_store
 
 ROWS, CHUNK = 4, 16  # the blocked layout: [N/ROWS, K/CHUNK, ROWS, CHUNK]
 LIBRARY_DIR = "kernels"
-DTYPES = (torch.float32, torch.bfloat16, torch.int8)
-
-
-def digest() -> str:
-    """What a graph calling the kernel depends on: its source (part of the graph key)."""
-    from neuronctl.backends.torch import kernel_digest
-
-    return kernel_digest()
 
 
 def usable(cpu_flags: str) -> bool:
@@ -55,12 +48,6 @@ def block(weight: Tensor) -> Tensor:
     """[N, K] -> [N/4, K/16, 4, 16]: each block of 4 rows one sequential stream."""
     n, k = weight.shape
     return weight.reshape(n // ROWS, ROWS, k // CHUNK, CHUNK).transpose(1, 2).contiguous()
-
-
-def unblock(blocked: Tensor) -> Tensor:
-    """The inverse of block (tests, and a weight read back for checking)."""
-    nb, kb, rows, chunk = blocked.shape
-    return blocked.transpose(1, 2).reshape(nb * rows, kb * chunk)
 
 
 def linear(
@@ -83,13 +70,14 @@ def define() -> None:
         return x.new_empty((*x.shape[:-1], w.shape[0] * w.shape[2]))
 
 
-def library_name() -> str:
-    return f"neuronctl_kernel_{digest()}.so"
+def library_stem() -> str:
+    """The library's name without .so: what cpp_extension builds, and the artifact's copy."""
+    return f"neuronctl_kernel_{digest()}"
 
 
 def artifact_library() -> str:
     """Where an artifact carries the library its graphs call (relative to the artifact)."""
-    return f"{LIBRARY_DIR}/{library_name()}"
+    return f"{LIBRARY_DIR}/{library_stem()}.so"
 
 
 _library: Path | None = None  # the library that implements the op in this process
@@ -124,7 +112,7 @@ def _build() -> Path:
     build_dir.mkdir(parents=True, exist_ok=True)
     try:
         built = cpp_extension.load(
-            name=f"neuronctl_kernel_{digest()}",
+            name=library_stem(),
             sources=[str(KERNEL_SOURCE)],
             extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
             extra_ldflags=["-fopenmp"],

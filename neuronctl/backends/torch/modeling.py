@@ -303,7 +303,7 @@ def graph_weights(
         out["lm_head.weight"] = full["model.embed_tokens.weight"]
     if blocked:
         for name in out:
-            if name.endswith("_proj.weight") or name == "lm_head.weight":
+            if is_matrix(name):
                 out[name] = kernel.block(out[name])
     return {name: out[name].contiguous() for name in sorted(out)}
 
@@ -323,11 +323,16 @@ def graph_shapes(
     return graph_weights(meta, args, packed, quantized, blocked)
 
 
+def is_matrix(name: str) -> bool:
+    """A weight the graphs multiply by: every projection and the LM head."""
+    return name.endswith("_proj.weight") or name == "lm_head.weight"
+
+
 def blockable(args: ModelArgs) -> bool:
-    """Every matrix the graphs multiply by fits kernel.block's layout unpadded."""
+    """Every matrix the graphs multiply by (a tied head is the embedding table) fits
+    kernel.block's layout unpadded."""
     return all(kernel.fits(shape) for name, shape in expected_shapes(args).items()
-               if name.endswith("_proj.weight") or name in ("lm_head.weight",
-                                                            "model.embed_tokens.weight"))
+               if is_matrix(name) or name == "model.embed_tokens.weight")
 
 
 def new_kv_cache(
@@ -387,8 +392,7 @@ def pack_weight(weight: Tensor, batch_size: int) -> Tensor:
 
 def packed_names(args: ModelArgs) -> list[str]:
     """The graph weights packed_linear reads (every projection and the LM head)."""
-    return [n for n in graph_shapes(args, torch.float32, packed=True)
-            if n.endswith("_proj.weight") or n == "lm_head.weight"]
+    return [n for n in graph_shapes(args, torch.float32, packed=True) if is_matrix(n)]
 
 
 def can_pack(dtype: torch.dtype) -> bool:
