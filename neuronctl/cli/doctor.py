@@ -22,7 +22,8 @@ def doctor_command(
     store disk space.
 
     Exit codes: 0 everything the backend needs is there, 1 something required is missing,
-    2 usage error. Warnings (optional packages, known-bad combinations, low disk) do not fail.
+    2 usage error. Warnings (optional packages, known-bad combinations, no C++ toolchain,
+    low disk) do not fail.
 
     Examples:
 
