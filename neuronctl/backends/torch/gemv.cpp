@@ -48,6 +48,14 @@ inline __m256 half8(const W* p, int h) {
   }
 }
 
+// How far ahead (bytes) to prefetch the weights by hand; 0: leave it to the hardware. float32
+// streams 256 B per chunk and the hardware prefetcher keeps up (a hint only costs issue
+// slots: 10-15 % slower at 512 B); bf16 and int8 chunks (128 and 64 B) do more work per byte
+// and gain 5-20 % from a KiB ahead. Measured on an AVX2 AMD EPYC, 2 threads, over one decode
+// step's matrices (SmolLM2-135M shape).
+template <typename W>
+constexpr int kAhead = std::is_same_v<W, float> ? 0 : 1024;
+
 // acc[i][m] = lane sums of weight row i times activation row m over the whole K.
 template <typename W, int MG>
 inline void block_dot(const float* xs, int64_t kp, const W* wb, __m256 (&acc)[kRows][MG]) {
@@ -55,10 +63,10 @@ inline void block_dot(const float* xs, int64_t kp, const W* wb, __m256 (&acc)[kR
     for (int m = 0; m < MG; m++) acc[i][m] = _mm256_setzero_ps();
   for (int64_t k = 0; k < kp; k += kChunk) {
     const W* p = wb + k * kRows;
-    // Half a KiB ahead: small projections end before the hardware prefetcher ramps up.
     constexpr int kBytes = kRows * kChunk * sizeof(W);
-    for (int b = 0; b < kBytes; b += 64)
-      _mm_prefetch(reinterpret_cast<const char*>(p) + 512 + b, _MM_HINT_T0);
+    if constexpr (kAhead<W> > 0)
+      for (int b = 0; b < kBytes; b += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(p) + kAhead<W> + b, _MM_HINT_T0);
 #pragma GCC unroll 2
     for (int h = 0; h < 2; h++) {
       __m256 xv[MG];
