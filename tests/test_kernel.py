@@ -6,6 +6,7 @@ run it eagerly, so they need no AOTInductor compile.
 
 from __future__ import annotations
 
+import re
 import shutil
 import subprocess
 import sys
@@ -16,7 +17,7 @@ import torch
 
 from neuronctl.backends.torch import _cpu_flags, kernel, modeling
 from neuronctl.backends.torch.graphs import CONTEXT, TOKEN_GEN, GraphJob, module_for, uses_kernel
-from neuronctl.backends.torch.runner import _load_kernel
+from neuronctl.backends.torch.runner import _load_kernel, _load_weights
 from neuronctl.errors import CheckpointError
 from tests.helpers import make_checkpoint, read_config
 
@@ -162,7 +163,7 @@ def no_compiler(*args, **kwargs):
     raise RuntimeError("the serving path compiled")
 ext.load = no_compiler
 from neuronctl.backends.torch import kernel
-from neuronctl.backends.torch.runner import _load_kernel
+from neuronctl.backends.torch.runner import _load_kernel, _load_weights
 _load_kernel(kernel.digest(), __import__("pathlib").Path({str(tmp_path)!r}))
 w = kernel.block(torch.ones(4, 16).bfloat16())
 print(float(torch.ops.neuronctl.linear_blocked(torch.ones(1, 16), w, None).sum()))
@@ -181,3 +182,57 @@ def test_the_ninja_neuronctl_installs_is_found_off_path(
     assert shutil.which("ninja") is None
     kernel._find_ninja()
     assert shutil.which("ninja") is not None
+
+
+def _mapping_of(address: int) -> str:
+    """The /proc/self/smaps entry of the mapping that holds `address`."""
+    entries = re.split(r"^(?=[0-9a-f]+-[0-9a-f]+ )", Path("/proc/self/smaps").read_text(),
+                       flags=re.M)
+    for entry in entries[1:]:
+        start, end = (int(x, 16) for x in entry.split(" ", 1)[0].split("-"))
+        if start <= address < end:
+            return entry
+    raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def _thp_mode() -> str:
+    path = Path("/sys/kernel/mm/transparent_hugepage/enabled")
+    text = path.read_text() if path.exists() else "[never]"
+    return text[text.index("[") + 1:text.index("]")]
+
+
+@pytest.mark.skipif(not Path("/proc/self/smaps").exists(), reason="Linux only")
+def test_matrices_move_into_one_mapping_that_asks_for_huge_pages() -> None:
+    torch.manual_seed(0)
+    weights = {"a": kernel.block(torch.randn(64, 32)), "norm": torch.randn(32),
+               "b": kernel.block(torch.randn(8, 48).bfloat16())}
+    before = {name: tensor.clone() for name, tensor in weights.items()}
+    kept = weights["norm"]
+    kernel.into_huge_pages(weights, ["a", "b"])
+    for name, tensor in before.items():
+        assert weights[name].dtype == tensor.dtype and torch.equal(weights[name], tensor)
+    assert weights["norm"] is kept  # only the named tensors move
+    a, b = _mapping_of(weights["a"].data_ptr()), _mapping_of(weights["b"].data_ptr())
+    assert a == b or a.split()[0] == b.split()[0]  # one mapping, not two
+    assert weights["b"].data_ptr() % 64 == 0  # each matrix starts on a cache line
+    if _thp_mode() != "never":  # the advice was taken ("hg"): 2 MiB pages where they fit
+        assert " hg" in a.split("VmFlags:")[1], a
+
+
+def test_a_blocked_runner_reads_its_matrices_from_the_huge_page_mapping(tmp_path: Path) -> None:
+    from neuronctl.checkpoints import open_checkpoint
+    from neuronctl.sharding import shard_checkpoint
+
+    ckpt = open_checkpoint(str(make_checkpoint(tmp_path / "ckpt", "llama")))
+    shard_checkpoint(ckpt, 1, torch.float32, tmp_path / "weights")
+    args = modeling.args_from_config(ckpt.config)
+    plain = _load_weights(tmp_path / "weights", args, torch.float32)
+    blocked = _load_weights(tmp_path / "weights", args, torch.float32, blocked=True)
+    matrices = [n for n in blocked if modeling.is_matrix(n)]
+    assert matrices and all(blocked[n].dim() == 4 for n in matrices)
+    mappings = {_mapping_of(blocked[n].data_ptr()) for n in matrices}
+    assert len({m.split()[0] for m in mappings}) == 1
+    if _thp_mode() != "never":
+        assert " hg" in mappings.pop().split("VmFlags:")[1]
+    for name in matrices:
+        assert torch.equal(blocked[name], kernel.block(plain[name]))

@@ -15,6 +15,7 @@ here, so graphs trace and export without the library.
 
 from __future__ import annotations
 
+import mmap
 import os
 import platform
 import shutil
@@ -48,6 +49,36 @@ def block(weight: Tensor) -> Tensor:
     """[N, K] -> [N/4, K/16, 4, 16]: each block of 4 rows one sequential stream."""
     n, k = weight.shape
     return weight.reshape(n // ROWS, ROWS, k // CHUNK, CHUNK).transpose(1, 2).contiguous()
+
+
+def into_huge_pages(weights: dict[str, Tensor], names: list[str]) -> None:
+    """Move the tensors named, one by one and in place in `weights`, into one anonymous
+    mapping that asks Linux for 2 MiB pages.
+
+    A decode step streams every matrix once. On 4 KiB pages each page is a TLB miss and a
+    place where the hardware prefetcher stops; on 2 MiB pages a step's matmuls ran 5-12 %
+    faster (bench/kernel.py). Transparent huge pages in `madvise` mode (the usual default)
+    honour the request; `never`, or a system without MADV_HUGEPAGE, gives plain pages and
+    the same numbers. Each tensor replaced is freed as the next is copied, so resident memory
+    peaks one tensor above the weights, not at a second copy."""
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    sizes = [_padded(weights[name]) for name in names]
+    if advice is None or not sizes:
+        return
+    arena = mmap.mmap(-1, sum(sizes), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    arena.madvise(advice)
+    space = torch.frombuffer(arena, dtype=torch.uint8)  # holds the mapping while views live
+    offset = 0
+    for name, size in zip(names, sizes, strict=True):
+        tensor = weights[name]
+        view = space[offset:offset + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
+        weights[name] = view.copy_(tensor)
+        offset += size
+
+
+def _padded(tensor: Tensor) -> int:
+    """Bytes a tensor takes in the arena: whole cache lines, so every matrix starts on one."""
+    return -(-tensor.nbytes // 64) * 64
 
 
 def linear(

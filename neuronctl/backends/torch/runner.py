@@ -221,6 +221,10 @@ def _load_weights(
         raise CheckpointError(f"{weights_dir} lacks {missing[0]}", "recompile the artifact")
     needed = {n: _as_graph_input(n, full.pop(n), dtype) for n in names}
     weights = modeling.graph_weights(needed, args, packed, quantized, blocked)
+    if blocked:  # the kernel streams them: 2 MiB pages where Linux gives them
+        from neuronctl.backends.torch import kernel
+
+        kernel.into_huge_pages(weights, [n for n in weights if modeling.is_matrix(n)])
     if packed:
         if not modeling.can_pack(dtype):
             raise CheckpointError(
