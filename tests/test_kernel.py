@@ -39,6 +39,14 @@ def reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None) -> t
     return out if scale is None else out * scale.double()
 
 
+def as_int16(x: torch.Tensor) -> torch.Tensor:
+    """What the kernel multiplies int8 weights by: each row rounded at 32767 / its largest
+    magnitude (float32 arithmetic, ties to even), back in float64."""
+    most = x.abs().amax(-1, keepdim=True)
+    inv = torch.where(most > 0, torch.tensor(32767.0) / most, torch.tensor(0.0))
+    return torch.round(x * inv).double() * (most / 32767).double()
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
 @pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 67])
 def test_blocked_linear_is_the_float32_product(dtype: torch.dtype, rows: int) -> None:
@@ -50,9 +58,37 @@ def test_blocked_linear_is_the_float32_product(dtype: torch.dtype, rows: int) ->
     x = torch.randn(rows, 1, k, generator=gen)
     scale = torch.rand(n, generator=gen).to(torch.bfloat16) if dtype == torch.int8 else None
     got = torch.ops.neuronctl.linear_blocked(x, kernel.block(w), scale)
-    want = reference(x, w.float(), None if scale is None else scale.float())
+    xs = as_int16(x) if dtype == torch.int8 else x
+    want = reference(xs, w.float(), None if scale is None else scale.float())
     assert got.shape == (rows, 1, n) and got.dtype == torch.float32
     assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_int8_products_stay_within_the_int16_rounding_of_the_activations() -> None:
+    gen = torch.Generator().manual_seed(7)
+    w = (torch.randn(36, 160, generator=gen) * 40).clamp(-127, 127).to(torch.int8)
+    x = torch.randn(5, 160, generator=gen)
+    got = torch.ops.neuronctl.linear_blocked(x, kernel.block(w), None).double()
+    # Each activation moves by at most half a step, max|x| / 65534, from its int16 value.
+    bound = w.double().abs().sum(1) * x.abs().amax(1, keepdim=True).double() / 65534
+    assert ((got - reference(x, w, None)).abs() <= bound * 1.001 + 1e-4).all()
+
+
+@pytest.mark.parametrize("value", [127, -128])
+def test_int8_sums_do_not_overflow_on_long_rows(value: int) -> None:
+    # 8192 columns of extreme weights by activations at 32767: 2^32 in one int32 lane had
+    # the sums not moved into float on the way.
+    w = torch.full((4, 8192), value, dtype=torch.int8)
+    got = torch.ops.neuronctl.linear_blocked(torch.ones(1, 8192), kernel.block(w), None)
+    assert torch.equal(got, torch.full((1, 4), float(value * 8192)))
+
+
+def test_int8_takes_rows_of_zeros() -> None:
+    w = kernel.block(torch.ones(4, 32, dtype=torch.int8))
+    x = torch.zeros(2, 32)
+    x[1] = 1.0
+    got = torch.ops.neuronctl.linear_blocked(x, w, None)
+    assert torch.equal(got, torch.tensor([[0.0] * 4, [32.0] * 4]))
 
 
 def test_linear_adds_bias_and_returns_the_activations_dtype() -> None:

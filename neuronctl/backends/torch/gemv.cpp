@@ -4,7 +4,10 @@
 // Why: on a CPU without bf16 units, aten and inductor either widen a bf16 matrix to float32
 // before every matmul (a full extra write and read of the weights) or widen it lane by lane
 // through shuffles at half the memory bandwidth. Here a weight is widened in registers as it
-// streams: bf16 by one shift and one mask per 16 values, int8 by one sign extension per 8.
+// streams: bf16 by one shift and one mask per 16 values. int8 weights multiply the
+// activations as int16 instead (each row scaled to +-32767 once per call, its scale applied
+// to the result): one sign extension and one multiply-add sum 16 products exactly in int32,
+// a third of the instructions of widening int8 to float, which left int8 short of its bytes.
 //
 // Weights are blocked at load time (kernel.block): [N/4][K/16][4][16], so the 4 rows one
 // thread works on are one sequential stream. bf16 weights need the activations in their
@@ -17,6 +20,7 @@
 #include <ATen/ops/empty.h>
 #include <torch/library.h>
 
+#include <algorithm>
 #include <cstring>
 #include <type_traits>
 #include <vector>
@@ -32,19 +36,24 @@ inline float hsum(__m256 v) {
   return _mm_cvtss_f32(s);
 }
 
-// Half h (0 or 1) of one row's 16-column chunk, as 8 floats in the activations' lane order.
+inline float hmax(__m256 v) {
+  __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
+  s = _mm_max_ps(s, _mm_movehl_ps(s, s));
+  s = _mm_max_ss(s, _mm_movehdup_ps(s));
+  return _mm_cvtss_f32(s);
+}
+
+// Half h (0 or 1) of one row's 16-column chunk (float32 or bf16), as 8 floats in the
+// activations' lane order.
 template <typename W>
 inline __m256 half8(const W* p, int h) {
   if constexpr (std::is_same_v<W, float>) {
     return _mm256_loadu_ps(p + h * 8);
-  } else if constexpr (std::is_same_v<W, uint16_t>) {
+  } else {
     // A bf16 is the top half of a float: even elements shifted up, odd ones masked.
     __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
     return h ? _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF0000)))
              : _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-  } else {
-    __m128i v = _mm_loadl_epi64(reinterpret_cast<const __m128i*>(p + h * 8));
-    return _mm256_cvtepi32_ps(_mm256_cvtepi8_epi32(v));
   }
 }
 
@@ -52,9 +61,13 @@ inline __m256 half8(const W* p, int h) {
 // streams 256 B per chunk and the hardware prefetcher keeps up (a hint only costs issue
 // slots: 10-15 % slower at 512 B); bf16 and int8 chunks (128 and 64 B) do more work per byte
 // and gain 5-20 % from a KiB ahead. Measured on an AVX2 AMD EPYC, 2 threads, over one decode
-// step's matrices (SmolLM2-135M shape).
+// step's matrices (SmolLM2-135M shape, bench/kernel.py).
 template <typename W>
 constexpr int kAhead = std::is_same_v<W, float> ? 0 : 1024;
+
+// What the activations are multiplied as: int16 for int8 weights, float32 otherwise.
+template <typename W>
+using Act = std::conditional_t<std::is_same_v<W, int8_t>, int16_t, float>;
 
 // acc[i][m] = lane sums of weight row i times activation row m over the whole K.
 template <typename W, int MG>
@@ -82,6 +95,62 @@ inline void block_dot(const float* xs, int64_t kp, const W* wb, __m256 (&acc)[kR
   }
 }
 
+// int8 weights by int16 activations. A lane's int32 sum gains at most 2 * 128 * 32767 per
+// chunk, so sums move into float every kSpan chunks, far below 2^31.
+constexpr int64_t kSpan = 128;
+
+template <int MG>
+inline void block_dot_i8(const int16_t* xs, int64_t kp, const int8_t* wb,
+                         __m256 (&acc)[kRows][MG]) {
+  for (int i = 0; i < kRows; i++)
+    for (int m = 0; m < MG; m++) acc[i][m] = _mm256_setzero_ps();
+  for (int64_t k0 = 0; k0 < kp; k0 += kSpan * kChunk) {
+    __m256i sum[kRows][MG];
+    for (int i = 0; i < kRows; i++)
+      for (int m = 0; m < MG; m++) sum[i][m] = _mm256_setzero_si256();
+    const int64_t k1 = std::min(kp, k0 + kSpan * kChunk);
+    for (int64_t k = k0; k < k1; k += kChunk) {
+      const int8_t* p = wb + k * kRows;
+      _mm_prefetch(reinterpret_cast<const char*>(p) + kAhead<int8_t>, _MM_HINT_T0);
+      __m256i xv[MG];
+#pragma GCC unroll 4
+      for (int m = 0; m < MG; m++)
+        xv[m] = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs + m * kp + k));
+#pragma GCC unroll 4
+      for (int i = 0; i < kRows; i++) {
+        __m256i wv = _mm256_cvtepi8_epi16(
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i * kChunk)));
+#pragma GCC unroll 4
+        for (int m = 0; m < MG; m++)
+          sum[i][m] = _mm256_add_epi32(sum[i][m], _mm256_madd_epi16(wv, xv[m]));
+      }
+    }
+    for (int i = 0; i < kRows; i++)
+      for (int m = 0; m < MG; m++) acc[i][m] = _mm256_add_ps(acc[i][m], _mm256_cvtepi32_ps(sum[i][m]));
+  }
+}
+
+// Each row of x as int16, its largest magnitude at 32767 (never -32768: no madd overflows);
+// scale[r] takes the row back. k is a multiple of 16.
+void to_int16(const float* x, int64_t rows, int64_t k, int16_t* q, float* scale) {
+  const __m256 sign = _mm256_set1_ps(-0.0f);
+  for (int64_t r = 0; r < rows; r++) {
+    const float* xr = x + r * k;
+    __m256 big = _mm256_setzero_ps();
+    for (int64_t j = 0; j < k; j += 8) big = _mm256_max_ps(big, _mm256_andnot_ps(sign, _mm256_loadu_ps(xr + j)));
+    const float most = hmax(big);
+    scale[r] = most / 32767.0f;
+    const __m256 inv = _mm256_set1_ps(most > 0 ? 32767.0f / most : 0.0f);
+    for (int64_t j = 0; j < k; j += 16) {
+      __m256i lo = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xr + j), inv));
+      __m256i hi = _mm256_cvtps_epi32(_mm256_mul_ps(_mm256_loadu_ps(xr + j + 8), inv));
+      // packs interleaves the 128-bit halves; the permute puts the 16 values back in order.
+      __m256i both = _mm256_permute4x64_epi64(_mm256_packs_epi32(lo, hi), 0xD8);
+      _mm256_storeu_si256(reinterpret_cast<__m256i*>(q + r * k + j), both);
+    }
+  }
+}
+
 inline float bf16_to_float(uint16_t v) {
   uint32_t bits = static_cast<uint32_t>(v) << 16;
   float f;
@@ -89,39 +158,46 @@ inline float bf16_to_float(uint16_t v) {
   return f;
 }
 
-// scale: one bf16 per output row (int8 weights), read as it is: no converted copy per call.
+// wscale: one bf16 per output row (int8 weights), read as it is: no converted copy per call.
+// xscale: one float per activation row (int16 activations), else none.
 template <typename W, int MG>
-inline void store(const float* xs, int64_t kp, const W* wb, int64_t n0, int64_t n,
-                  const uint16_t* scale, float* out) {
+inline void store(const Act<W>* xs, const float* xscale, int64_t kp, const W* wb, int64_t n0,
+                  int64_t n, const uint16_t* wscale, float* out) {
   __m256 acc[kRows][MG];
-  block_dot<W, MG>(xs, kp, wb, acc);
+  if constexpr (std::is_same_v<W, int8_t>)
+    block_dot_i8<MG>(xs, kp, wb, acc);
+  else
+    block_dot<W, MG>(xs, kp, wb, acc);
   for (int i = 0; i < kRows; i++)
     for (int m = 0; m < MG; m++) {
       float s = hsum(acc[i][m]);
-      out[m * n + n0 + i] = scale ? s * bf16_to_float(scale[n0 + i]) : s;
+      if (xscale) s *= xscale[m];
+      out[m * n + n0 + i] = wscale ? s * bf16_to_float(wscale[n0 + i]) : s;
     }
 }
 
 // Every activation row against one block: threes while they last (12 accumulators fit the
 // 16 registers), then the remainder.
 template <typename W>
-void one_block(const float* xs, int64_t m_rows, int64_t kp, const W* wb, int64_t n0, int64_t n,
-               const uint16_t* scale, float* out) {
+void one_block(const Act<W>* xs, const float* xscale, int64_t m_rows, int64_t kp, const W* wb,
+               int64_t n0, int64_t n, const uint16_t* wscale, float* out) {
+  auto at = [&](int64_t m) { return xscale ? xscale + m : nullptr; };
   int64_t m = 0;
-  for (; m + 3 <= m_rows; m += 3) store<W, 3>(xs + m * kp, kp, wb, n0, n, scale, out + m * n);
-  if (m_rows - m == 2) store<W, 2>(xs + m * kp, kp, wb, n0, n, scale, out + m * n);
-  if (m_rows - m == 1) store<W, 1>(xs + m * kp, kp, wb, n0, n, scale, out + m * n);
+  for (; m + 3 <= m_rows; m += 3)
+    store<W, 3>(xs + m * kp, at(m), kp, wb, n0, n, wscale, out + m * n);
+  if (m_rows - m == 2) store<W, 2>(xs + m * kp, at(m), kp, wb, n0, n, wscale, out + m * n);
+  if (m_rows - m == 1) store<W, 1>(xs + m * kp, at(m), kp, wb, n0, n, wscale, out + m * n);
 }
 
 template <typename W>
-void run(const float* xs, int64_t m_rows, int64_t kp, const W* w, int64_t n,
-         const uint16_t* scale, float* out) {
+void run(const Act<W>* xs, const float* xscale, int64_t m_rows, int64_t kp, const W* w,
+         int64_t n, const uint16_t* wscale, float* out) {
   int64_t blocks = n / kRows;
   // OpenMP, as inductor's own kernels: the team torch.set_num_threads sized. (at::parallel_for
   // measured 1.5x slower here for these ~10 us calls.)
 #pragma omp parallel for schedule(static)
   for (int64_t b = 0; b < blocks; b++)
-    one_block<W>(xs, m_rows, kp, w + b * kRows * kp, b * kRows, n, scale, out);
+    one_block<W>(xs, xscale, m_rows, kp, w + b * kRows * kp, b * kRows, n, wscale, out);
 }
 
 // x [..., K] float32; w [N/4, K/16, 4, 16]; scale [N] (int8 weights) or none -> [..., N].
@@ -155,15 +231,19 @@ at::Tensor linear_blocked(const at::Tensor& x, const at::Tensor& w,
   float* op = out.data_ptr<float>();
   switch (w.scalar_type()) {
     case at::kFloat:
-      run<float>(xs, m_rows, kp, w.data_ptr<float>(), n, sp, op);
+      run<float>(xs, nullptr, m_rows, kp, w.data_ptr<float>(), n, sp, op);
       break;
     case at::kBFloat16:
-      run<uint16_t>(xs, m_rows, kp, static_cast<const uint16_t*>(w.data_ptr()), n, sp,
-                    op);
+      run<uint16_t>(xs, nullptr, m_rows, kp, static_cast<const uint16_t*>(w.data_ptr()), n,
+                    sp, op);
       break;
-    case at::kChar:
-      run<int8_t>(xs, m_rows, kp, w.data_ptr<int8_t>(), n, sp, op);
+    case at::kChar: {
+      std::vector<int16_t> q(m_rows * k);
+      std::vector<float> xscale(m_rows);
+      to_int16(xs, m_rows, k, q.data(), xscale.data());
+      run<int8_t>(q.data(), xscale.data(), m_rows, kp, w.data_ptr<int8_t>(), n, sp, op);
       break;
+    }
     default:
       TORCH_CHECK(false, "linear_blocked: weights are float32, bfloat16 or int8");
   }
