@@ -181,6 +181,19 @@ def test_a_blocked_job_multiplies_by_the_kernel_in_both_graphs(tmp_path: Path) -
         assert not job.packed
 
 
+def test_the_artifact_names_int8s_int16_activations(tmp_path: Path) -> None:
+    from neuronctl.backends.torch import matmul_choice
+
+    config = read_config(make_checkpoint(tmp_path / "ckpt", "llama"))
+
+    def job(quantized: bool) -> GraphJob:
+        return GraphJob(TOKEN_GEN, 64, config, 1, 128, "bfloat16", "inductor", str(tmp_path),
+                        compute="float32", quantized=quantized, blocked=True)
+
+    assert "int16" in matmul_choice([job(True)])
+    assert "widened in registers" in matmul_choice([job(False)])
+
+
 def test_runner_refuses_graphs_built_against_another_kernel_source(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="recompile"):
         _load_kernel("0123456789abcdef", tmp_path)

@@ -364,6 +364,9 @@ def write_neuron_config(
 def matmul_choice(jobs: list[Any]) -> str:
     """The matmul kernels an artifact's graphs use, in words (neuron_config numerics)."""
     job = jobs[0]
+    if job.blocked and job.numerics.quantized:
+        return ("neuronctl::linear_blocked (AVX2; int8 weights blocked 4x16 at load, times "
+                "activations rounded to int16 per row, int32 sums, float32 scales)")
     if job.blocked:
         return ("neuronctl::linear_blocked (AVX2+FMA; weights blocked 4x16 at load, widened "
                 "in registers, float32 accumulation)")
