@@ -28,6 +28,7 @@ lint:
 # says so and measures the rest.
 bench:
 	$(PYTHON) bench/peers.py
+	$(PYTHON) bench/kernel.py
 	$(PYTHON) bench/shard.py
 	$(PYTHON) bench/decode.py
 	$(PYTHON) bench/validate.py
