@@ -89,7 +89,7 @@ def systems(dtype: torch.dtype, rows: int) -> dict[str, Callable[[], object]]:
 def measure(dtype_name: str, rows: int, rounds: int) -> dict[str, dict[str, float]]:
     dtype = DTYPES[dtype_name]
     runs = systems(dtype, rows)
-    nbytes = sum(w.nbytes for w, _ in plain_weights(dtype))
+    nbytes = sum(n * k for n, k in step_shapes()) * dtype.itemsize  # the weights, once
     times: dict[str, list[float]] = {name: [] for name in runs}
     for _ in range(rounds + 2):  # the first two warm up
         for name, fn in runs.items():

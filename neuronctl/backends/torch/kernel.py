@@ -1,8 +1,9 @@
 """neuronctl's own matmul kernel for float32 compute: `neuronctl::linear_blocked` (gemv.cpp).
 
-On a CPU without bf16 units, bf16 and int8 weights must be widened to float32 somewhere.
-aten and inductor do it per matmul or lane by lane; gemv.cpp does it in registers as the
-weights stream, from a blocked layout the runner makes at load time (`block`). One kernel
+On a CPU without bf16 units, bf16 weights must be widened to float32 somewhere. aten and
+inductor do it per matmul or lane by lane; gemv.cpp does it in registers as the weights
+stream, from a blocked layout the runner makes at load time (`block`). int8 weights multiply
+the activations rounded to int16, with exact int32 sums. One kernel
 serves token generation (a few rows) and context encoding (a bucket of rows), so the
 weights are held once, in one layout.
 
@@ -56,11 +57,12 @@ def into_huge_pages(weights: dict[str, Tensor], names: list[str]) -> None:
     mapping that asks Linux for 2 MiB pages.
 
     A decode step streams every matrix once. On 4 KiB pages each page is a TLB miss and a
-    place where the hardware prefetcher stops; on 2 MiB pages a step's matmuls ran 5-12 %
-    faster (bench/kernel.py). Transparent huge pages in `madvise` mode (the usual default)
-    honour the request; `never`, or a system without MADV_HUGEPAGE, gives plain pages and
-    the same numbers. Each tensor replaced is freed as the next is copied, so resident memory
-    peaks one tensor above the weights, not at a second copy."""
+    place where the hardware prefetcher stops; on 2 MiB pages a step's matmuls at batch 1
+    ran 0.99-1.16x as fast, by the hour's memory traffic (bench/kernel.py). Transparent
+    huge pages in `madvise` mode (the usual default) honour the request; `never`, or a
+    system without MADV_HUGEPAGE, gives plain pages and the same numbers. Each tensor
+    replaced is freed as the next is copied, so resident memory peaks one tensor above the
+    weights, not at a second copy."""
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
     sizes = [_padded(weights[name]) for name in names]
     if advice is None or not sizes:
