@@ -1,4 +1,4 @@
-"""neuronctl's matmul kernel (backends/torch/kernel.py, gemv.cpp): numerics, layout, choice.
+"""neuronctl's CPU ops (kernel.py: gemv.cpp, attention.cpp): numerics, layout, choice.
 
 The kernel is built on first use (~15 s, then cached per source digest); the modeling tests
 run it eagerly, so they need no AOTInductor compile.
@@ -16,7 +16,14 @@ import pytest
 import torch
 
 from neuronctl.backends.torch import _cpu_flags, kernel, modeling
-from neuronctl.backends.torch.graphs import CONTEXT, TOKEN_GEN, GraphJob, module_for, uses_kernel
+from neuronctl.backends.torch.graphs import (
+    CONTEXT,
+    TOKEN_GEN,
+    GraphJob,
+    example_inputs,
+    module_for,
+    uses_kernel,
+)
 from neuronctl.backends.torch.runner import _load_kernel, _load_weights
 from neuronctl.errors import CheckpointError
 from tests.helpers import make_checkpoint, read_config
@@ -117,13 +124,98 @@ def test_kernel_refuses_what_it_cannot_multiply() -> None:
         torch.ops.neuronctl.linear_blocked(torch.randn(1, 32).bfloat16(), w, None)
 
 
-@pytest.mark.parametrize(("quantized", "tied"), [(False, True), (True, True), (True, False)])
-def test_blocked_graphs_compute_what_plain_ones_do(
-    tmp_path: Path, quantized: bool, tied: bool
+def _attention_args(heads: int, kv_heads: int, head_dim: int) -> modeling.ModelArgs:
+    return modeling.ModelArgs("LlamaForCausalLM", 64, heads * head_dim, 64, 1, heads, kv_heads,
+                              head_dim, 1e-5, {}, False, False, False, None, None)
+
+
+@pytest.mark.parametrize("cache", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("batch", "heads", "kv_heads", "head_dim"), [
+    (1, 9, 3, 64),  # SmolLM2's grouping: three query heads a KV head
+    (3, 32, 8, 64),  # Llama 3's, rows at different lengths
+    (2, 4, 4, 128),  # no grouping
+    (1, 6, 1, 16),  # one KV head for all
+    (2, 10, 2, 80),  # five query heads a KV head: a pass of four and a pass of one
+])
+def test_attend_is_masked_attention_over_the_cache(
+    cache: torch.dtype, batch: int, heads: int, kv_heads: int, head_dim: int
 ) -> None:
-    # The modeling code run eagerly with kernel.linear on blocked weights against the plain
-    # weights' modeling.linear: context encoding, then decode steps. A tied table is held
-    # only as the blocked head; the embedding reads its rows out of it.
+    # The op reads the bucket's view of a longer cache (strided, as the graphs pass it) and
+    # row b's first lengths[b] positions; the reference masks the rest out.
+    gen = torch.Generator().manual_seed(batch * heads + head_dim)
+    seq_len, bucket = 96, 40
+    q = torch.randn(batch, heads, 1, head_dim, generator=gen) * 3
+    k_cache = (torch.randn(batch, kv_heads, seq_len, head_dim, generator=gen) * 2).to(cache)
+    v_cache = torch.randn(batch, kv_heads, seq_len, head_dim, generator=gen).to(cache)
+    k, v = k_cache[:, :, :bucket], v_cache[:, :, :bucket]
+    live = torch.tensor([0, bucket - 1, 17][:batch])  # 1, the whole bucket, some
+    mask = (torch.arange(bucket)[None, :] <= live[:, None])[:, None]
+    want = modeling.attention(q, k, v, mask, _attention_args(heads, kv_heads, head_dim))
+    got = kernel.attention(q, k, v, live + 1)
+    assert got.shape == want.shape == (batch, 1, heads * head_dim)
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+@pytest.mark.parametrize("threads", [1, 2, 8])
+def test_attend_splits_long_rows_across_threads_without_changing_the_result(threads: int) -> None:
+    # Few (row, KV head) items get their positions cut into parts, one softmax each, put
+    # together by their largest scores: 2 threads cut 100 positions in 4, 8 threads in 6.
+    gen = torch.Generator().manual_seed(threads)
+    q = torch.randn(1, 4, 1, 32, generator=gen) * 4
+    k = torch.randn(1, 1, 128, 32, generator=gen).bfloat16()
+    v = torch.randn(1, 1, 128, 32, generator=gen).bfloat16()
+    mask = (torch.arange(128) < 100)[None, None, None]
+    want = modeling.attention(q, k, v, mask, _attention_args(4, 1, 32))
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        got = kernel.attention(q, k, v, torch.tensor([100]))
+    finally:
+        torch.set_num_threads(before)
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
+def test_attend_keeps_the_softmax_finite_at_extreme_scores() -> None:
+    # Scores thousands apart: one position takes all the weight, the others underflow to 0
+    # (the op's exp is taken at -87 below that), nothing is NaN.
+    q = torch.zeros(1, 2, 1, 16)
+    q[..., 0] = 100.0
+    k = torch.zeros(1, 1, 24, 16)
+    k[0, 0, :, 0] = torch.linspace(-100, 100, 24)
+    v = torch.arange(24 * 16, dtype=torch.float32).reshape(1, 1, 24, 16)
+    got = kernel.attention(q, k, v, torch.tensor([24]))
+    assert torch.isfinite(got).all()
+    assert torch.equal(got, v[0, 0, 23].repeat(2)[None, None])
+
+
+def test_attend_refuses_what_it_cannot_read() -> None:
+    q, k = torch.randn(1, 4, 1, 16), torch.randn(1, 2, 8, 16)
+    for length in (0, 9):
+        with pytest.raises(RuntimeError, match="outside 1..8"):
+            torch.ops.neuronctl.attend(q, k, k, torch.tensor([length]))
+    with pytest.raises(RuntimeError, match="float32 or bfloat16"):
+        torch.ops.neuronctl.attend(q, k.half(), k.half(), torch.tensor([8]))
+    with pytest.raises(RuntimeError, match="multiple of 16"):
+        torch.ops.neuronctl.attend(torch.randn(1, 4, 1, 24), torch.randn(1, 2, 8, 24),
+                                   torch.randn(1, 2, 8, 24), torch.tensor([8]))
+    with pytest.raises(RuntimeError, match="float32 queries"):
+        torch.ops.neuronctl.attend(q.bfloat16(), k, k, torch.tensor([8]))
+    assert kernel.attention_fits(64, torch.bfloat16)
+    assert not kernel.attention_fits(64, torch.float16) and not kernel.attention_fits(24,
+                                                                                     torch.float32)
+
+
+@pytest.mark.parametrize(("quantized", "tied", "cache"), [
+    (False, True, torch.float32), (True, True, torch.float32), (True, False, torch.float32),
+    (False, True, torch.bfloat16),
+])
+def test_blocked_graphs_compute_what_plain_ones_do(
+    tmp_path: Path, quantized: bool, tied: bool, cache: torch.dtype
+) -> None:
+    # The modeling code run eagerly with kernel.linear on blocked weights and token
+    # generation attending by kernel.attention, against the plain weights' modeling.linear
+    # and masked attention: context encoding, then decode steps (one slot idle). A tied table
+    # is held only as the blocked head; the embedding reads its rows out of it.
     config = read_config(make_checkpoint(tmp_path / "ckpt", "llama", tie_word_embeddings=tied))
     args = modeling.args_from_config(config)
     assert modeling.blockable(args)
@@ -139,14 +231,16 @@ def test_blocked_graphs_compute_what_plain_ones_do(
     assert blocked["lm_head.weight"].dim() == 4
     ids = torch.randint(0, args.vocab_size, (1, 12), generator=gen)
     outs = []
-    for weights, linear in ((plain, _dequantizing_linear), (blocked, kernel.linear)):
-        k, v = modeling.new_kv_cache(args, 2, 32, torch.float32)
+    for weights, linear, fused in ((plain, _dequantizing_linear, False),
+                                   (blocked, kernel.linear, True)):
+        k, v = modeling.new_kv_cache(args, 2, 32, cache)
         freq = modeling.inv_freq(args)
         logits = [modeling.context_encode(args, weights, freq, k, v, ids, torch.tensor([12]),
                                           torch.tensor([1]), linear, torch.float32)]
         for pos in range(12, 16):
             step = modeling.token_generate(args, weights, freq, k, v, torch.tensor([0, pos % 7]),
-                                           torch.tensor([-1, pos]), 32, linear, torch.float32)
+                                           torch.tensor([-1, pos]), 32, linear, torch.float32,
+                                           fused_attention=fused)
             logits.append(step[1:])
         outs.append(torch.cat(logits))
     assert (outs[0] - outs[1]).abs().max() < 1e-4
@@ -179,10 +273,24 @@ def test_a_blocked_job_multiplies_by_the_kernel_in_both_graphs(tmp_path: Path) -
                        compute="float32", blocked=True)
         assert module_for(job).linear is kernel.linear
         assert not job.packed
+        if kind == TOKEN_GEN:
+            assert module_for(job).fused_attention
 
 
-def test_the_artifact_names_int8s_int16_activations(tmp_path: Path) -> None:
-    from neuronctl.backends.torch import matmul_choice
+def test_blocked_token_generation_graphs_call_attend_once_a_layer(tmp_path: Path) -> None:
+    config = read_config(make_checkpoint(tmp_path / "ckpt", "llama"))
+    layers = modeling.args_from_config(config).num_layers
+    for kind, calls in ((TOKEN_GEN, layers), (CONTEXT, 0)):
+        job = GraphJob(kind, 16, config, 2, 32, "bfloat16", "inductor", str(tmp_path),
+                       compute="float32", blocked=True)
+        with torch.no_grad():
+            program = torch.export.export(module_for(job), example_inputs(job), strict=False)
+        targets = [node.target for node in program.graph.nodes]
+        assert targets.count(torch.ops.neuronctl.attend.default) == calls
+
+
+def test_the_artifact_names_its_matmul_and_attention_kernels(tmp_path: Path) -> None:
+    from neuronctl.backends.torch import attention_choice, matmul_choice
 
     config = read_config(make_checkpoint(tmp_path / "ckpt", "llama"))
 
@@ -192,6 +300,8 @@ def test_the_artifact_names_int8s_int16_activations(tmp_path: Path) -> None:
 
     assert "int16" in matmul_choice([job(True)])
     assert "widened in registers" in matmul_choice([job(False)])
+    args = modeling.args_from_config(config)
+    assert attention_choice([job(True)], args).startswith("neuronctl::attend")
 
 
 def test_runner_refuses_graphs_built_against_another_kernel_source(tmp_path: Path) -> None:

@@ -226,8 +226,11 @@ def test_bf16_without_bf16_units_computes_in_float32(
     ckpt = make_checkpoint(tmp_path / "ckpt", "qwen2", tie_word_embeddings=True)
     path = build(ckpt, tmp_path / "store", dtype="bfloat16").path
     config = json.loads((path / "neuron_config.json").read_text())
-    assert config["numerics"] == {"storage": "bfloat16", "compute": "float32", "quantized": None,
-                                  "matmul": "aten (traced graph, run by torch.export)"}
+    assert config["numerics"] == {
+        "storage": "bfloat16", "compute": "float32", "quantized": None,
+        "matmul": "aten (traced graph, run by torch.export)",
+        "attention": "masked batched matmuls, the cache widened to the compute dtype",
+    }
     assert read_manifest(path).backend_versions["cpu_half_units"] == "none"
     runner = load(path)
     assert runner.weights["model.layers.0.self_attn.qkv_proj.weight"].dtype == torch.bfloat16
@@ -309,10 +312,13 @@ def test_inductor_artifact_matches_transformers(tmp_path: Path) -> None:
                     token_gen_buckets="64", batch_size=2, seq_len=64, max_context_length=32)
     runner = load(outcome.path)
     # float32 on an AVX2 host: every projection by neuronctl's kernel on blocked weights,
-    # whose library the artifact carries (listed, so hashed and signed like the graphs)
+    # and token generation's attention by its attend op, from the library the artifact
+    # carries (listed, so hashed and signed like the graphs)
     assert runner.blocked == kernel.usable(_cpu_flags())
     if runner.blocked:
         assert kernel.artifact_library() in read_manifest(outcome.path).files
+        numerics = json.loads((outcome.path / "neuron_config.json").read_text())["numerics"]
+        assert numerics["attention"].startswith("neuronctl::attend")
     ids = random_ids(40, seed=8)
     ref = hf_logits(hf_model(ckpt), ids)
     got = [runner.prefill(1, ids[:24])]

@@ -31,16 +31,20 @@ if TYPE_CHECKING:
     from neuronctl.store.manifest import Manifest
 
 # Bump when modeling.py or the graph signatures change what a graph computes or takes.
-MODELING_VERSION = "5"
+MODELING_VERSION = "6"
 NEURON_CONFIG = "neuron_config.json"
-KERNEL_SOURCE = Path(__file__).with_name("gemv.cpp")
+# neuronctl's own CPU ops, one library (kernel.py): the matmul and decode attention.
+KERNEL_SOURCES = tuple(Path(__file__).with_name(n) for n in ("gemv.cpp", "attention.cpp"))
 
 
 @cache
 def kernel_digest() -> str:
-    """The source digest of neuronctl's matmul kernel (kernel.py): a graph calling it depends
-    on it, so it is part of the graph key (read without importing torch)."""
-    return hashlib.sha256(KERNEL_SOURCE.read_bytes()).hexdigest()[:16]
+    """The source digest of neuronctl's CPU ops (kernel.py): a graph calling them depends on
+    them, so it is part of the graph key (read without importing torch)."""
+    h = hashlib.sha256()
+    for source in KERNEL_SOURCES:
+        h.update(source.name.encode() + b"\0" + source.read_bytes())
+    return h.hexdigest()[:16]
 
 
 @cache
@@ -297,8 +301,8 @@ def graph_jobs(spec: BuildSpec, config: dict[str, Any], staging: Path) -> list[A
 
 
 def carry_kernel(staging: Path) -> None:
-    """The artifact carries the matmul kernel its graphs call, built here, so that serving
-    never compiles (it is code the manifest lists, like AOTInductor's own libraries)."""
+    """The artifact carries the library of neuronctl ops its graphs call, built here, so that
+    serving never compiles (it is code the manifest lists, like AOTInductor's own libraries)."""
     from neuronctl.backends.torch import kernel
 
     target = staging / kernel.artifact_library()
@@ -337,6 +341,7 @@ def write_neuron_config(
             "compute": str(numerics.compute).removeprefix("torch."),
             "quantized": "int8 " + spec.quantization_type if spec.quantized else None,
             "matmul": matmul_choice(jobs),
+            "attention": attention_choice(jobs, args),
         },
         "kv_cache": {
             "layout": ["batch_size", "num_key_value_heads", "seq_len", "head_dim"],
@@ -359,6 +364,16 @@ def write_neuron_config(
         },
     }
     (staging / NEURON_CONFIG).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def attention_choice(jobs: list[Any], args: Any) -> str:
+    """How the graphs attend, in words (neuron_config numerics)."""
+    from neuronctl.backends.torch import kernel
+
+    if jobs[0].blocked and kernel.attention_fits(args.head_dim, jobs[0].numerics.storage):
+        return ("neuronctl::attend for token generation (AVX2+FMA; the cache read as stored, "
+                "float32 softmax); masked batched matmuls for context encoding")
+    return "masked batched matmuls, the cache widened to the compute dtype"
 
 
 def matmul_choice(jobs: list[Any]) -> str:

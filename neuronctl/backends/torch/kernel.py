@@ -1,16 +1,20 @@
-"""neuronctl's own matmul kernel for float32 compute: `neuronctl::linear_blocked` (gemv.cpp).
+"""neuronctl's own CPU ops for float32 compute, one library built from two sources.
 
-On a CPU without bf16 units, bf16 weights must be widened to float32 somewhere. aten and
-inductor do it per matmul or lane by lane; gemv.cpp does it in registers as the weights
-stream, from a blocked layout the runner makes at load time (`block`). int8 weights multiply
-the activations rounded to int16, with exact int32 sums. One kernel
-serves token generation (a few rows) and context encoding (a bucket of rows), so the
-weights are held once, in one layout.
+- `neuronctl::linear_blocked` (gemv.cpp), the matmul. On a CPU without bf16 units, bf16
+  weights must be widened to float32 somewhere. aten and inductor do it per matmul or lane by
+  lane; gemv.cpp does it in registers as the weights stream, from a blocked layout the runner
+  makes at load time (`block`). int8 weights multiply the activations rounded to int16, with
+  exact int32 sums. One kernel serves token generation (a few rows) and context encoding (a
+  bucket of rows), so the weights are held once, in one layout.
+- `neuronctl::attend` (attention.cpp), token generation's attention: one new token per row
+  over the cache as it is stored (bf16 widened in registers), in one parallel region, where
+  the traced graph widened the whole bucket of K and V and ran two MKL batched matmuls and a
+  softmax around them.
 
 `compile` builds the C++ on this host (torch.utils.cpp_extension, ~15 s once, the compiler
-AOTInductor uses) into the user cache, keyed by the source's digest and torch's version, and
+AOTInductor uses) into the user cache, keyed by the sources' digest and torch's version, and
 puts a copy in the artifact (`kernels/`), as AOTInductor puts its own shared libraries there:
-serving registers that copy and compiles nothing. The op's schema and shape function live
+serving registers that copy and compiles nothing. The ops' schemas and shape functions live
 here, so graphs trace and export without the library.
 """
 
@@ -26,7 +30,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from neuronctl.backends.torch import KERNEL_SOURCE
+from neuronctl.backends.torch import KERNEL_SOURCES
 from neuronctl.backends.torch import kernel_digest as digest  # part of the graph key
 from neuronctl.errors import BuildError
 from neuronctl.store.local import user_cache_store
@@ -91,16 +95,37 @@ def linear(
     return out if bias is None else out + bias.to(x.dtype)
 
 
+def attention(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor) -> Tensor:
+    """One new token's grouped-query attention over the cache (attention.cpp).
+
+    q [B, Hq, 1, D] (computed in float32); k, v [B, Hkv, S, D] float32 or bf16, the bucket's
+    view of the cache; row b attends to its first lengths[b] positions. -> [B, 1, Hq*D] in
+    q's dtype."""
+    return torch.ops.neuronctl.attend(q.float(), k, v, lengths).to(q.dtype)
+
+
+def attention_fits(head_dim: int, cache: torch.dtype) -> bool:
+    """The shapes and cache dtypes attend takes (every Llama-family head dim is)."""
+    return head_dim % CHUNK == 0 and cache in (torch.float32, torch.bfloat16)
+
+
 @cache
 def define() -> None:
-    """The op's schema and shape function (tracing and export need nothing more)."""
+    """The ops' schemas and shape functions (tracing and export need nothing more)."""
     torch.library.define(
         "neuronctl::linear_blocked", "(Tensor x, Tensor w, Tensor? scale) -> Tensor"
+    )
+    torch.library.define(
+        "neuronctl::attend", "(Tensor q, Tensor k, Tensor v, Tensor lengths) -> Tensor"
     )
 
     @torch.library.register_fake("neuronctl::linear_blocked")
     def _shape(x: Tensor, w: Tensor, scale: Tensor | None) -> Tensor:
         return x.new_empty((*x.shape[:-1], w.shape[0] * w.shape[2]))
+
+    @torch.library.register_fake("neuronctl::attend")
+    def _attend_shape(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor) -> Tensor:
+        return q.new_empty((q.shape[0], 1, q.shape[1] * q.shape[3]))
 
 
 def library_stem() -> str:
@@ -146,7 +171,7 @@ def _build() -> Path:
     try:
         built = cpp_extension.load(
             name=library_stem(),
-            sources=[str(KERNEL_SOURCE)],
+            sources=[str(source) for source in KERNEL_SOURCES],
             extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
@@ -155,7 +180,8 @@ def _build() -> Path:
         )
     except Exception as exc:  # a compiler or ninja missing, or a broken toolchain
         raise BuildError(
-            f"building neuronctl's matmul kernel failed: {type(exc).__name__}: {exc}",
+            f"building neuronctl's CPU kernels (matmul, attention) failed: "
+            f"{type(exc).__name__}: {exc}",
             "install a C++ compiler and ninja (what AOTInductor needs too), or compile with "
             "--compiler export",
         ) from None

@@ -38,6 +38,7 @@ ARCHITECTURES = {
 ROPE_TYPES = ("default", "linear", "llama3")
 Weights = Mapping[str, Tensor]
 Linear = Callable[..., Tensor]
+Attend = Callable[[Tensor, Tensor, Tensor], Tensor]  # (q, keys, values) -> [B, T, Hq*D]
 
 
 @dataclass(frozen=True)
@@ -474,6 +475,16 @@ def attention(q: Tensor, k: Tensor, v: Tensor, mask: Tensor, args: ModelArgs) ->
     return out.view(b, args.num_heads, t, d).transpose(1, 2).reshape(b, t, args.num_heads * d)
 
 
+def _masked_attention(mask: Tensor, args: ModelArgs) -> Attend:
+    return lambda q, k, v: attention(q, k, v, mask, args)
+
+
+def _cache_attention(lengths: Tensor) -> Attend:
+    """Token generation by neuronctl's op: one new token per row, its first lengths[b]
+    positions of the cache read as stored (no widened copy, no mask)."""
+    return lambda q, k, v: kernel.attention(q, k, v, lengths)
+
+
 def _proj(
     linear: Linear, w: Weights, name: str, x: Tensor, bias: Tensor | None = None
 ) -> Tensor:
@@ -522,7 +533,7 @@ def _lm_head(w: Weights, x: Tensor, args: ModelArgs, linear: Linear = linear) ->
 
 def _layer(
     args: ModelArgs, w: Weights, i: int, x: Tensor, rope: tuple[Tensor, Tensor],
-    write_kv: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]], mask: Tensor, linear: Linear,
+    write_kv: Callable[[Tensor, Tensor], tuple[Tensor, Tensor]], attend: Attend, linear: Linear,
 ) -> Tensor:
     """One decoder layer; `write_kv` stores this step's K/V and returns what to attend to."""
     p = f"model.layers.{i}."
@@ -530,7 +541,7 @@ def _layer(
     q, k, v = _project_qkv(w, p + "self_attn.", h, args, linear)
     q, k = apply_rope(q, *rope), apply_rope(k, *rope)
     keys, values = write_kv(k, v)
-    o = attention(q, keys, values, mask, args)
+    o = attend(q, keys, values)
     x = x + _proj(linear, w, p + "self_attn.o_proj.weight", o, _o_bias(w, p, args))
     h = rms_norm(x, w[p + "post_attention_layernorm.weight"], args.rms_norm_eps)
     return x + _mlp(w, p + "mlp.", h, linear)
@@ -559,6 +570,7 @@ def context_encode(
     x = _embed(w, token_ids, compute or k_cache[0].dtype)
     rope = rope_tables(freq, positions[None], x.dtype)
     causal = (positions[None, :] <= positions[:, None])[None]  # [1, T, T]
+    attend = _masked_attention(causal, args)
     rows, cols = slots[:, None], positions[None, :]
 
     for i in range(args.num_layers):
@@ -569,7 +581,7 @@ def context_encode(
             v_cache[i][rows, :, cols] = v.transpose(1, 2).to(v_cache[i].dtype)
             return k, v
 
-        x = _layer(args, w, i, x, rope, write_kv, causal, linear)
+        x = _layer(args, w, i, x, rope, write_kv, attend, linear)
     last = x[torch.arange(prompts, device=x.device), lengths - 1]  # [P, hidden]
     return _lm_head(w, last, args, linear)
 
@@ -585,11 +597,14 @@ def token_generate(
     bucket: int,
     linear: Linear = linear,
     compute: torch.dtype | None = None,
+    fused_attention: bool = False,
 ) -> Tensor:
     """token_ids [B], positions [B] (-1 = idle slot) -> logits [B, vocab] float32.
 
     `linear` may be `gemv` for small batches or `packed_linear` for larger ones in compiled
     graphs (see both); `compute` is the activations' dtype (default: the cache's).
+    `fused_attention` attends by neuronctl's own op (kernel.attention) where it fits the
+    shapes and cache dtype.
     """
     batch = token_ids.shape[0]
     seq_len = k_cache[0].shape[2]
@@ -600,15 +615,18 @@ def token_generate(
     slots = torch.arange(batch, device=token_ids.device)
     x = _embed(w, token_ids[:, None], compute or k_cache[0].dtype)
     rope = rope_tables(freq, live[:, None], x.dtype)
-    span = torch.arange(bucket, device=token_ids.device)
-    mask = (span[None, :] <= live[:, None])[:, None]  # [B, 1, bucket]
+    if fused_attention and kernel.attention_fits(args.head_dim, k_cache[0].dtype):
+        attend = _cache_attention(live + 1)
+    else:
+        span = torch.arange(bucket, device=token_ids.device)
+        attend = _masked_attention((span[None, :] <= live[:, None])[:, None], args)  # [B,1,S]
     for i in range(args.num_layers):
         def write_kv(k: Tensor, v: Tensor, i: int = i) -> tuple[Tensor, Tensor]:
             k_cache[i][slots, :, write_at] = k[:, :, 0].to(k_cache[i].dtype)
             v_cache[i][slots, :, write_at] = v[:, :, 0].to(v_cache[i].dtype)
             return k_cache[i][:, :, :bucket], v_cache[i][:, :, :bucket]
 
-        x = _layer(args, w, i, x, rope, write_kv, mask, linear)
+        x = _layer(args, w, i, x, rope, write_kv, attend, linear)
     return _lm_head(w, x, args, linear)[:, 0]
 
 
@@ -657,6 +675,7 @@ class TokenGeneration(torch.nn.Module):
         self.compute = numerics.compute
         self.linear: Linear = (kernel.linear if blocked else int8_linear if numerics.quantized
                                else gemv if use_gemv else packed_linear if packed else linear)
+        self.fused_attention = blocked  # the library that has linear_blocked has attend
 
     def forward(
         self,
@@ -669,5 +688,5 @@ class TokenGeneration(torch.nn.Module):
     ) -> Tensor:
         return token_generate(
             self.args, weights, freq, k_cache, v_cache, token_ids, positions, self.bucket,
-            self.linear, self.compute,
+            self.linear, self.compute, self.fused_attention,
         )

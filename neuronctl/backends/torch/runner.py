@@ -197,7 +197,7 @@ def _load_kernel(built_with: str, path: Path) -> None:
 
     if built_with != kernel.digest():
         raise CheckpointError(
-            f"this artifact's graphs call neuronctl's matmul kernel as of source {built_with},"
+            f"this artifact's graphs call neuronctl's CPU kernels as of source {built_with},"
             f" this neuronctl has {kernel.digest()}", "recompile the artifact",
         )
     # The name is derived, never read from a file: the digest was just checked.
