@@ -71,6 +71,18 @@ def test_blocked_linear_is_the_float32_product(dtype: torch.dtype, rows: int) ->
     assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
 
 
+@pytest.mark.parametrize("k", [16, 112, 2096])
+def test_one_int8_row_takes_any_count_of_chunks(k: int) -> None:
+    # One row goes two 16-column chunks a step: a lone chunk, an odd count (7), and a
+    # second span of sums (128 chunks, then 3) must all land exactly where the model says.
+    gen = torch.Generator().manual_seed(k)
+    w = (torch.randn(12, k, generator=gen) * 40).clamp(-127, 127).to(torch.int8)
+    x = torch.randn(1, k, generator=gen)
+    got = torch.ops.neuronctl.linear_blocked(x, kernel.block(w), None).double()
+    want = reference(as_int16(x), w.float(), None)
+    assert (got - want).abs().max() <= 1e-5 * want.abs().max()
+
+
 def test_int8_products_stay_within_the_int16_rounding_of_the_activations() -> None:
     gen = torch.Generator().manual_seed(7)
     w = (torch.randn(36, 160, generator=gen) * 40).clamp(-127, 127).to(torch.int8)
@@ -82,12 +94,14 @@ def test_int8_products_stay_within_the_int16_rounding_of_the_activations() -> No
 
 
 @pytest.mark.parametrize("value", [127, -128])
-def test_int8_sums_do_not_overflow_on_long_rows(value: int) -> None:
-    # 8192 columns of extreme weights by activations at 32767: 2^32 in one int32 lane had
-    # the sums not moved into float on the way.
-    w = torch.full((4, 8192), value, dtype=torch.int8)
-    got = torch.ops.neuronctl.linear_blocked(torch.ones(1, 8192), kernel.block(w), None)
-    assert torch.equal(got, torch.full((1, 4), float(value * 8192)))
+@pytest.mark.parametrize("rows", [1, 2])
+def test_int8_sums_do_not_overflow_on_long_rows(value: int, rows: int) -> None:
+    # 8208 columns (four spans of 128 chunks and one more) of extreme weights by activations
+    # at 32767: 2^32 in one int32 lane had the sums not moved into float on the way. One
+    # row and several take different loops.
+    w = torch.full((4, 8208), value, dtype=torch.int8)
+    got = torch.ops.neuronctl.linear_blocked(torch.ones(rows, 8208), kernel.block(w), None)
+    assert torch.equal(got, torch.full((rows, 4), float(value * 8208)))
 
 
 def test_int8_takes_rows_of_zeros() -> None:
