@@ -9,7 +9,9 @@ tokenizer) is made locally, compiled by neuronctl (bf16, fp32, int8; batch 1 and
 Each system runs in its own worker process (so no two thread pools share the cores); every
 round measures, back to back for each row, neuronctl's Runner, its Engine, llama.cpp (through
 llama-cpp-python's C API: one llama_decode per step, as llama-batched-bench does) and
-transformers eager; each figure is the best over the rounds. Then the cold start: a fresh
+transformers eager; each figure is the best over the rounds. int8 against bf16 is also
+measured in back-to-back pairs of the two Runners (`--pairs`): rows of one round run a minute
+apart, and this host's speed moves by up to 2x within minutes. Then the cold start: a fresh
 `neuronctl generate` for one token, the same for llama.cpp and transformers, and the floor,
 `python -c "import torch"`. Prints one JSON line per measurement, then every ratio with its
 target. Needs the bench extra (`pip install -e '.[bench]'`: llama-cpp-python builds from
@@ -24,6 +26,7 @@ import json
 import os
 import platform
 import shutil
+import statistics
 import subprocess
 import sys
 import time
@@ -495,6 +498,8 @@ def main() -> None:
         return
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--pairs", type=int, default=7,
+                        help="back-to-back bf16/int8 Runner pairs for the int8 target")
     parser.add_argument("--cold-runs", type=int, default=3)
     parser.add_argument("--work", type=Path, default=Path("/tmp/neuronctl-bench-peers"))
     parser.add_argument("--fresh", action="store_true", help="recompile and reconvert")
@@ -558,6 +563,7 @@ def main() -> None:
                     print(json.dumps({"round": round_, "row": label, "system": name,
                                       "ttft_ms": round(secs * 1e3, 1)}), flush=True)
 
+    pairs = int8_pairs(systems, opts.pairs)
     scores: dict[str, dict[str, float]] = {}
     if "quality" not in skip:
         from transformers import AutoModelForCausalLM
@@ -588,11 +594,28 @@ def main() -> None:
                 print(json.dumps({"run": run, "cold_start": name, "s": round(secs, 2)}),
                       flush=True)
     facts["read_bandwidth_gbs_after"] = round(bandwidth_gbs(3), 1)
-    report(facts, rows, decode, ttft, cold)
+    report(facts, rows, decode, ttft, cold, pairs)
     for name, score in scores.items():
         print(f"quality {name} vs float32 transformers: top-1 agreement "
               f"{score['top1_agreement']:.3f}, max logit error {score['max_logit_error']:.4f} "
               f"({score['max_logit_error_relative']:.4f} of the largest logit)")
+
+
+def int8_pairs(systems: dict[str, dict[str, Worker]], count: int) -> list[float]:
+    """int8 over bf16 batch-1 decode, each ratio from the two Runners measured back to back
+    (bf16, then int8), `count` times: the host's swings move both sides of a pair alike."""
+    bf16, int8 = (systems.get(label, {}).get("neuronctl")
+                  for label in ("bfloat16 batch 1", "int8 batch 1"))
+    if bf16 is None or int8 is None:
+        return []
+    ratios = []
+    for pair in range(count):
+        slow, fast = bf16.decode(1), int8.decode(1)
+        ratios.append(fast / slow)
+        print(json.dumps({"pair": pair, "bf16_tok_s": round(slow, 1),
+                          "int8_tok_s": round(fast, 1), "ratio": round(fast / slow, 3)}),
+              flush=True)
+    return ratios
 
 
 def report(
@@ -601,6 +624,7 @@ def report(
     decode: dict[tuple[str, str], list[float]],
     ttft: dict[tuple[str, str], list[float]],
     cold: dict[str, list[float]],
+    pairs: list[float],
 ) -> None:
     def get(table: dict[Any, list[float]], key: Any, higher: bool) -> float | None:
         return best(table[key], higher) if key in table else None
@@ -662,16 +686,21 @@ def report(
     if int8:
         bf16 = get(decode, ("bfloat16 batch 1", "neuronctl"), True)
         q8 = get(decode, ("int8 batch 1", "llama.cpp"), True)
+        paired = statistics.median(pairs) if pairs else None
         print(f"| int8 batch 1 decode, tok/s (llama.cpp Q8_0) | {int8:.1f} | {_fmt(q8)} | - | "
-              f"{ratio(int8, q8)} | - | >= 1.6x bf16: {ratio(int8, bf16)}, "
-              f"{verdict(int8 / bf16 if bf16 else None, 1.6)}; > Q8_0: "
-              f"{verdict(int8 / q8 if q8 else None, 1.0, True)} |")
+              f"{ratio(int8, q8)} | - | >= 1.6x bf16: {_times(paired)} (median of "
+              f"{len(pairs)} back-to-back pairs), {verdict(paired, 1.6)}; best of rounds "
+              f"{ratio(int8, bf16)}; > Q8_0: {verdict(int8 / q8 if q8 else None, 1.0, True)} |")
     print("\nratios are neuronctl's speed over the peer's (> 1: neuronctl is faster); each "
           "figure is the best of the rounds")
 
 
 def _ms(secs: float | None) -> float | None:
     return None if secs is None else secs * 1e3
+
+
+def _times(value: float | None) -> str:
+    return "-" if value is None else f"{value:.2f}x"
 
 
 def _fmt(value: float | None) -> str:
