@@ -362,16 +362,32 @@ def devices_finding(backend: str) -> Finding:
     return Finding("neuron devices", backend == "torch", detail, fix, section="host")
 
 
+def ninja_path() -> str | None:
+    """The ninja that builds neuronctl's kernels: PATH's, else the one neuronctl's `ninja`
+    dependency installs beside this Python, which a PATH through a version manager's shims
+    may not reach (backends/torch/kernel.py puts it on PATH for the build)."""
+    return shutil.which("ninja") or installed_ninja()
+
+
+def installed_ninja() -> str | None:
+    try:
+        import ninja  # type: ignore[import-untyped]  # a path constant, no work at import
+    except ImportError:
+        return None
+    binary = Path(ninja.BIN_DIR) / "ninja"
+    return str(binary) if binary.is_file() and os.access(binary, os.X_OK) else None
+
+
 def toolchain_finding(backend: str) -> Finding:
     """What `--compiler inductor` needs on this host: a C++ compiler, and ninja to build
-    neuronctl's matmul kernel (backends/torch/kernel.py). Not required: export graphs and
+    neuronctl's CPU kernels (backends/torch/kernel.py). Not required: export graphs and
     the Neuron backends need neither."""
     cxx = next((c for c in ("c++", "g++", "clang++") if shutil.which(c)), None)
-    ninja = shutil.which("ninja")
+    ninja = ninja_path()
     missing = [what for what, found in (("C++ compiler", cxx), ("ninja", ninja)) if not found]
     if not missing:
         return Finding("c++ toolchain", True, f"{cxx} and ninja: inductor graphs and "
-                       "neuronctl's matmul kernel can be built here", section="host")
+                       "neuronctl's kernels can be built here", section="host")
     needed = "needed by --compiler inductor" if backend == "torch" else "torch backend only"
     return Finding("c++ toolchain", False, f"no {' or '.join(missing)} on PATH ({needed})",
                    "install g++ and `pip install ninja`, or compile with --compiler export",

@@ -32,6 +32,7 @@ from torch import Tensor
 
 from neuronctl.backends.torch import KERNEL_SOURCES
 from neuronctl.backends.torch import kernel_digest as digest  # part of the graph key
+from neuronctl.doctor import ninja_path
 from neuronctl.errors import BuildError
 from neuronctl.store.local import user_cache_store
 
@@ -189,15 +190,12 @@ def _build() -> Path:
 
 
 def _find_ninja() -> None:
-    """cpp_extension runs `ninja` from PATH; the ninja neuronctl depends on installs next to
-    this Python, which a PATH through a version manager's shims may not reach."""
-    if shutil.which("ninja"):
-        return
-    try:
-        import ninja  # type: ignore[import-untyped]
-    except ImportError:
-        return  # the build fails and says so
-    os.environ["PATH"] = os.pathsep.join([ninja.BIN_DIR, os.environ.get("PATH", "")])
+    """cpp_extension runs `ninja` from PATH; the ninja neuronctl depends on may be off it
+    (doctor.ninja_path, which doctor reports from too)."""
+    found = ninja_path()
+    if found and not shutil.which("ninja"):
+        os.environ["PATH"] = os.pathsep.join([str(Path(found).parent),
+                                              os.environ.get("PATH", "")])
 
 
 def cache_dir() -> Path:
