@@ -318,6 +318,18 @@ def test_the_artifact_names_its_matmul_and_attention_kernels(tmp_path: Path) -> 
     assert attention_choice([job(True)], args).startswith("neuronctl::attend")
 
 
+def test_the_kernel_digest_covers_every_file_the_library_is_built_from() -> None:
+    # A header the sources include but the digest leaves out would let a changed kernel keep
+    # its graph key, and old artifacts would call new code.
+    from neuronctl.backends.torch import KERNEL_SOURCES
+
+    names = {source.name for source in KERNEL_SOURCES}
+    for source in KERNEL_SOURCES:
+        included = re.findall(r'^#include "([^"]+)"', source.read_text(), flags=re.M)
+        assert set(included) <= names, source.name
+    assert {"gemv.cpp", "attention.cpp", "simd.h"} <= names
+
+
 def test_runner_refuses_graphs_built_against_another_kernel_source(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="recompile"):
         _load_kernel("0123456789abcdef", tmp_path)

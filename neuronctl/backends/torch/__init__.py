@@ -33,8 +33,11 @@ if TYPE_CHECKING:
 # Bump when modeling.py or the graph signatures change what a graph computes or takes.
 MODELING_VERSION = "6"
 NEURON_CONFIG = "neuron_config.json"
-# neuronctl's own CPU ops, one library (kernel.py): the matmul and decode attention.
-KERNEL_SOURCES = tuple(Path(__file__).with_name(n) for n in ("gemv.cpp", "attention.cpp"))
+# neuronctl's own CPU ops, one library (kernel.py): the matmul and decode attention, and
+# the header they share (in the digest, not compiled on its own).
+KERNEL_SOURCES = tuple(
+    Path(__file__).with_name(n) for n in ("simd.h", "gemv.cpp", "attention.cpp")
+)
 
 
 @cache

@@ -21,16 +21,14 @@
 #include <type_traits>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
+using neuronctl_simd::half8;  // a 16-value chunk of one cache row, as gemv.cpp reads weights
+using neuronctl_simd::hsum;
+
 constexpr int kChunk = 16;  // head-dim values per step
 constexpr int kHeads = 4;   // query heads one pass carries (accumulators in registers)
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 // exp(x) for x <= 0, 8 lanes: x = n ln2 + r with |r| <= ln2 / 2, exp(r) by its Taylor
 // series to r^7 (relative error below 1e-8 there), 2^n built in the exponent bits. Below
@@ -48,19 +46,6 @@ inline __m256 exp8(__m256 x) {
   const __m256i bits = _mm256_slli_epi32(
       _mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
   return _mm256_mul_ps(p, _mm256_castsi256_ps(bits));
-}
-
-// Half h (0 or 1) of a 16-value chunk of one cache row: float32 as it is, bf16 as its even
-// (h = 0) or odd (h = 1) elements (one shift or one mask, no lane crossing).
-template <typename C>
-inline __m256 half8(const C* p, int h) {
-  if constexpr (std::is_same_v<C, float>) {
-    return _mm256_loadu_ps(p + h * 8);
-  } else {
-    __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return h ? _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF0000)))
-             : _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-  }
 }
 
 // A query in the order half8 gives the cache's values: for bf16 each 16-chunk becomes its 8

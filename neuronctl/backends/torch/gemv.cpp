@@ -25,36 +25,20 @@
 #include <type_traits>
 #include <vector>
 
+#include "simd.h"
+
 namespace {
+using neuronctl_simd::half8;  // one row's 16-column chunk, in the activations' lane order
+using neuronctl_simd::hsum;
+
 constexpr int kRows = 4;    // weight rows per block
 constexpr int kChunk = 16;  // weight columns per chunk
-
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
 
 inline float hmax(__m256 v) {
   __m128 s = _mm_max_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
   s = _mm_max_ps(s, _mm_movehl_ps(s, s));
   s = _mm_max_ss(s, _mm_movehdup_ps(s));
   return _mm_cvtss_f32(s);
-}
-
-// Half h (0 or 1) of one row's 16-column chunk (float32 or bf16), as 8 floats in the
-// activations' lane order.
-template <typename W>
-inline __m256 half8(const W* p, int h) {
-  if constexpr (std::is_same_v<W, float>) {
-    return _mm256_loadu_ps(p + h * 8);
-  } else {
-    // A bf16 is the top half of a float: even elements shifted up, odd ones masked.
-    __m256i v = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(p));
-    return h ? _mm256_castsi256_ps(_mm256_and_si256(v, _mm256_set1_epi32(0xFFFF0000)))
-             : _mm256_castsi256_ps(_mm256_slli_epi32(v, 16));
-  }
 }
 
 // How far ahead (bytes) to prefetch the weights by hand; 0: leave it to the hardware. float32

@@ -172,7 +172,7 @@ def _build() -> Path:
     try:
         built = cpp_extension.load(
             name=library_stem(),
-            sources=[str(source) for source in KERNEL_SOURCES],
+            sources=[str(source) for source in KERNEL_SOURCES if source.suffix == ".cpp"],
             extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
             extra_ldflags=["-fopenmp"],
             build_directory=str(build_dir),
