@@ -40,6 +40,10 @@ ROOT = HERE.parent
 sys.path[:0] = [str(ROOT), str(HERE)]
 from decode import NEW, PROMPT, SHAPE, bandwidth_gbs, make_checkpoint  # noqa: E402
 
+# Greedy tokens by numpy, as the engine and the llama.cpp rows here pick them (torch.argmax
+# hands a vocabulary-sized row to its thread pool).
+from neuronctl.engine.sampling import argmax_rows  # noqa: E402
+
 VOCAB = int(SHAPE["vocab_size"])
 PROMPT_TEXT = "The quick brown fox jumps over the lazy dog. "  # 45 tokens byte-level, < PROMPT
 
@@ -154,24 +158,17 @@ class Neuronctl:
     def decode(self, batch: int) -> float:
         runner, ids = self.runner, prompts(batch)
         slots = list(range(batch))
-        tokens = greedy(runner.prefill_batch(slots, ids))
+        tokens = argmax_rows(runner.prefill_batch(slots, ids))
         start = time.perf_counter()
         for step in range(NEW):
-            tokens = greedy(runner.decode(tokens, [PROMPT + step] * batch))
+            tokens = argmax_rows(runner.decode(tokens, [PROMPT + step] * batch))
         return batch * NEW / (time.perf_counter() - start)
 
     def ttft(self) -> float:
         ids = prompts(1)[0]
         start = time.perf_counter()
-        greedy(self.runner.prefill(0, ids)[None])
+        argmax_rows(self.runner.prefill(0, ids)[None])
         return time.perf_counter() - start
-
-
-def greedy(logits: torch.Tensor) -> list[int]:
-    """Each row's top token by numpy, as the engine picks greedy tokens and the llama.cpp
-    rows here pick theirs: torch.argmax hands a vocabulary-sized row to its thread pool,
-    0.1-0.2 ms a step on 2 cores (docs/performance.md, engine overhead)."""
-    return [int(i) for i in logits.numpy().argmax(-1)]
 
 
 class Engine:

@@ -1,4 +1,5 @@
-"""neuronctl's own CPU ops for float32 compute, one library built from two sources.
+"""neuronctl's own CPU ops for float32 compute, one library built from two sources
+(and simd.h, the header they share).
 
 - `neuronctl::linear_blocked` (gemv.cpp), the matmul. On a CPU without bf16 units, bf16
   weights must be widened to float32 somewhere. aten and inductor do it per matmul or lane by
@@ -32,7 +33,7 @@ from torch import Tensor
 
 from neuronctl.backends.torch import KERNEL_SOURCES
 from neuronctl.backends.torch import kernel_digest as digest  # part of the graph key
-from neuronctl.doctor import ninja_path
+from neuronctl.doctor import installed_ninja
 from neuronctl.errors import BuildError
 from neuronctl.store.local import user_cache_store
 
@@ -191,9 +192,8 @@ def _build() -> Path:
 
 def _find_ninja() -> None:
     """cpp_extension runs `ninja` from PATH; the ninja neuronctl depends on may be off it
-    (doctor.ninja_path, which doctor reports from too)."""
-    found = ninja_path()
-    if found and not shutil.which("ninja"):
+    (doctor.installed_ninja, which doctor reports from too)."""
+    if not shutil.which("ninja") and (found := installed_ninja()):
         os.environ["PATH"] = os.pathsep.join([str(Path(found).parent),
                                               os.environ.get("PATH", "")])
 
