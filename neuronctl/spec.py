@@ -49,6 +49,14 @@ class OnDeviceSampling(BaseModel):
     global_topk: int = DEFAULT_GLOBAL_TOPK
 
 
+# What an nxdi build samples with unless the spec says otherwise (`--on-device-sampling off`
+# for none): the OnDeviceSamplingConfig vLLM's NxDI loaders compile themselves (vLLM 0.9
+# model_loader/neuronx_distributed.py and vllm-neuron's loader, _get_default_neuron_config),
+# so every vLLM generation serves the artifact, vllm-neuron 0.1.0 included (no CPU sampler).
+NXDI_DEFAULT_SAMPLING = OnDeviceSampling(dynamic=True, deterministic=False)
+SAMPLING_OFF = ("off", "none", "false")
+
+
 class BuildSpec(BaseModel):
     model_config = ConfigDict(extra="forbid", frozen=True)
 
@@ -81,6 +89,13 @@ class BuildSpec(BaseModel):
     def _parse_buckets(cls, value: Any, info: ValidationInfo) -> Any:
         if isinstance(value, str) and value != "auto":
             return parse_int_list(value, info.field_name or "buckets")
+        return value
+
+    @field_validator("on_device_sampling", mode="before")
+    @classmethod
+    def _sampling_off(cls, value: Any) -> Any:
+        if value is False or (isinstance(value, str) and value.strip().lower() in SAMPLING_OFF):
+            return None
         return value
 
     @field_validator("quantization_dtype", mode="before")
@@ -235,6 +250,8 @@ def build_spec(values: Mapping[str, Any]) -> BuildSpec:
         field = ".".join(str(p) for p in err["loc"]) or "spec"
         raise SpecError(field, err["msg"]) from None
     spec = normalize(spec)
+    if spec.backend == "nxdi" and "on_device_sampling" not in values:
+        spec = spec.model_copy(update={"on_device_sampling": NXDI_DEFAULT_SAMPLING})
     check_spec(spec)
     return spec
 

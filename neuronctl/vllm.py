@@ -2,7 +2,7 @@
 
 vLLM's Neuron integration checks nothing: a launch whose settings differ from the artifact's
 recompiles (and its default path deletes the directory first). Which flags, variables and
-config keys keep it on its reuse path depends on the vLLM *generation* (shared/NEURON_FACTS.md),
+config keys keep it on its reuse path depends on the vLLM *generation* (docs/neuron.md),
 so every launch is planned for one `Target`:
 
 - A `tnx-fork`: the Transformers NeuronX forks, vLLM 0.3.3 / 0.5.0 / 0.6.x-neuron (tnx only).
@@ -60,6 +60,10 @@ DEFAULT_VLLM = {
     Generation.PLUGIN: (0, 13, 0),
 }
 DEFAULT_PLUGIN = (0, 4, 1)  # Inf2's last plugin (SDK 2.28, vLLM 0.13)
+# The on-device sampling both vLLM B's and vllm-neuron's NxDI loaders compile by default
+# (_get_default_neuron_config: OnDeviceSamplingConfig(dynamic=True, deterministic=False)); the
+# nxdi backend builds with it unless told otherwise (spec.NXDI_DEFAULT_SAMPLING).
+VLLM_SAMPLING = {"dynamic": True, "deterministic": False}
 # Architectures each generation's Neuron loader serves (None: whatever NxDI has).
 A_ARCHS: dict[tuple[int, ...], set[str]] = {
     (0, 3): {"LlamaForCausalLM"},  # seed 000
@@ -68,6 +72,26 @@ A_ARCHS: dict[tuple[int, ...], set[str]] = {
 }
 B_ARCHS = {"LlamaForCausalLM", "MistralForCausalLM", "DbrxForCausalLM", "MixtralForCausalLM"}
 B_FORK_EXTRA = {"Qwen2ForCausalLM"}  # neuron-2.24-vllm-v0.7.2 neuronx_distributed.py:70
+# vllm-neuron resolves an architecture through NxDI's utils/constants.py MODEL_TYPES (its
+# loader's _get_neuron_model_cls), so what it serves is what the NxDI of the SDK its README
+# names has: 2.26 for 0.1.0/0.2.0, 2.27 for 0.2.2, 2.28 for 0.4.1/0.5.0. Keyed by the first
+# plugin release of each SDK. None of them has "mistral" (from 2.29) or "gemma3" (2.29).
+C_MODEL_TYPES: dict[tuple[int, ...], frozenset[str]] = {
+    (0, 1): frozenset(
+        {"llama", "llama4", "mllama", "mixtral", "dbrx", "qwen2", "qwen3", "qwen3_moe"}
+    ),
+}
+C_MODEL_TYPES[(0, 2, 2)] = C_MODEL_TYPES[(0, 1)] | {"gpt_oss"}
+C_MODEL_TYPES[(0, 4)] = C_MODEL_TYPES[(0, 2, 2)] | {"pixtral", "qwen2_vl", "qwen3_vl"}
+# The model name the plugin looks up for an architecture whose lowercased prefix is not it.
+C_MODEL_NAMES = {"gptoss": "gpt_oss", "qwen3moe": "qwen3_moe", "qwen2vl": "qwen2_vl",
+                 "qwen3vl": "qwen3_vl"}  # fmt: skip
+# vLLM V1 keeps KV block 0 as its null block (v1/core/block_pool.py). From 0.2.0 the plugin's
+# platform adds it to --num-gpu-blocks-override itself, and its own compile then uses that
+# incremented count as pa_num_blocks (platform.py check_and_update_config).
+C_NULL_BLOCK_ADDED = (0, 2)
+# 0.1.0 has no CPU sampling: NeuronCausalLM.sample raises "CPU sampler not implemented".
+C_CPU_SAMPLING = (0, 2)
 
 
 def _dotted(version: tuple[int, ...] | None) -> str:
@@ -329,6 +353,8 @@ def refuse(target: Target, framework: str, spec: BuildSpec, manifest: Manifest) 
         why = "the vllm-neuron plugin runs NxD Inference only (TNx ended with SDK 2.26)"
     elif gen is Generation.PLUGIN and spec.draft_model:
         why = "vllm-neuron serves EAGLE speculation only, not a draft model (its README)"
+    elif gen is Generation.PLUGIN:
+        why = _plugin_refusal(_plugin(target), framework, spec, arch)
     elif gen is not Generation.PLUGIN and prefix_caching(spec):
         why = "block-KV (prefix caching) artifacts are launched for vllm-neuron (C) only"
     elif gen is Generation.TNX_FORK and arch not in a_archs(target.vllm):
@@ -348,6 +374,42 @@ def refuse(target: Target, framework: str, spec: BuildSpec, manifest: Manifest) 
             f"artifact: {why}",
             "pick another --vllm-target or rebuild for it; see docs/neuron.md",
         )
+
+
+def _plugin(target: Target) -> tuple[int, ...]:
+    return target.plugin or DEFAULT_PLUGIN
+
+
+def plugin_model_name(arch: str) -> str | None:
+    """The MODEL_TYPES key vllm-neuron's _get_neuron_model_cls looks `arch` up under."""
+    if arch == "LlavaForConditionalGeneration":
+        return "pixtral"
+    model, sep, _task = arch.removeprefix("Neuron").partition("For")
+    if not sep:
+        return None
+    return C_MODEL_NAMES.get(model.lower(), model.lower())
+
+
+def c_model_types(plugin: tuple[int, ...]) -> frozenset[str]:
+    return C_MODEL_TYPES[max((k for k in C_MODEL_TYPES if plugin >= k), default=(0, 1))]
+
+
+def _plugin_refusal(
+    plugin: tuple[int, ...], framework: str, spec: BuildSpec, arch: str
+) -> str | None:
+    if plugin_model_name(arch) not in c_model_types(plugin):
+        return (
+            f"vllm-neuron {_dotted(plugin)} looks {arch} up in the MODEL_TYPES of its NxD "
+            "Inference (SDK 2.26-2.28), which lacks it, and raises ValueError at start-up "
+            "(serve it with `neuronctl serve` or vLLM 0.9's NxDI loader, --vllm-target v0)"
+        )
+    if plugin < C_CPU_SAMPLING and not on_device_sampling(spec, framework):
+        return (
+            "vllm-neuron 0.1.0 has no CPU sampler and this artifact was compiled without "
+            "on-device sampling, so every request would fail (rebuild with the default "
+            "on-device sampling, vLLM's own config, or use vllm-neuron 0.2.0+)"
+        )
+    return None
 
 
 def a_archs(vllm: tuple[int, ...]) -> set[str]:
@@ -370,9 +432,12 @@ def plan_launch(
     refuse(tgt, fw, spec, manifest)
     root = artifact.resolve()
     plan = Plan(tgt, fw, _common_args(root, spec), _common_env(root, spec, manifest, fw))
-    if not on_device_sampling(spec, fw):
-        # B's runner and C's loader assume on-device sampling unless told otherwise; for TNx
-        # the variable also keeps vLLM's NeuronConfig (hence the NEFF cache key) the compiled one.
+    if not on_device_sampling(spec, fw) and tgt.generation is not Generation.PLUGIN:
+        # A/B's runners assume on-device sampling unless told otherwise; for TNx the variable
+        # also keeps vLLM's NeuronConfig (hence the NEFF cache key) the compiled one. Never for
+        # C: there it only makes the loader call `Sampler()`, a module from 0.2.0 on
+        # (`from vllm.v1.sample import sampler as Sampler`), so start-up fails; its runner
+        # follows the loaded artifact's on_device_sampling_config by itself.
         plan.env["NEURON_ON_DEVICE_SAMPLING_DISABLED"] = "1"
     if fw == NXDI and spec.effective_max_context_length() < spec.seq_len:
         plan.max_prompt_tokens = spec.effective_max_context_length()
@@ -463,13 +528,21 @@ def _plan_c(plan: Plan, spec: BuildSpec) -> None:
     """vllm-neuron: overrides only inside --additional-config, prefix caching decides
     block_size and num_gpu_blocks_override, the prompt cap is max_prompt_length."""
     args, tgt = plan.args, plan.target
+    # From 0.2.0 the platform adds vLLM's null block to the count given; before, it is ours.
+    null_block = 0 if _plugin(tgt) >= C_NULL_BLOCK_ADDED else 1
     blocks = prefix_caching(spec)
     if blocks is None:
-        # platform.py forces block_size = max_model_len; README: blocks == max_num_seqs.
+        # platform.py forces block_size = max_model_len: one block per sequence (README 0.4.1:
+        # exactly max_num_seqs), plus the null block.
         args["enable_prefix_caching"] = False
-        args["num_gpu_blocks_override"] = spec.batch_size
+        args["num_gpu_blocks_override"] = spec.batch_size + null_block
     else:
-        _prefix_caching_args(plan, spec, blocks)
+        _prefix_caching_args(plan, spec, blocks, null_block)
+    if not on_device_sampling(spec, plan.framework):
+        plan.notes.append(
+            "no on-device sampling in this artifact: the plugin's runner samples on the CPU "
+            "(NEURON_ON_DEVICE_SAMPLING_DISABLED is not set: it breaks start-up from 0.2.0)"
+        )
     additional: dict[str, Any] = {}
     if plan.max_prompt_tokens is not None:
         if tgt.plugin is None or tgt.plugin >= (0, 2, 2):
@@ -486,19 +559,24 @@ def _plan_c(plan: Plan, spec: BuildSpec) -> None:
         )
 
 
-def _prefix_caching_args(plan: Plan, spec: BuildSpec, blocks: tuple[int, int]) -> None:
+def _prefix_caching_args(
+    plan: Plan, spec: BuildSpec, blocks: tuple[int, int], null_block: int
+) -> None:
+    """vLLM's KV block count must be the compiled pa_num_blocks once the platform has added
+    the null block (0.2.0+; the plugin's own compile uses that incremented count), and every
+    sequence needs ceil(max_model_len / block_size) blocks besides the null one."""
     block_size, num_blocks = blocks
-    needed = -(-spec.seq_len // block_size) * spec.batch_size if block_size else 0
+    needed = -(-spec.seq_len // block_size) * spec.batch_size + 1 if block_size else 0
     if block_size not in BLOCK_SIZES or num_blocks < needed:
         raise NeuronctlError(
             f"this block-KV artifact (pa_block_size={block_size}, pa_num_blocks={num_blocks}) "
             f"cannot be launched: vLLM's --block-size takes {list(BLOCK_SIZES)} and "
-            f"vllm-neuron needs at least {needed} blocks",
-            "rebuild with a supported pa_block_size and enough pa_num_blocks",
+            f"vllm-neuron needs at least {needed} blocks (one is vLLM's null block)",
+            f"rebuild with a supported pa_block_size and pa_num_blocks >= {needed}",
         )
     plan.args["enable_prefix_caching"] = True
     plan.args["block_size"] = block_size
-    plan.args["num_gpu_blocks_override"] = num_blocks
+    plan.args["num_gpu_blocks_override"] = num_blocks - 1 + null_block
 
 
 def _cap_by_max_model_len(plan: Plan) -> None:
@@ -645,21 +723,62 @@ def env_exports(
 # --- vLLM's default-path directory name ----------------------------------------------------------
 
 
+def b_neuron_config(spec: BuildSpec) -> dict[str, Any]:
+    """The NeuronConfig kwargs vLLM B derives from neuronctl's own B launch of this spec: its
+    `_get_default_neuron_config` (vllm model_loader/neuronx_distributed.py) over
+    --tensor-parallel-size, --max-num-seqs, --max-model-len (capped at max_context_length,
+    see _plan_b) and --dtype, with no --override-neuron-config (neuronctl passes none)."""
+    max_model_len = spec.effective_max_context_length()
+    return {
+        "tp_degree": spec.tp_degree,
+        "ctx_batch_size": 1,
+        "batch_size": spec.batch_size,
+        "max_context_length": max_model_len,
+        "seq_len": max_model_len,
+        "enable_bucketing": True,
+        "is_continuous_batching": True,
+        "quantized": False,
+        "torch_dtype": spec.dtype,
+        "padding_side": "right",
+        "on_device_sampling_config": dict(VLLM_SAMPLING),
+        "sequence_parallel_enabled": True,
+        "lora_serving_config": None,
+    }
+
+
+def no_vllm_dirname(spec: BuildSpec) -> str | None:
+    """Why vLLM computes no `<model>/neuron-compiled-artifacts/<md5>` name for this build, or
+    None when it does (generation B's NxDI loader, without NEURON_COMPILED_ARTIFACTS)."""
+    if spec.backend == "torch":
+        return "vLLM cannot load a torch-backend artifact (build with --backend nxdi)"
+    if spec.backend == "tnx":
+        return "vLLM's Transformers NeuronX path has no such directory (it reuses NEFFs "\
+            "through the compile cache)"
+    if spec.draft_model:
+        return "vLLM B hashes a speculation config neuronctl does not reproduce"
+    return None
+
+
 def vllm_dirname_exact(
     spec: BuildSpec, config: Mapping[str, Any], model_path: str | None = None
 ) -> tuple[str, bool]:
-    """The md5 directory name vLLM's NxDI path computes under
-    `<model>/neuron-compiled-artifacts/`, and whether it is exact.
+    """The md5 directory name vLLM B's NxDI loader computes under
+    `<model>/neuron-compiled-artifacts/` for `--model model_path` (default spec.model) and
+    neuronctl's B launch of `spec`, and whether it is exact.
 
-    vLLM hashes `InferenceConfig.to_json_string()` of the config it builds from `--model`,
-    which includes that path as `_name_or_path` (vllm model_loader/neuronx_distributed.py,
-    load_weights). So the name is exact only with the SDK installed and `model_path` (default
-    spec.model) the local directory vLLM is given, spelled the same way. Only used without
-    NEURON_COMPILED_ARTIFACTS, where vLLM deletes the directory and recompiles anyway.
+    vLLM hashes `InferenceConfig.to_json_string()` of the config it builds from its own
+    defaults and `--model`, which includes that path as `_name_or_path` (load_weights). So the
+    name is exact only with the SDK installed and `model_path` the local directory vLLM is
+    given, spelled the same way. vLLM deletes that directory before loading and recompiles
+    into it, so it names where a recompile goes, never an artifact to reuse. vllm-neuron
+    (generation C) hashes the same way but is always given NEURON_COMPILED_ARTIFACTS here.
     """
-    from neuronctl.backends import nxdi_inference_config_json, nxdi_neuron_config
+    from neuronctl.backends import nxdi_inference_config_json
 
-    kwargs = nxdi_neuron_config(spec)
+    why = no_vllm_dirname(spec)
+    if why:
+        raise UsageError(f"no vLLM directory name: {why}")
+    kwargs = b_neuron_config(spec)
     path = model_path if model_path is not None else spec.model
     try:
         text = nxdi_inference_config_json(kwargs, config, path)

@@ -2,8 +2,9 @@
 
 Its next-token logits are a pure function of the slot's whole token history (a hash seeds
 them), so a scheduling bug — a token written to the wrong slot or position, a stale cache
-after a slot is reused — changes every later token. It is strict like Neuron's static cache:
-a decode must write exactly at the next free position of its slot.
+after a slot is reused — changes every later token. It is strict like Neuron's static cache
+(KvCache): a decode must write exactly at the next free position of its slot, and any write
+into a slot's history fails the test.
 """
 
 from __future__ import annotations
@@ -17,6 +18,49 @@ import torch
 
 EOS_ID = 257  # tests/helpers.py's byte-level tokenizer: <s>=256, </s>=257, <pad>=258
 BYTE_TOKENS = 256
+
+
+class KvCache:
+    """A static KV cache as the Runner contract sees it: `batch_size` slots of `seq_len`
+    positions, each holding the history (tokens) of the sequence prefilled into it.
+
+    `write` is what a device does for every row of a decode, live or idle: it fails the test
+    when it lands inside a slot's history, which is a live sequence's cached token being
+    replaced (Runner.decode's invariant). Only the caller knows whether a row was live:
+    `append` then adds its token to the history. The Neuron SDK stand-ins write into the one
+    in `standin_recorder.KV` when a test sets it.
+    """
+
+    def __init__(self, batch_size: int, seq_len: int) -> None:
+        self.seq_len = seq_len
+        self.kv = KvCache(batch_size, seq_len)
+        self.history = self.kv.history  # per slot: the tokens its sequence holds
+        self.writes = 0
+
+    def prefill(self, slot: int, token_ids: Sequence[int]) -> None:
+        if not 0 < len(token_ids) <= self.seq_len:
+            raise AssertionError(f"slot {slot}: prefill of {len(token_ids)} tokens")
+        self.history[slot] = list(token_ids)
+
+    def write(self, slot: int, pos: int) -> None:
+        held = len(self.history[slot])
+        if not 0 <= pos < self.seq_len:
+            raise AssertionError(f"slot {slot}: write at {pos}, outside 0..{self.seq_len - 1}")
+        if pos < held and held < self.seq_len:
+            raise AssertionError(
+                f"slot {slot}: write at {pos} replaces a token of the {held}-token sequence "
+                "it holds"
+            )
+        self.writes += 1
+
+    def append(self, slot: int, pos: int, token: int) -> None:
+        """A live row's write: exactly at the slot's next free position."""
+        if pos != len(self.history[slot]):
+            raise AssertionError(
+                f"slot {slot}: write at {pos}, but {len(self.history[slot])} filled"
+            )
+        self.write(slot, pos)
+        self.history[slot].append(token)
 
 
 class FakeRunner:
@@ -45,7 +89,8 @@ class FakeRunner:
         if not batched_prefill:
             self.prefill_batch = None  # type: ignore[assignment]
         self.prefill_calls: list[int] = []  # prompts per prefill call (1 for plain prefill)
-        self.history: list[list[int]] = [[] for _ in range(batch_size)]
+        self.kv = KvCache(batch_size, seq_len)
+        self.history = self.kv.history  # per slot: the tokens its sequence holds
         self.prefills = 0
         self.decodes = 0
         self.max_live = 0  # most slots live in one decode step
@@ -88,7 +133,7 @@ class FakeRunner:
             raise RuntimeError("injected prefill failure")
         if not 0 < len(token_ids) <= self.max_context_length:
             raise AssertionError(f"prefill of {len(token_ids)} tokens")
-        self.history[slot] = list(token_ids)
+        self.kv.prefill(slot, token_ids)
         self.prefills += 1
         return self.logits_of_slot(slot)
 
@@ -101,12 +146,8 @@ class FakeRunner:
             live = 0
             for slot, (token, pos) in enumerate(zip(token_ids, positions, strict=True)):
                 if pos < 0:
-                    continue
-                if pos != len(self.history[slot]) or pos >= self.seq_len:
-                    raise AssertionError(
-                        f"slot {slot}: write at {pos}, but {len(self.history[slot])} filled"
-                    )
-                self.history[slot].append(token)
+                    continue  # the ideal runner: an idle row writes nothing
+                self.kv.append(slot, pos, token)
                 out[slot] = self.logits_of_slot(slot)
                 live += 1
             self.decodes += 1

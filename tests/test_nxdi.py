@@ -313,9 +313,9 @@ STANDIN_REJECTS = {
     "context bucket > max_context_length": (
         {"enable_bucketing": True, "context_encoding_buckets": [512, 2048]}, AssertionError),
     "token bucket > seq_len": ({"token_generation_buckets": [4096]}, AssertionError),
-    "quantization_dtype='f8e4m3fn'": (
+    "quantization_dtype='s4'": (
         {"quantized": True, "quantized_checkpoints_path": "/x",
-         "quantization_dtype": "f8e4m3fn"}, AssertionError),
+         "quantization_dtype": "s4"}, AssertionError),
     "tp_degree 3 with attention_dp_degree 2": (
         {"tp_degree": 3, "attention_dp_degree": 2, "is_continuous_batching": True}, ValueError),
 }
@@ -329,6 +329,17 @@ def test_standin_neuron_config_rejects_what_the_real_one_rejects(neuron_standins
     extra, error = STANDIN_REJECTS[label]
     with pytest.raises(error):
         config_mod.NeuronConfig(**{**STANDIN_BASE, **extra})
+
+
+def test_standin_accepts_f8e4m3fn_as_sdk_2_27_does(neuron_standins) -> None:
+    """neuronx_distributed's QuantizedDtype gains F8E4M3FN at SDK 2.27 (the SDK of vllm-neuron
+    0.2.2+; NxDI main models/config.py:696 asks `QuantizedDtype.has_dtype`): fidelity S2 at
+    the newest refs."""
+    config_mod = __import__("neuronx_distributed_inference.models.config", fromlist=["x"])
+    config = config_mod.NeuronConfig(**STANDIN_BASE, quantized=True,
+                                     quantized_checkpoints_path="/x",
+                                     quantization_dtype="f8e4m3fn")
+    assert config.quantization_dtype == "f8e4m3fn"
 
 
 def test_standin_neuron_config_warns_on_unknown_keys_and_keeps_types(neuron_standins,

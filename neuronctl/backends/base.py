@@ -81,6 +81,12 @@ class Runner(Protocol):
 
         `token_ids[s]` is written at `positions[s]` of slot s; idle slots pass position -1
         and their row of the result is undefined.
+
+        Invariant: a decode never writes into the history of any slot. An idle slot may
+        hold a live sequence (one prefilled in this very step, decoded from the next), so a
+        runner whose compiled batch must write every row writes an idle row at or past that
+        slot's next free position, where the slot's next real token overwrites it before
+        anything attends to it (never at position 0).
         """
         ...
 

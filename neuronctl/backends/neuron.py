@@ -62,3 +62,36 @@ def sdk_failure(framework: str) -> Iterator[None]:
             f"{framework} compile failed: {type(exc).__name__}: {exc}",
             "run again with --debug for the SDK's traceback",
         ) from exc
+
+
+class SlotFill:
+    """How far each KV-cache slot of a static-batch Neuron model is written, so that a decode
+    step can give its idle slots (position -1) a write position no live sequence reads.
+
+    The compiled token-generation graph writes every row of its fixed batch. A slot idle in a
+    step may hold a sequence prefilled in that very step (the engine prefills newly admitted
+    slots, then decodes the older ones): a write at position 0 would replace that prompt's
+    first cached token. At the slot's next free position the write is harmless: the slot's
+    next real token overwrites it before anything attends to it. NxD Inference parks its own
+    inactive rows the same way, at a position past the live ones (modules/kvcache/
+    kv_cache_manager.py, `garbage_pos`). A slot whose sequence filled it to the end gets the
+    last position: nothing more can be decoded into it, so nothing live is there.
+    """
+
+    def __init__(self, batch_size: int, seq_len: int) -> None:
+        self.seq_len = seq_len
+        self.next_free = [0] * batch_size
+
+    def prefilled(self, slot: int, length: int) -> None:
+        self.next_free[slot] = length
+
+    def positions(self, positions: Sequence[int]) -> list[int]:
+        """Live positions as given; each idle slot's own next free position."""
+        out = []
+        for slot, pos in enumerate(positions):
+            if pos >= 0:
+                self.next_free[slot] = pos + 1
+                out.append(pos)
+            else:
+                out.append(min(self.next_free[slot], self.seq_len - 1))
+        return out

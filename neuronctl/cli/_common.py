@@ -114,7 +114,11 @@ SPEC_OPTIONS: dict[str, tuple[Any, Any]] = {
     ),
     "on_device_sampling": (
         str | None,
-        _opt("--on-device-sampling", 'JSON, e.g. {"do_sample": true, "top_k": 50}.'),
+        _opt(
+            "--on-device-sampling",
+            'JSON, e.g. {"do_sample": true, "top_k": 50}, or off. nxdi default: '
+            '{"dynamic": true} (what vLLM compiles itself).',
+        ),
     ),
     "quantized": (bool | None, _opt("--quantized/--no-quantized", "Quantize weights.")),
     "quantization_dtype": (
@@ -153,10 +157,11 @@ def with_spec_options(func: Callable[..., Any]) -> Callable[..., Any]:
     @functools.wraps(func)
     def wrapper(**kwargs: Any) -> Any:
         flags = {name: kwargs.pop(name) for name in SPEC_OPTIONS}
-        if isinstance(flags.get("on_device_sampling"), str):
-            flags["on_device_sampling"] = _json_flag(
-                "--on-device-sampling", flags["on_device_sampling"]
-            )
+        sampling = flags.get("on_device_sampling")
+        from neuronctl.spec import SAMPLING_OFF
+
+        if isinstance(sampling, str) and sampling.strip().lower() not in SAMPLING_OFF:
+            flags["on_device_sampling"] = _json_flag("--on-device-sampling", sampling)
         return func(spec_flags=flags, **kwargs)
 
     wrapper.__signature__ = sig.replace(parameters=params)  # type: ignore[attr-defined]

@@ -28,7 +28,12 @@ def hash_command(
     config: ConfigOpt = None,
     store: StoreOpt = None,
     rehash: bool = typer.Option(False, "--rehash", help="Re-read every weight file."),
-    vllm: bool = typer.Option(False, "--vllm", help="Also print vLLM's own directory name."),
+    vllm: bool = typer.Option(
+        False,
+        "--vllm",
+        help="Also print the directory vLLM 0.9 (generation B) would recompile into, "
+        "<model>/neuron-compiled-artifacts/<md5>, or why there is none.",
+    ),
     json_out: JsonOpt = False,
 ) -> None:
     """Print the graph, weights and artifact keys for a model and spec.
@@ -40,15 +45,30 @@ def hash_command(
     )
     data: dict[str, Any] = {**build.keys.as_dict(), "path": str(build.path)}
     if vllm:
-        from neuronctl.vllm import vllm_dirname
-
-        data["vllm_dirname"] = vllm_dirname(build.spec, build.checkpoint.config)
+        data.update(_vllm_dirname(build.spec, build.checkpoint.config))
     if json_out:
         print_json(data)
         return
     width = max(len(k) for k in data)
     for name, value in data.items():  # whole values, never cut: they are meant to be copied
         console.print(f"{name:<{width}}  {value}", soft_wrap=True)
+
+
+def _vllm_dirname(spec: Any, config: Any) -> dict[str, Any]:
+    """The `<model>/neuron-compiled-artifacts/<md5>` name vLLM B computes for `--model
+    spec.model` (where it recompiles when NEURON_COMPILED_ARTIFACTS is unset), or why none."""
+    from neuronctl.vllm import no_vllm_dirname, vllm_dirname_exact
+
+    why = no_vllm_dirname(spec)
+    if why:
+        return {"vllm_dirname": None, "vllm_dirname_note": why}
+    name, exact = vllm_dirname_exact(spec, config)
+    note = (
+        "exact for vLLM 0.9 (generation B) given --model " + str(spec.model)
+        if exact
+        else "approximate: exact only with NxD Inference installed and a local --model"
+    )
+    return {"vllm_dirname": name, "vllm_dirname_note": note}
 
 
 def register(app: typer.Typer) -> None:

@@ -14,6 +14,8 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from neuronctl.backends.neuron import SlotFill
+
 if TYPE_CHECKING:
     from neuronctl.spec import BuildSpec
 
@@ -32,6 +34,7 @@ class NxdiRunner:
         self.vocab_size = vocab_size
         # With on-device sampling the model returns token ids, not logits.
         self.on_device_sampling = spec.on_device_sampling is not None
+        self.fill = SlotFill(self.batch_size, self.seq_len)
 
     def prefill(self, slot: int, token_ids: Sequence[int]) -> torch.Tensor:
         n = len(token_ids)
@@ -41,13 +44,14 @@ class NxdiRunner:
             position_ids=torch.arange(n, dtype=torch.int64).unsqueeze(0),
             seq_ids=torch.tensor([slot], dtype=torch.int64),
         )
+        self.fill.prefilled(slot, n)
         return self._logits(out, 1)[0]
 
     def decode(self, token_ids: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
         # Idle slots (position -1) still take part: the compiled token generation batch is
-        # fixed. They write a pad token at position 0 of their own slot, which the next
-        # prefill of that slot overwrites.
-        pos = [max(p, 0) for p in positions]
+        # fixed (NxDI pads a smaller batch by repeating its first row into the other slots).
+        # Each writes a pad token at its own next free position, never into a live sequence.
+        pos = self.fill.positions(positions)
         ids = [t if p >= 0 else PAD_ID for t, p in zip(token_ids, positions, strict=True)]
         width = max(pos) + 1
         mask = (torch.arange(width).unsqueeze(0) <= torch.tensor(pos).unsqueeze(1)).long()

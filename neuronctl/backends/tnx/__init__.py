@@ -27,6 +27,7 @@ import torch
 
 from neuronctl.backends.base import BuildRequest, BuildResult, HostCheck
 from neuronctl.backends.neuron import (
+    SlotFill,
     cc_flags_env,
     env_var,
     install_hint,
@@ -176,6 +177,7 @@ class TnxRunner:
         self.vocab_size = vocab_size
         # With on-device generation the model returns token ids, not logits.
         self.on_device_sampling = spec.on_device_sampling is not None
+        self.fill = SlotFill(self.batch_size, self.seq_len)
 
     def prefill(self, slot: int, token_ids: Sequence[int]) -> torch.Tensor:
         n = len(token_ids)
@@ -184,11 +186,13 @@ class TnxRunner:
             cache_ids=torch.arange(n, dtype=torch.int64).unsqueeze(0),
             start_ids=torch.tensor([slot], dtype=torch.int64),
         )
+        self.fill.prefilled(slot, n)
         return self._logits(out, 1)[0]
 
     def decode(self, token_ids: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
-        # Idle slots (-1) write at position 0 of their own slot; the next prefill overwrites.
-        pos = [max(p, 0) for p in positions]
+        # Idle slots (-1) write at their own next free position: never into a live sequence
+        # (a slot prefilled this step is idle in this decode).
+        pos = self.fill.positions(positions)
         out = self.model.forward(
             torch.tensor(list(token_ids), dtype=torch.int64).unsqueeze(1),
             cache_ids=torch.tensor(pos, dtype=torch.int64).unsqueeze(1),

@@ -10,7 +10,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from standin_recorder import record
+from standin_recorder import kv_rows, record
 
 from . import config  # noqa: F401
 from .config import (  # noqa: F401
@@ -88,6 +88,7 @@ class _ForSampling:
                 start_ids: torch.Tensor) -> torch.Tensor:
         record("forward", {"input_ids": input_ids.tolist(), "cache_ids": cache_ids.tolist(),
                            "start_ids": start_ids.tolist()})
+        kv_rows(start_ids.tolist(), cache_ids.tolist(), input_ids.tolist())
         vocab = json.loads((Path(self.path) / "config.json").read_text())["vocab_size"]
         nxt = (input_ids[:, -1] + 1) % vocab
         if self.neuron_config.on_device_generation is not None:

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 from safetensors.torch import save_file
-from standin_recorder import record
+from standin_recorder import kv_rows, record
 
 
 class StandinForCausalLM:
@@ -58,6 +58,7 @@ class StandinForCausalLM:
                 position_ids: torch.Tensor, seq_ids: torch.Tensor) -> Any:
         record("forward", {"input_ids": input_ids.tolist(), "position_ids": position_ids.tolist(),
                            "seq_ids": seq_ids.tolist(), "mask": list(attention_mask.shape)})
+        kv_rows(seq_ids.tolist(), position_ids.tolist(), input_ids.tolist())
         # Deterministic fake: the next token is (last token + 1) % vocab.
         nxt = (input_ids[:, -1] + 1) % self.vocab
         if self.config.neuron_config.on_device_sampling_config is not None:

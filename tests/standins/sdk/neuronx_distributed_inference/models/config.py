@@ -50,8 +50,22 @@ KNOWN = frozenset({
 })
 
 DTYPES = {"float32": torch.float32, "float16": torch.float16, "bfloat16": torch.bfloat16}
-# neuronx_distributed QuantizedDtype members at SDK 2.25 (F8E4M3FN only from 2.27).
-QUANTIZED_DTYPES = ("INT8", "F8E4M3", "F8E5M2")
+# neuronx_distributed QuantizedDtype members from SDK 2.27 on (F8E4M3FN is new there), the
+# SDK of the vllm-neuron releases neuronctl serves. The real NeuronConfig asks neuronx_distributed
+# (QuantizedDtype.has_dtype), so where one is importable the stand-in asks it too.
+QUANTIZED_DTYPES = ("INT8", "F8E4M3", "F8E4M3FN", "F8E5M2")
+
+
+def valid_quantized_dtype(name: str) -> bool:
+    try:
+        from neuronx_distributed.quantization.quantization_config import QuantizedDtype
+    except ImportError:
+        return name.upper() in QUANTIZED_DTYPES
+    try:
+        QuantizedDtype.has_dtype(name)
+    except AssertionError:
+        return False
+    return True
 
 
 def to_torch_dtype(name: str) -> torch.dtype:
@@ -124,7 +138,7 @@ class NeuronConfig:
         if unknown:
             logging.warning(f"NeuronConfig init: Unexpected keyword arguments: {unknown}")
         if self.quantized:
-            assert self.quantization_dtype.upper() in QUANTIZED_DTYPES, (
+            assert valid_quantized_dtype(self.quantization_dtype), (
                 f"{self.quantization_dtype} is not a valid QuantizedDtype."
             )
 
