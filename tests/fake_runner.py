@@ -13,6 +13,7 @@ import hashlib
 import threading
 import time
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 
@@ -33,8 +34,7 @@ class KvCache:
 
     def __init__(self, batch_size: int, seq_len: int) -> None:
         self.seq_len = seq_len
-        self.kv = KvCache(batch_size, seq_len)
-        self.history = self.kv.history  # per slot: the tokens its sequence holds
+        self.history: list[list[int]] = [[] for _ in range(batch_size)]
         self.writes = 0
 
     def prefill(self, slot: int, token_ids: Sequence[int]) -> None:
@@ -53,14 +53,38 @@ class KvCache:
             )
         self.writes += 1
 
-    def append(self, slot: int, pos: int, token: int) -> None:
-        """A live row's write: exactly at the slot's next free position."""
+    def commit(self, slot: int, pos: int, token: int) -> None:
+        """A live row's token joins its sequence: it was written at the next free position."""
         if pos != len(self.history[slot]):
             raise AssertionError(
                 f"slot {slot}: write at {pos}, but {len(self.history[slot])} filled"
             )
-        self.write(slot, pos)
         self.history[slot].append(token)
+
+    def append(self, slot: int, pos: int, token: int) -> None:
+        """A live row's write and commit."""
+        self.write(slot, pos)
+        self.commit(slot, pos, token)
+
+
+def decode_beside_a_fresh_prefill(runner: Any, kv: KvCache) -> None:
+    """The engine's step order over a Runner whose device writes into `kv`: slot 0 decodes,
+    then slot 1 is prefilled with a longer prompt and stays idle (-1) in the same step's
+    decode, then both decode. The first decode after the prefill is where a runner that
+    parks idle rows at position 0 overwrites slot 1's prompt (KvCache.write fails)."""
+    batch = runner.batch_size
+    runner.prefill(0, [5, 6, 7, 8])
+    steps = [({0: 4}, None), ({0: 5}, (1, [9, 10, 11, 12, 13, 14, 15])), ({0: 6, 1: 7}, None)]
+    for live, admit in steps:
+        if admit is not None:
+            runner.prefill(*admit)
+        tokens, positions = [0] * batch, [-1] * batch
+        for slot, pos in live.items():
+            tokens[slot], positions[slot] = 40 + pos, pos
+        runner.decode(tokens, positions)
+        for slot, pos in live.items():
+            kv.commit(slot, pos, tokens[slot])
+    assert [len(h) for h in kv.history[:2]] == [7, 8]
 
 
 class FakeRunner:

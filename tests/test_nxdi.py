@@ -47,7 +47,11 @@ BASE_KWARGS = {
     "token_generation_buckets": [128, 256],
     "is_continuous_batching": True,
     "padding_side": "right",
-    "on_device_sampling_config": None,
+    # The default: what vLLM's NxDI loaders compile themselves (vLLM 0.9
+    # model_loader/neuronx_distributed.py:599-600; vllm-neuron 4fac6b7 loader :1067-1069).
+    "on_device_sampling_config": {
+        "do_sample": False, "top_k": 1, "top_p": 1.0, "temperature": 1.0,
+        "dynamic": True, "deterministic": False, "global_topk": 256},
     "quantized": False,
     "save_sharded_checkpoint": True,
 }
@@ -78,8 +82,9 @@ BASE_KWARGS = {
             {"override_neuron_config": {"fused_qkv": True, "enable_bucketing": False}},
             {**BASE_KWARGS, "fused_qkv": True, "enable_bucketing": False},
         ),
+        ({"on_device_sampling": "off"}, {**BASE_KWARGS, "on_device_sampling_config": None}),
     ],
-    ids=["plain", "quantized", "speculation", "on-device-sampling", "override"],
+    ids=["plain", "quantized", "speculation", "on-device-sampling", "override", "sampling-off"],
 )
 def test_neuron_config_kwargs(fields: dict, expected: dict) -> None:
     assert neuron_config_kwargs(spec_of(**fields)) == expected
@@ -169,7 +174,25 @@ def test_load_and_run_through_the_runner(neuron_standins, tiny_llama, tmp_path) 
     assert out.shape == (3, 320)
     assert int(out[0].argmax()) == 11 and int(out[2].argmax()) == 31
     call = neuron_standins.CALLS[-1][1]
-    assert call["seq_ids"] == [0, 1, 2] and call["position_ids"] == [[3], [0], [5]]
+    # Slot 1 is idle: its row goes to its own next free position (3, after the prefill).
+    assert call["seq_ids"] == [0, 1, 2] and call["position_ids"] == [[3], [3], [5]]
+    assert call["mask"] == [3, 6]
+
+
+def test_runner_never_writes_into_a_live_slot(neuron_standins, tiny_llama, tmp_path) -> None:
+    """Runner.decode's invariant (backends/base.py): the engine prefills a newly admitted slot
+    and decodes the older ones in the same step, passing the new slot as idle (-1). The
+    compiled batch writes every row (NxDI pads a short batch into the other slots:
+    models/model_wrapper.py `_forward_with_pad`, v0.5.9230 :552-660), so the idle row must
+    land past that slot's prompt, as NxDI parks its own inactive rows
+    (modules/kvcache/kv_cache_manager.py :465-513, `garbage_pos`)."""
+    from tests.fake_runner import KvCache, decode_beside_a_fresh_prefill
+
+    _build, outcome = compile_nxdi(tiny_llama, tmp_path / "store")
+    runner = get_backend("nxdi").load(outcome.path, read_manifest(outcome.path))
+    neuron_standins.KV = kv = KvCache(runner.batch_size, runner.seq_len)
+    decode_beside_a_fresh_prefill(runner, kv)
+    assert kv.writes == 3 * runner.batch_size  # every row of every decode reached the cache
 
 
 def test_load_refuses_an_incomplete_artifact(neuron_standins, tiny_llama, tmp_path) -> None:

@@ -170,6 +170,19 @@ def test_load_runs_and_finds_its_neffs(neuron_standins, tiny_llama, tmp_path) ->
     assert neuron_standins.CALLS[-1][1]["cache_ids"] == [[2], [0], [7]]
 
 
+def test_runner_never_writes_into_a_live_slot(neuron_standins, tiny_llama, tmp_path) -> None:
+    """Runner.decode's invariant (backends/base.py): TNx continuous batching writes every
+    row of its batch at `cache_ids` of slot `start_ids` (as vLLM's TNx worker calls
+    forward), so an idle row must not land inside a prompt prefilled in the same step."""
+    from tests.fake_runner import KvCache, decode_beside_a_fresh_prefill
+
+    outcome = compile_tnx(tiny_llama, tmp_path / "store")
+    runner = get_backend("tnx").load(outcome.path, read_manifest(outcome.path))
+    neuron_standins.KV = kv = KvCache(runner.batch_size, runner.seq_len)
+    decode_beside_a_fresh_prefill(runner, kv)
+    assert kv.writes == 3 * runner.batch_size
+
+
 def test_load_with_a_changed_setting_finds_no_neff(neuron_standins, tiny_llama, tmp_path) -> None:
     outcome = compile_tnx(tiny_llama, tmp_path / "store")
     manifest = read_manifest(outcome.path)

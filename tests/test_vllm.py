@@ -25,7 +25,7 @@ import pytest
 
 from neuronctl import vllm
 from neuronctl.errors import NeuronctlError, UsageError
-from neuronctl.spec import ModelShape, build_spec, finalize
+from neuronctl.spec import ModelShape, OnDeviceSampling, build_spec, finalize
 from neuronctl.store.manifest import Manifest, Source, write_manifest
 from neuronctl.vllm import Generation, Target
 from tests import standins
@@ -219,9 +219,8 @@ def test_b_nxdi_serve_reuses_the_artifact(tmp_path: Path) -> None:
     - on-device sampling is assumed unless NEURON_ON_DEVICE_SAMPLING_DISABLED
       (vllm/worker/neuron_model_runner.py:98-109).
     """
-    launch = vllm.serve_launch(
-        tmp_path, make_manifest(), port=9123, served_model_name="m", target=B9
-    )
+    manifest = make_manifest(on_device_sampling="off")
+    launch = vllm.serve_launch(tmp_path, manifest, port=9123, served_model_name="m", target=B9)
     assert launch.argv[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
     f = flags(launch.argv)
     assert f["model"] == str(tmp_path.resolve())
@@ -257,8 +256,11 @@ def test_b_caps_prompts_through_max_model_len(tmp_path: Path) -> None:
 
 
 def test_b_on_device_sampling_artifact_keeps_it(tmp_path: Path) -> None:
+    """The default nxdi build samples on device as vLLM 0.9 compiles itself
+    (model_loader/neuronx_distributed.py:599-600): no variable."""
     launch = serve(tmp_path, B9, on_device_sampling={"top_k": 5, "dynamic": True})
     assert "NEURON_ON_DEVICE_SAMPLING_DISABLED" not in launch.env
+    assert "NEURON_ON_DEVICE_SAMPLING_DISABLED" not in serve(tmp_path, B9).env
 
 
 def test_b_fork_and_0_8_take_device_neuron(tmp_path: Path) -> None:
@@ -324,9 +326,9 @@ def test_b_override_is_nothing_for_nxdi(tmp_path: Path) -> None:
 
 def test_c_nxdi_serve_follows_the_plugin_rules(tmp_path: Path) -> None:
     """vllm-neuron 0.4.1 (whn09/vllm-neuron 4fac6b7) and 0.5.0 (3afb0a9):
-    - with prefix caching off block_size is forced to max_model_len (platform.py:299-304;
-      0.5.0 :379-383) and num_gpu_blocks_override must be exactly max_num_seqs
-      (README.md:288-291); the platform adds the null block itself (platform.py:239-253).
+    - with prefix caching off block_size is forced to max_model_len (platform.py:300-302;
+      0.5.0 :379-381) and num_gpu_blocks_override must be exactly max_num_seqs
+      (README.md:288-291); the platform adds the null block itself (platform.py:252).
     - overrides live in additional_config["override_neuron_config"] (underscore key,
       worker/neuronx_distributed_model_loader.py:1014) and are ignored when
       NEURON_COMPILED_ARTIFACTS loads (:221-223, :250-255): none are sent.
@@ -334,7 +336,6 @@ def test_c_nxdi_serve_follows_the_plugin_rules(tmp_path: Path) -> None:
       :314-316), which must equal the artifact's max_context_length
       (worker/neuronx_distributed_model_runner.py:662-690).
     - NxDI only, no --device, no VLLM_NEURON_FRAMEWORK (platform.py:332-349).
-    - NEURON_ON_DEVICE_SAMPLING_DISABLED is read by the loader (loader.py:77-78).
     """
     for target in (C41, "plugin@0.5.0"):
         launch = serve(tmp_path, target)
@@ -348,9 +349,97 @@ def test_c_nxdi_serve_follows_the_plugin_rules(tmp_path: Path) -> None:
         assert launch.env == {
             "NEURON_COMPILED_ARTIFACTS": str(tmp_path.resolve()),
             "NEURON_CC_FLAGS": "--model-type=transformer -O1",
-            "NEURON_ON_DEVICE_SAMPLING_DISABLED": "1",
         }
     assert "additional-config" not in flags(serve(tmp_path, C41, max_context_length=1024).argv)
+
+
+PLUGINS = ("plugin@0.1.0", "plugin@0.2.0", "plugin@0.2.2", "plugin@0.4.1", "plugin@0.5.0")
+
+
+@pytest.mark.parametrize("target", PLUGINS)
+def test_c_default_build_serves_on_every_release(tmp_path: Path, target: str) -> None:
+    """The default nxdi build compiles the on-device sampling vLLM compiles itself,
+    OnDeviceSamplingConfig(dynamic=True, deterministic=False) (loader
+    `_get_default_neuron_config`: 4fac6b7 :1067-1069), so it is launched on 0.1.0 too, whose
+    NeuronCausalLM.sample raises NotImplementedError("CPU sampler not implemented") without it
+    (97bb429 loader :376). No release gets NEURON_ON_DEVICE_SAMPLING_DISABLED: it only makes
+    NeuronModelBase.__init__ call `Sampler()` (97bb429/a967125/ad82965 loader :70, 4fac6b7 and
+    3afb0a9 :81), a module from 0.2.0 on (`from vllm.v1.sample import sampler as Sampler`,
+    a967125 :47, 4fac6b7 :54). Without prefix caching vLLM needs one block per sequence
+    besides its null block 0 (vLLM 0.10.2 v1/core/block_pool.py:69); from 0.2.0 the platform
+    adds that block to --num-gpu-blocks-override (a967125 platform.py:158, ad82965 :229,
+    4fac6b7 :252, 3afb0a9 :331), 0.1.0's does not (97bb429 platform.py, no such line)."""
+    manifest = make_manifest()
+    assert manifest.spec.on_device_sampling == OnDeviceSampling(dynamic=True)
+    launch = serve(tmp_path, target)
+    f = flags(launch.argv)
+    assert "NEURON_ON_DEVICE_SAMPLING_DISABLED" not in launch.env
+    assert "no-enable-prefix-caching" in f and "block-size" not in f
+    assert f["num-gpu-blocks-override"] == ("4" if target == "plugin@0.1.0" else "3")
+
+
+@pytest.mark.parametrize("target", PLUGINS)
+def test_c_without_on_device_sampling(tmp_path: Path, target: str) -> None:
+    """`--on-device-sampling off`: 0.1.0 cannot sample on the CPU (97bb429 loader :376), so
+    the launch is refused with what to do; 0.2.0+ sample on the CPU when the loaded artifact
+    has no on_device_sampling_config (a967125 runner :140, :230-238) and must not be told
+    NEURON_ON_DEVICE_SAMPLING_DISABLED (start-up TypeError, see above)."""
+    if target == "plugin@0.1.0":
+        with pytest.raises(NeuronctlError, match="no CPU sampler.*vllm-neuron 0.2.0"):
+            serve(tmp_path, target, on_device_sampling="off")
+        return
+    launch = serve(tmp_path, target, on_device_sampling="off")
+    assert "NEURON_ON_DEVICE_SAMPLING_DISABLED" not in launch.env
+    assert any("samples on the CPU" in n for n in launch.notes)
+
+
+@pytest.mark.parametrize("target", PLUGINS)
+def test_c_prefix_caching_block_count_per_release(tmp_path: Path, target: str) -> None:
+    """With prefix caching on, block_size must be given (4fac6b7 platform.py:305-308) and
+    vLLM's block count must be the compiled pa_num_blocks once the platform has added the null
+    block: from 0.2.0 it adds 1 (platform.py lines above) and the plugin's own compile uses
+    that count as pa_num_blocks (4fac6b7 loader `_handle_pa_num_blocks` :1122-1168), so
+    neuronctl passes pa_num_blocks - 1; 0.1.0 adds nothing, so it gets pa_num_blocks. The
+    sequences need ceil(1024 / 32) * 3 = 96 blocks besides the null one (4fac6b7 loader
+    `_validate_neuron_config` :1183-1200)."""
+    block_kv = {"is_prefix_caching": True, "is_block_kv_layout": True, "pa_block_size": 32}
+    launch = serve(tmp_path, target, override_neuron_config={**block_kv, "pa_num_blocks": 97})
+    f = flags(launch.argv)
+    assert "enable-prefix-caching" in f and "no-enable-prefix-caching" not in f
+    assert f["block-size"] == "32"
+    assert f["num-gpu-blocks-override"] == ("97" if target == "plugin@0.1.0" else "96")
+    with pytest.raises(NeuronctlError, match="pa_num_blocks >= 97"):
+        serve(tmp_path, target, override_neuron_config={**block_kv, "pa_num_blocks": 96})
+
+
+@pytest.mark.parametrize("target", PLUGINS)
+@pytest.mark.parametrize(
+    ("arch", "served"),
+    [("LlamaForCausalLM", True), ("Qwen3ForCausalLM", True), ("Qwen3MoeForCausalLM", True),
+     ("MistralForCausalLM", False), ("Gemma3ForCausalLM", False)],
+)  # fmt: skip
+def test_c_refuses_architectures_its_sdk_cannot_load(
+    tmp_path: Path, target: str, arch: str, served: bool
+) -> None:
+    """The plugin resolves the architecture through NxDI utils/constants.py MODEL_TYPES
+    (`_get_neuron_model_cls`: 97bb429 loader :633-655, 4fac6b7 :921-977), raising ValueError
+    "is not supported on Neuron for now" for a name it lacks. The SDKs the releases' READMEs
+    name (NxDI e07f056 = 2.26, fcb5a86 = 2.27, cd3abf3 = 2.28 utils/constants.py:47) have no
+    "mistral" and no "gemma3"; NxDI main adds them (constants.py:55, :65)."""
+    if served:
+        assert serve(tmp_path, target, arch=arch).argv
+        return
+    with pytest.raises(NeuronctlError, match=f"looks {arch} up in the MODEL_TYPES"):
+        serve(tmp_path, target, arch=arch)
+
+
+def test_plugin_model_name_follows_the_loader() -> None:
+    """4fac6b7 loader :945-972: the part before "For", lowercased, with its special cases."""
+    assert vllm.plugin_model_name("LlamaForCausalLM") == "llama"
+    assert vllm.plugin_model_name("NeuronQwen3MoeForCausalLM") == "qwen3_moe"
+    assert vllm.plugin_model_name("GptOssForCausalLM") == "gpt_oss"
+    assert vllm.plugin_model_name("LlavaForConditionalGeneration") == "pixtral"
+    assert vllm.plugin_model_name("Llama") is None
 
 
 def test_c_before_0_2_2_caps_through_max_model_len(tmp_path: Path) -> None:
@@ -361,17 +450,9 @@ def test_c_before_0_2_2_caps_through_max_model_len(tmp_path: Path) -> None:
     assert "additional-config" in flags(serve(tmp_path, "plugin@0.2.2").argv)
 
 
-def test_c_prefix_caching_artifact(tmp_path: Path) -> None:
-    """With prefix caching on, block_size must be set (platform.py:305-308) and
-    num_gpu_blocks_override >= ceil(max_model_len / block_size) * max_num_seqs
-    (neuronx_distributed_model_loader.py:1184-1200)."""
+def test_c_prefix_caching_artifact_limits(tmp_path: Path) -> None:
+    """vLLM's --block-size choices (CacheConfig BlockSize); block-KV artifacts only on C."""
     block_kv = {"is_prefix_caching": True, "is_block_kv_layout": True, "pa_block_size": 32}
-    launch = serve(tmp_path, C41, override_neuron_config={**block_kv, "pa_num_blocks": 96})
-    f = flags(launch.argv)
-    assert "enable-prefix-caching" in f and "no-enable-prefix-caching" not in f
-    assert f["block-size"] == "32" and f["num-gpu-blocks-override"] == "96"
-    with pytest.raises(NeuronctlError, match="at least 96 blocks"):
-        serve(tmp_path, C41, override_neuron_config={**block_kv, "pa_num_blocks": 95})
     with pytest.raises(NeuronctlError, match="--block-size takes"):
         serve(tmp_path, C41, override_neuron_config={**block_kv, "pa_block_size": 48})
     with pytest.raises(NeuronctlError, match="C\\) only"):
@@ -565,7 +646,11 @@ def test_version_tuple() -> None:
 
 # --- the launch against the real vLLM sources (when their git mirrors are on this host) -------
 
-MIRRORS = Path(os.environ.get("NEURONCTL_MIRRORS", "/work/.mirror"))
+# Bare git mirrors laid out as <owner>+<name>/repo (`git clone --bare
+# https://github.com/<owner>/<name> $NEURONCTL_MIRRORS/<owner>+<name>/repo`); unset, the
+# tests that read them skip and say so.
+MIRRORS_VAR = "NEURONCTL_MIRRORS"
+MIRRORS = Path(os.environ.get(MIRRORS_VAR) or "/nonexistent-set-NEURONCTL_MIRRORS")
 UPSTREAMING = MIRRORS / "aws-neuron+upstreaming-to-vllm" / "repo"
 PLUGIN_REPOS = {
     "97bb429": MIRRORS / "vllm-project+vllm-neuron" / "repo",  # 0.1.0
@@ -577,8 +662,14 @@ PLUGIN_REPOS = {
 
 
 def git_show(repo: Path, ref: str, path: str) -> str:
+    if not os.environ.get(MIRRORS_VAR):
+        pytest.skip(
+            f"set {MIRRORS_VAR} to a folder of bare git mirrors laid out as "
+            "<owner>+<name>/repo (aws-neuron/upstreaming-to-vllm, vllm-project/vllm-neuron, "
+            "whn09/vllm-neuron) to check launches against the real vLLM sources"
+        )
     if not repo.is_dir():
-        pytest.skip(f"no git mirror at {repo}")
+        pytest.skip(f"no git mirror at {repo} (under {MIRRORS_VAR})")
     out = subprocess.run(
         ["git", f"--git-dir={repo}", "show", f"{ref}:{path}"], capture_output=True, text=True
     )
