@@ -42,8 +42,11 @@ def artifact_to_run(
     model: str | None = None,
     dry_run: bool = False,
     policy: TrustPolicy | None = None,
+    serving_host: bool = True,
 ) -> Target:
-    """The artifact to load. With a requested spec (flags or -c) it must match it too."""
+    """The artifact to load. With a requested spec (flags or -c) it must match it too.
+    `serving_host` False: this host only prints a launch for another one, so the checks of
+    the host that loads it are skipped (validate.check_reusable)."""
     if model and not compile_if_missing:
         raise UsageError("--model is only used with --compile-if-missing")
     if compile_if_missing and not model:
@@ -51,7 +54,7 @@ def artifact_to_run(
     spec, sources = requested_spec(dict(spec_flags or {}), config)
     try:
         path = resolve_artifact(artifacts, store, fetch=not dry_run, policy=policy)
-        check_reusable(path, spec, sources)
+        check_reusable(path, spec, sources, serving_host)
         return Target(path, "use")
     except NotPulledError as exc:  # only a dry run leaves a remote artifact unpulled
         missing: NeuronctlError = exc

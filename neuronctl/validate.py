@@ -110,18 +110,24 @@ def validate_artifact(
     deep: bool = False,
     progress: Progress | None = None,
     sources: Mapping[str, str] | None = None,
+    serving_host: bool = True,
 ) -> Report:
     """Every check. `spec` is the requested spec (from resolve_spec, not finalized) and
     `sources` where each field came from; only fields not from "default" are compared. With
-    `sources` None, fields that differ from BuildSpec's defaults count as set."""
+    `sources` None, fields that differ from BuildSpec's defaults count as set. With
+    `serving_host` False (this host only prints a launch for another) the checks that judge
+    this host as the one that loads the artifact (versions, NEURON_CC_FLAGS, capacity) are
+    left out."""
     report, manifest = _open(path)
     if manifest is None:
         return report
     report.checks.extend(check_files(report.path, manifest, deep=deep, progress=progress))
-    report.checks.extend(check_versions(manifest))
+    if serving_host:
+        report.checks.extend(check_versions(manifest))
     if spec is not None:
         report.checks.extend(check_spec(manifest, spec, sources))
-    report.checks.extend(_capacity_unless_done(report.checks, manifest))
+    if serving_host:
+        report.checks.extend(_capacity_unless_done(report.checks, manifest))
     if model is not None:
         report.checks.append(check_checkpoint(manifest, model, revision))
     return report
@@ -132,13 +138,18 @@ class NotReusableError(NeuronctlError):
 
 
 def check_reusable(
-    path: Path, spec: BuildSpec | None = None, sources: Mapping[str, str] | None = None
+    path: Path,
+    spec: BuildSpec | None = None,
+    sources: Mapping[str, str] | None = None,
+    serving_host: bool = True,
 ) -> None:
     """The single call site of the reuse checks before any load (generate, serve, bench).
 
     With a requested spec (serve's spec flags or -c), the artifact must also match it."""
     report = (
-        quick_validate(path) if spec is None else validate_artifact(path, spec, sources=sources)
+        quick_validate(path, serving_host)
+        if spec is None
+        else validate_artifact(path, spec, sources=sources, serving_host=serving_host)
     )
     if not report.reusable:
         reasons = "; ".join(f"{c.name}: {c.reason}" for c in report.failed)
@@ -157,14 +168,16 @@ def requested_spec(
     return resolve_spec(spec_flags, config)
 
 
-def quick_validate(path: Path) -> Report:
-    """Checks 1-3 and 5, stat only: run before loading an artifact."""
+def quick_validate(path: Path, serving_host: bool = True) -> Report:
+    """Checks 1-3 and 5, stat only: run before loading an artifact (2 and 5 only on the host
+    that loads it, `serving_host`)."""
     report, manifest = _open(path)
     if manifest is None:
         return report
     report.checks.extend(check_files(report.path, manifest))
-    report.checks.extend(check_versions(manifest))
-    report.checks.extend(_capacity_unless_done(report.checks, manifest))
+    if serving_host:
+        report.checks.extend(check_versions(manifest))
+        report.checks.extend(_capacity_unless_done(report.checks, manifest))
     return report
 
 

@@ -230,7 +230,7 @@ def resolve_target(requested: str | Target | None = None) -> Target:
     return Target(Generation.PLUGIN, DEFAULT_VLLM[Generation.PLUGIN], DEFAULT_PLUGIN)
 
 
-def require_target(requested: str | None) -> Target:
+def require_target(requested: str | Target | None) -> Target:
     """For the CLI: no silent default when nothing is installed and nothing was named."""
     if not requested and _dist_version("vllm") is None:
         raise UsageError(
@@ -240,7 +240,9 @@ def require_target(requested: str | None) -> Target:
     return resolve_target(requested)
 
 
-def cli_target(manifest: Manifest, requested: str | None, framework: str | None = None) -> Target:
+def cli_target(
+    manifest: Manifest, requested: str | Target | None, framework: str | None = None
+) -> Target:
     """For the CLI: what is wrong with the artifact first, then which vLLM."""
     framework_for(manifest, framework)
     artifact_spec(manifest)

@@ -12,7 +12,10 @@ from typer.testing import CliRunner
 
 from neuronctl.cli.main import app
 from neuronctl.store.manifest import write_manifest
+from tests import standins
 from tests.test_vllm import PLUGIN_EP, fake_dist, make_manifest
+
+neuron_standins = standins.neuron_standins  # the stand-in SDK fixture
 
 
 def artifact(tmp_path: Path, backend: str = "nxdi", **fields: object) -> Path:
@@ -36,7 +39,26 @@ def test_bash_exports_round_trip(tmp_path: Path) -> None:
     script = result.output + 'printf "%s|%s|%s" "$NEURON_COMPILED_ARTIFACTS" '
     script += '"$NEURON_CC_FLAGS" "$NEURON_ON_DEVICE_SAMPLING_DISABLED"'
     out = subprocess.run(["bash", "-c", script], capture_output=True, text=True, check=True)
-    assert out.stdout == f"{path.resolve()}|--model-type=transformer -O1|1"
+    # The default nxdi build samples on device: no variable (C never gets it anyway).
+    assert out.stdout == f"{path.resolve()}|--model-type=transformer -O1|"
+
+
+def test_env_takes_a_key_or_prefix_like_every_command(  # type: ignore[no-untyped-def]
+    neuron_standins, tiny_llama, tmp_path
+) -> None:
+    from tests.test_nxdi import compile_nxdi
+
+    store = tmp_path / "store"
+    build, outcome = compile_nxdi(tiny_llama, store)
+    key = outcome.path.name
+    for ref in (key, key[:8], str(outcome.path)):
+        result = CliRunner().invoke(
+            app, ["env", ref, "--store", str(store), "--vllm-target", "plugin@0.4.1", "--json"]
+        )
+        assert result.exit_code == 0, result.output
+        assert json.loads(result.output)["NEURON_COMPILED_ARTIFACTS"] == str(outcome.path)
+    missing = CliRunner().invoke(app, ["env", "ffff0000", "--store", str(store)])
+    assert missing.exit_code == 1
 
 
 def test_json_shell_for_a_tnx_fork(tmp_path: Path) -> None:

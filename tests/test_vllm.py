@@ -794,6 +794,31 @@ def test_dry_runs_show_what_each_generation_runs(  # type: ignore[no-untyped-def
     assert '"device": "neuron"' in out  # in --engine-args: the fork still takes it
 
 
+def test_dry_run_for_a_named_target_works_on_a_build_host(  # type: ignore[no-untyped-def]
+    neuron_standins, tiny_llama, tmp_path, capsys, monkeypatch
+) -> None:
+    """No NeuronCores here: the launch for a named vLLM is printed, the serving host's checks
+    are skipped and said so once; a bad --vllm-target is a usage error before anything."""
+    import neuronctl.doctor as doctor
+    from tests.test_nxdi import compile_nxdi
+
+    _build, outcome = compile_nxdi(tiny_llama, tmp_path / "store", tp_degree=2)
+    monkeypatch.setattr(doctor, "neuron_cores", lambda: (0, "no /dev/neuron*"))
+    args = ["serve", "--engine", "vllm", "--artifacts", str(outcome.path), "--dry-run"]
+    code, out, err = run_cli([*args, "--vllm-target", C41], capsys, monkeypatch)
+    assert code == 0, err
+    assert err.count("skipping the checks of the serving host") == 1
+    assert "NeuronCores" not in err.replace("(Neuron SDK versions, NeuronCores", "")
+    assert "--num-gpu-blocks-override 3" in out
+    code, _, err = run_cli([*args, "--vllm-target", "plugn@0.4.1"], capsys, monkeypatch)
+    assert code == 2 and "unknown vLLM target 'plugn@0.4.1'" in err
+    code, _, err = run_cli(args[:-1] + ["--vllm-target", C41], capsys, monkeypatch)
+    assert code == 1 and "NeuronCores" in err  # a real launch still needs the cores
+    code, _, err = run_cli(["serve", "--artifacts", str(outcome.path), "--vllm-target", C41],
+                           capsys, monkeypatch)
+    assert code == 2 and "only applies to --engine vllm" in err
+
+
 def test_vllm_dirname_is_stable_and_names_the_model_path(  # type: ignore[no-untyped-def]
     neuron_standins, tiny_llama, tmp_path
 ) -> None:

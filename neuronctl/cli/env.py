@@ -1,21 +1,21 @@
-"""`neuronctl env PATH`: the exports that make vLLM reuse an artifact as-is."""
+"""`neuronctl env ARTIFACT`: the exports that make vLLM reuse an artifact as-is."""
 
 from __future__ import annotations
 
 import shlex
 from enum import StrEnum
-from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from neuronctl.cli._common import print_json
+from neuronctl.cli._common import StoreOpt, print_json
 from neuronctl.vllm import TARGET_HELP
 
 ORDER = 45
 
 HELP = (
-    "Print the environment that makes vLLM load PATH instead of recompiling.\n\n"
+    "Print the environment that makes vLLM load ARTIFACT (a KEY, unique key prefix or PATH, "
+    "as every command takes it) instead of recompiling.\n\n"
     "Without NEURON_COMPILED_ARTIFACTS, vLLM's Neuron integration falls into its default path, "
     "<model>/neuron-compiled-artifacts/<md5>/, which it deletes and recompiles on every start "
     "(15-60 minutes for a real model). Which variables a vLLM reads depends on its generation "
@@ -27,7 +27,7 @@ HELP = (
     '  eval "$(neuronctl env ./neuron-compiled-artifacts/3f2a...)"\n\n'
     "  neuronctl env $ART --vllm-target plugin@0.4.1 --shell fish | source\n\n"
     "  neuronctl env $ART --shell json\n\n"
-    "Exit codes: 0 ok, 1 PATH is not an artifact or that vLLM cannot reuse it, 2 usage error "
+    "Exit codes: 0 ok, 1 ARTIFACT is not found or that vLLM cannot reuse it, 2 usage error "
     "(e.g. a framework the artifact was not compiled for, no vLLM installed and no "
     "--vllm-target)."
 )
@@ -51,8 +51,13 @@ def render(env: dict[str, str], shell: Shell) -> str:
 
 
 def env_command(
-    path: Annotated[
-        Path, typer.Argument(help="Artifact directory.", metavar="PATH", show_default=False)
+    artifact: Annotated[
+        str,
+        typer.Argument(
+            help="Artifact: KEY, unique key prefix or PATH (a URL/KEY once pulled).",
+            metavar="ARTIFACT",
+            show_default=False,
+        ),
     ],
     framework: Annotated[
         str | None,
@@ -68,11 +73,14 @@ def env_command(
     ] = None,
     shell: Annotated[Shell, typer.Option("--shell", help="Output syntax.")] = Shell.bash,
     json_out: Annotated[bool, typer.Option("--json", help="Same as --shell json.")] = False,
+    store: StoreOpt = None,
 ) -> None:
     from neuronctl.store.manifest import read_manifest
+    from neuronctl.store.resolve import resolve_artifact
     from neuronctl.vllm import cli_target, env_exports
 
-    manifest = read_manifest(path)  # first: a clear error when PATH is not an artifact
+    path = resolve_artifact(artifact, store, fetch=False)  # env never pulls
+    manifest = read_manifest(path)  # first: a clear error when it is not an artifact
     env = env_exports(path, manifest, framework, cli_target(manifest, vllm_target, framework))
     if json_out or shell is Shell.json:
         print_json(env)

@@ -25,6 +25,7 @@ from neuronctl.vllm import TARGET_HELP as VLLM_TARGET_HELP
 
 if TYPE_CHECKING:
     from neuronctl.store.signing import TrustPolicy
+    from neuronctl.vllm import Target as VllmTarget
     from neuronctl.vllm import VllmLaunch
 
 ORDER = 40
@@ -117,9 +118,22 @@ def serve_command(
             f"--log-level: unknown level {log_level!r}", "use " + " | ".join(LOG_LEVELS)
         )
     log_level = log_level.lower()
+    if vllm_target and engine != "vllm":
+        raise UsageError("--vllm-target only applies to --engine vllm")
     from neuronctl.store.signing import TrustPolicy
     from neuronctl.target import artifact_to_run
+    from neuronctl.vllm import parse_target
 
+    # A named target is read first: a typo is a usage error, whatever the artifact's state.
+    launch_for = parse_target(vllm_target) if vllm_target else None
+    # Printing the launch for a named vLLM: this host need not be the one that serves it.
+    serving_host = not (dry_run and launch_for is not None)
+    if not serving_host:
+        err_console.print(
+            "dry run for --vllm-target: skipping the checks of the serving host (Neuron SDK "
+            "versions, NeuronCores, NEURON_CC_FLAGS); run without --dry-run there",
+            soft_wrap=True,
+        )
     policy = TrustPolicy.load(trust_key, allow_unsigned)
     target = artifact_to_run(
         artifacts,
@@ -130,6 +144,7 @@ def serve_command(
         model=model,
         dry_run=dry_run,
         policy=policy,
+        serving_host=serving_host,
     )
     if target.path is None:  # a dry run that would pull or compile first: nothing to load
         print_plan(target.plan(), json_out)
@@ -140,10 +155,8 @@ def serve_command(
         from neuronctl.engine.loader import vouch_for
 
         say_vouch(vouch_for(path, policy))  # vLLM loads the artifact's code itself
-        _serve_vllm(path, host, port, served_model_name, vllm_target, dry_run, json_out)
+        _serve_vllm(path, host, port, served_model_name, launch_for, dry_run, json_out)
         return
-    if vllm_target:
-        raise UsageError("--vllm-target only applies to --engine vllm")
     from neuronctl.server.app import Limits
 
     limits = Limits(max_body_bytes, max_prompt_chars or None)
@@ -158,7 +171,7 @@ def _serve_vllm(
     host: str,
     port: int,
     served_model_name: str | None,
-    vllm_target: str | None,
+    vllm_target: VllmTarget | None,
     dry_run: bool,
     json_out: bool,
 ) -> None:

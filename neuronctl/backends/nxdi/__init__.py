@@ -139,7 +139,7 @@ class NxdiBackend:
         cores, how = neuron_cores()
         return [
             HostCheck(
-                "neuron cores",
+                "cores",  # validate's capacity check then stays quiet: said once
                 cores >= tp,
                 f"tp degree {tp}, {cores} NeuronCores here ({how})"
                 + ("" if cores >= tp else ": use a larger Inf2/Trn1 instance"),
