@@ -145,6 +145,33 @@ VALUE_NOTES = {
 QUANTIZED_CHECKPOINTS_PATH = "quantized_checkpoint"
 
 
+# NxD Inference keys a neuronctl build spec owns (backends/nxdi/config.py SPEC_OWNED refuses
+# them in an override) -> the spec field, whose flag is --<field with dashes>.
+SPEC_FIELDS = {
+    "tp_degree": "tp_degree",
+    "batch_size": "batch_size",
+    "max_batch_size": "batch_size",  # NxDI's max_batch_size / tkg_batch_size default to it
+    "tkg_batch_size": "batch_size",
+    "seq_len": "seq_len",
+    "max_context_length": "max_context_length",
+    "torch_dtype": "dtype",
+    "context_encoding_buckets": "context_buckets",
+    "token_generation_buckets": "token_gen_buckets",
+    "on_device_sampling_config": "on_device_sampling",
+    "quantized": "quantized",
+    "quantization_dtype": "quantization_dtype",
+    "quantization_type": "quantization_type",
+    "speculation_length": "num_speculative_tokens",
+}
+# NxD Inference settings every neuronctl nxdi build makes itself (backends/nxdi/config.py).
+NEURONCTL_SETS = {
+    "is_continuous_batching": (True, "neuronctl always compiles continuous batching"),
+    "save_sharded_checkpoint": (True, "the artifact always carries its sharded weights"),
+    "quantized_checkpoints_path": (None, "neuronctl quantizes into a scratch directory of its "
+                                         "own and keeps the sharded result in the artifact"),
+}
+
+
 @dataclass
 class Migration:
     nxdi: dict[str, Any] = field(default_factory=dict)
@@ -152,9 +179,59 @@ class Migration:
     mapped: list[dict[str, Any]] = field(default_factory=list)
     dropped: list[dict[str, Any]] = field(default_factory=list)
 
+    def for_neuronctl(self) -> tuple[dict[str, Any], dict[str, Any], list[str]]:
+        """(spec fields, override_neuron_config, notes): what a neuronctl nxdi build takes
+        as spec flags, what it takes as --override-neuron-config, and why anything of the
+        NxDI config is in neither."""
+        spec: dict[str, Any] = {}
+        override: dict[str, Any] = {}
+        notes: list[str] = []
+        for key, value in self.nxdi.items():
+            name = SPEC_FIELDS.get(key)
+            if name is not None:
+                if name in spec and spec[name] != value:
+                    raise UsageError(
+                        f"{key}={value!r} disagrees with {spec[name]!r} for --"
+                        f"{name.replace('_', '-')}",
+                        "make the TNx batch settings agree",
+                    )
+                spec[name] = value
+            elif key in NEURONCTL_SETS:
+                always, why = NEURONCTL_SETS[key]
+                if always is not None and value != always:
+                    raise UsageError(f"{key}={value!r}: {why}, it cannot be turned off")
+                notes.append(f"{key}: not passed, {why}")
+            else:
+                override[key] = value
+        if "num_speculative_tokens" in spec:
+            notes.append("num_speculative_tokens: add --draft-model (the TNx config has none)")
+        return spec, override, notes
+
+    def neuronctl_flags(self) -> list[str]:
+        """`neuronctl compile/hash` flags for this config: the spec's own flags, the rest in
+        one --override-neuron-config."""
+        spec, override, _notes = self.for_neuronctl()
+        flags = ["--backend", "nxdi"]
+        for name, value in spec.items():
+            flag = "--" + name.replace("_", "-")
+            if isinstance(value, bool):
+                flags.append(flag if value else "--no-" + flag[2:])
+            elif isinstance(value, list):
+                flags += [flag, ",".join(str(v) for v in value)]
+            elif isinstance(value, dict):
+                flags += [flag, json.dumps(value, sort_keys=True)]
+            else:
+                flags += [flag, str(value)]
+        if override:
+            flags += ["--override-neuron-config", json.dumps(override, sort_keys=True)]
+        return flags
+
     def as_dict(self) -> dict[str, Any]:
+        spec, override, notes = self.for_neuronctl()
         return {"override_neuron_config": self.nxdi, "mapped": self.mapped,
-                "dropped": self.dropped}
+                "dropped": self.dropped,
+                "neuronctl": {"spec": spec, "override_neuron_config": override,
+                              "flags": self.neuronctl_flags(), "notes": notes}}
 
 
 def flatten(config: Mapping[str, Any]) -> list[tuple[str, Any]]:

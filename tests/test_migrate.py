@@ -448,3 +448,56 @@ def test_migrated_override_constructs_a_neuron_config(neuron_standins, caplog,
     assert "Unexpected keyword" not in caplog.text
     if "quant" in name:
         assert config.quantized is True
+
+
+ROUND_TRIP = {
+    **{k: v for k, v in MIGRATE_PROBES.items() if k != "continuous_batching"},
+    "continuous_batching": {"continuous_batching": {"max_num_seqs": 4, "max_model_len": 256}},
+    "everything": {"quant": {"quant_dtype": "s8"}, "fuse_qkv": True, "padding_side": "right",
+                   "continuous_batching": {"max_num_seqs": 2, "max_model_len": 256},
+                   "on_device_generation": {"top_k": 4, "dynamic": True}},
+}
+
+
+@pytest.mark.parametrize("name", list(ROUND_TRIP))
+def test_neuronctl_flags_round_trip_through_hash(neuron_standins, tiny_llama, tmp_path,
+                                                 name: str) -> None:
+    """`config migrate` prints flags for what the spec owns (nxdi/config.py SPEC_OWNED, which
+    an override may not set) and --override-neuron-config for the rest; `neuronctl hash`
+    takes them as they are, and the build compiles every migrated NxDI setting except the
+    ones neuronctl always makes itself (continuous batching, sharded weights, its own
+    quantization scratch directory)."""
+    from neuronctl.backends.nxdi.config import neuron_config_kwargs
+    from neuronctl.build import resolve_build
+    from neuronctl.migrate import NEURONCTL_SETS
+
+    migration = migrate_tnx(ROUND_TRIP[name])
+    flags = migration.neuronctl_flags()
+    store = ["--store", str(tmp_path / "store")]
+    result = CliRunner().invoke(app, ["hash", str(tiny_llama), *flags, *store, "--json"])
+    assert result.exit_code == 0, result.output
+    spec_fields, override, _notes = migration.for_neuronctl()
+    build = resolve_build(str(tiny_llama), {"backend": "nxdi", **spec_fields,
+                                            "override_neuron_config": override},
+                          store_dir=tmp_path / "store")
+    assert json.loads(result.output)["graph_key"] == build.keys.graph
+    compiled = json.loads(json.dumps(neuron_config_kwargs(build.spec)))
+    for key, value in migration.nxdi.items():
+        if key in NEURONCTL_SETS:
+            continue
+        if key in ("max_batch_size", "tkg_batch_size"):
+            key = "batch_size"
+        if isinstance(value, dict):
+            assert {k: compiled[key][k] for k in value} == value, key
+        else:
+            assert compiled[key] == value, key
+
+
+def test_spec_owned_keys_are_named_together_with_their_flags() -> None:
+    from neuronctl.backends.nxdi.config import check_override
+    from neuronctl.errors import SpecError
+
+    with pytest.raises(SpecError) as err:
+        check_override({"quantization_dtype": "int8", "fused_qkv": True, "tp_degree": 2})
+    assert "quantization_dtype, tp_degree: are set by the build spec" in str(err.value)
+    assert "--quantization-dtype, --tp-degree" in (err.value.hint or "")

@@ -630,6 +630,45 @@ def test_vllm_dirname_follows_the_nxdi_config(tmp_path: Path) -> None:
     assert vllm.vllm_dirname(spec, ARCH) == name
 
 
+def test_vllm_dirname_hashes_what_vllm_b_builds_from_its_own_defaults() -> None:
+    """vLLM B hashes InferenceConfig(NeuronConfig(**(_get_default_neuron_config(...) |
+    override))) (dd417b3 model_loader/neuronx_distributed.py:160-167, defaults :594-617)
+    over neuronctl's B flags, which carry no override: not the build kwargs (fidelity NX6).
+    Its max_model_len is the B launch's, capped at max_context_length (_plan_b)."""
+    spec = make_manifest().spec
+    kwargs = vllm.b_neuron_config(spec)
+    assert kwargs["seq_len"] == kwargs["max_context_length"] == 512
+    assert kwargs["on_device_sampling_config"] == {"dynamic": True, "deterministic": False}
+    assert kwargs["sequence_parallel_enabled"] is True and "fused_qkv" not in kwargs
+    # The build's own settings (here fused_qkv, buckets) do not move vLLM's name.
+    same = make_manifest(override_neuron_config={}, context_buckets=[512]).spec
+    assert vllm.vllm_dirname(same, ARCH) == vllm.vllm_dirname(spec, ARCH)
+
+
+@pytest.mark.parametrize(
+    ("backend", "fields", "why"),
+    [("torch", {}, "cannot load a torch-backend"), ("tnx", {}, "compile cache"),
+     ("nxdi", {"draft_model": "org/d", "num_speculative_tokens": 2}, "speculation")],
+)  # fmt: skip
+def test_no_vllm_dirname_says_why(backend: str, fields: dict, why: str) -> None:
+    spec = build_spec({"backend": backend, "dtype": "bfloat16", **fields})
+    assert why in (vllm.no_vllm_dirname(spec) or "")
+    with pytest.raises(UsageError, match=why):
+        vllm.vllm_dirname(spec, ARCH)
+
+
+def test_hash_vllm_for_a_torch_build_says_there_is_none(tiny_llama, tmp_path) -> None:  # type: ignore[no-untyped-def]
+    from typer.testing import CliRunner
+
+    from neuronctl.cli.main import app
+
+    args = ["hash", str(tiny_llama), "--vllm", "--json", "--store", str(tmp_path)]
+    result = CliRunner().invoke(app, args)
+    assert result.exit_code == 0, result.output
+    data = json.loads(result.output)
+    assert data["vllm_dirname"] is None and "torch-backend" in data["vllm_dirname_note"]
+
+
 def test_env_exports_work_from_a_written_manifest(tmp_path: Path) -> None:
     from neuronctl.store.manifest import read_manifest
 

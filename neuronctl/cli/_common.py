@@ -125,6 +125,10 @@ SPEC_OPTIONS: dict[str, tuple[Any, Any]] = {
         str | None,
         _opt("--quantization-dtype", "int8 | f8e4m3 (s8, f8e4m3fn accepted)."),
     ),
+    "quantization_type": (
+        str | None,
+        _opt("--quantization-type", "per_tensor_symmetric | per_channel_symmetric."),
+    ),
     "draft_model": (str | None, _opt("--draft-model", "Draft model for speculation.")),
     "num_speculative_tokens": (
         int | None,

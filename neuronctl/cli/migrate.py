@@ -3,13 +3,14 @@
 from __future__ import annotations
 
 import json
+import shlex
 import sys
 from pathlib import Path
 from typing import Annotated
 
 import typer
 
-from neuronctl.cli._common import JsonOpt, console, print_json, table
+from neuronctl.cli._common import JsonOpt, console, err_console, print_json, table
 from neuronctl.cli._groups import config_app
 from neuronctl.errors import UsageError
 
@@ -22,7 +23,10 @@ HELP = (
     "per_channel_symmetric); a sub-config given at all, even {}, maps to the NxD Inference "
     "switch it stands for (quant -> quantized + quantized_checkpoints_path). Every setting "
     "made is listed as mapped, every key with no NxD Inference equivalent as dropped, with the "
-    "guide's note; an unknown key or a value TNx rejects is an error.\n\n"
+    "guide's note; an unknown key or a value TNx rejects is an error. Last it prints the "
+    "neuronctl flags for the same build: the spec's own flags (--batch-size, --quantized, "
+    "...) for what the spec owns, --override-neuron-config for the rest, ready for "
+    "`neuronctl compile` or `neuronctl hash`.\n\n"
     "SOURCE is a JSON object, vLLM's key:value,key:value form, a file holding either, or - "
     "(stdin, the default).\n\n"
     "Examples:\n\n"
@@ -78,6 +82,11 @@ def migrate_command(
                         rows))
     console.print("override_neuron_config for NxD Inference:")
     typer.echo(json.dumps(result.nxdi, indent=2, sort_keys=True))
+    _spec, _override, notes = result.for_neuronctl()
+    console.print("neuronctl compile / hash flags (the spec's own, the rest as an override):")
+    typer.echo(shlex.join(result.neuronctl_flags()))
+    for note in notes:
+        err_console.print(f"note: {note}", soft_wrap=True, markup=False)
 
 
 def register(app: typer.Typer) -> None:

@@ -25,20 +25,21 @@ SPEC_OWNED = {
     "on_device_sampling_config": "--on-device-sampling",
     "quantized": "--quantized",
     "quantization_dtype": "--quantization-dtype",
-    "quantization_type": "the quantization_type spec field",
+    "quantization_type": "--quantization-type",
     "speculation_length": "--num-speculative-tokens",
     "save_sharded_checkpoint": "(always true: the artifact carries its weights)",
 }
 
 
 def check_override(override: Mapping[str, Any]) -> None:
-    for key in override:
-        if key in SPEC_OWNED:
-            raise SpecError(
-                f"override_neuron_config.{key}",
-                "is set by the build spec, not by the override",
-                f"use {SPEC_OWNED[key]}",
-            )
+    owned = [key for key in override if key in SPEC_OWNED]
+    if owned:
+        raise SpecError(
+            "override_neuron_config." + ", ".join(owned),
+            ("is" if len(owned) == 1 else "are") + " set by the build spec, not by the override",
+            "use " + ", ".join(SPEC_OWNED[key] for key in owned)
+            + " (`neuronctl config migrate` prints both)",
+        )
 
 
 def neuron_config_kwargs(spec: BuildSpec) -> dict[str, Any]:
