@@ -304,6 +304,10 @@ CHANGED = [
         ["--backend", "nxdi", "--quantized", "--quantization-dtype", "f8e4m3fn"],
         "quantization_dtype",
     ),
+    (
+        ["--backend", "nxdi", "--quantized", "--quantization-type", "per_channel_symmetric"],
+        "quantization_type",
+    ),
     (["--backend", "nxdi", "--draft-model", "d", "--num-speculative-tokens", "4"], "draft_model"),
     (
         ["--backend", "nxdi", "--draft-model", "d", "--num-speculative-tokens", "4"],
