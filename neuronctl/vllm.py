@@ -83,6 +83,7 @@ C_MODEL_TYPES: dict[tuple[int, ...], frozenset[str]] = {
 }
 C_MODEL_TYPES[(0, 2, 2)] = C_MODEL_TYPES[(0, 1)] | {"gpt_oss"}
 C_MODEL_TYPES[(0, 4)] = C_MODEL_TYPES[(0, 2, 2)] | {"pixtral", "qwen2_vl", "qwen3_vl"}
+C_SDK = {(0, 1): "2.26", (0, 2, 2): "2.27", (0, 4): "2.28"}
 # The model name the plugin looks up for an architecture whose lowercased prefix is not it.
 C_MODEL_NAMES = {"gptoss": "gpt_oss", "qwen3moe": "qwen3_moe", "qwen2vl": "qwen2_vl",
                  "qwen3vl": "qwen3_vl"}  # fmt: skip
@@ -392,18 +393,24 @@ def plugin_model_name(arch: str) -> str | None:
     return C_MODEL_NAMES.get(model.lower(), model.lower())
 
 
+def _c_release(plugin: tuple[int, ...]) -> tuple[int, ...]:
+    """The first plugin release of the SDK `plugin` names (C_MODEL_TYPES' key)."""
+    return max((k for k in C_MODEL_TYPES if plugin >= k), default=(0, 1))
+
+
 def c_model_types(plugin: tuple[int, ...]) -> frozenset[str]:
-    return C_MODEL_TYPES[max((k for k in C_MODEL_TYPES if plugin >= k), default=(0, 1))]
+    return C_MODEL_TYPES[_c_release(plugin)]
 
 
 def _plugin_refusal(
     plugin: tuple[int, ...], framework: str, spec: BuildSpec, arch: str
 ) -> str | None:
     if plugin_model_name(arch) not in c_model_types(plugin):
+        elsewhere = " or vLLM 0.9's NxDI loader (--vllm-target v0)" if arch in B_ARCHS else ""
         return (
-            f"vllm-neuron {_dotted(plugin)} looks {arch} up in the MODEL_TYPES of its NxD "
-            "Inference (SDK 2.26-2.28), which lacks it, and raises ValueError at start-up "
-            "(serve it with `neuronctl serve` or vLLM 0.9's NxDI loader, --vllm-target v0)"
+            f"vllm-neuron {_dotted(plugin)} looks {arch} up in the MODEL_TYPES of the NxD "
+            f"Inference of SDK {C_SDK[_c_release(plugin)]}, which lacks it, and raises "
+            f"ValueError at start-up (serve it with `neuronctl serve`{elsewhere})"
         )
     if plugin < C_CPU_SAMPLING and not on_device_sampling(spec, framework):
         return (

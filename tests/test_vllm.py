@@ -852,7 +852,8 @@ def test_dry_run_for_a_named_target_works_on_a_build_host(  # type: ignore[no-un
     code, _, err = run_cli([*args, "--vllm-target", "plugn@0.4.1"], capsys, monkeypatch)
     assert code == 2 and "unknown vLLM target 'plugn@0.4.1'" in err
     code, _, err = run_cli(args[:-1] + ["--vllm-target", C41], capsys, monkeypatch)
-    assert code == 1 and "NeuronCores" in err  # a real launch still needs the cores
+    # A real launch still needs the cores; the nxdi backend's check says so, once.
+    assert code == 1 and err.count("NeuronCores") == 1
     code, _, err = run_cli(["serve", "--artifacts", str(outcome.path), "--vllm-target", C41],
                            capsys, monkeypatch)
     assert code == 2 and "only applies to --engine vllm" in err
