@@ -195,6 +195,27 @@ def test_runner_never_writes_into_a_live_slot(neuron_standins, tiny_llama, tmp_p
     assert kv.writes == 3 * runner.batch_size  # every row of every decode reached the cache
 
 
+def test_kv_cache_model_fails_any_write_into_a_history() -> None:
+    """The KV model FakeRunner and the stand-ins share: a write inside a slot's history fails,
+    one at or past its next free position does not (and does not extend it), a full slot
+    holds nothing that can still be decoded."""
+    from tests.fake_runner import KvCache
+
+    kv = KvCache(batch_size=2, seq_len=8)
+    kv.prefill(0, [1, 2, 3])
+    with pytest.raises(AssertionError, match="replaces a token of the 3-token sequence"):
+        kv.write(0, 2)
+    kv.write(0, 3)
+    kv.write(0, 7)
+    kv.write(1, 0)  # an empty slot
+    kv.append(0, 3, 9)
+    assert kv.history[0] == [1, 2, 3, 9]
+    with pytest.raises(AssertionError, match="write at 5, but 4 filled"):
+        kv.append(0, 5, 9)
+    kv.prefill(1, list(range(8)))
+    kv.write(1, 7)  # full: its sequence cannot decode any further
+
+
 def test_load_refuses_an_incomplete_artifact(neuron_standins, tiny_llama, tmp_path) -> None:
     _build, outcome = compile_nxdi(tiny_llama, tmp_path / "store")
     (outcome.path / "weights/tp1_sharded_checkpoint.safetensors").unlink()
