@@ -265,7 +265,7 @@ class RemoteStore:
         key = key_or_prefix.strip("/")
         if not key or "/" in key or key.startswith("."):
             raise UsageError(f"{key_or_prefix!r} is not an artifact key")
-        if len(key) >= KEY_LENGTH:
+        if len(key) >= KEY_LENGTH:  # the rest of the key is compared with the signed manifest
             return key[:KEY_LENGTH]
         matches = [name for name in self.list_keys() if name.startswith(key)]
         if len(matches) == 1:
@@ -471,10 +471,13 @@ class RemoteStore:
         store: Store,
         progress: Progress | None = None,
         policy: TrustPolicy | None = None,
+        key: str = "",
     ) -> Published:
         """Download an artifact into `store`: signature checked against `policy` first, then
         every byte against the signed sha256 list, published atomically under its lock.
 
+        `key` is the key as the user asked for it (a prefix of the artifact key, maybe all of
+        it): the signed manifest's artifact key must start with every character of it.
         A local copy (pulled earlier, or built here) is a cache hit; its provenance is checked
         against `policy` just the same."""
         if not DIRNAME_RE.fullmatch(dirname):
@@ -483,7 +486,7 @@ class RemoteStore:
         state: dict[str, Any] = {}
 
         def build(staging: Path) -> Manifest:
-            manifest, provenance = self._checked_manifest(dirname, policy)
+            manifest, provenance = self._checked_manifest(dirname, policy, key)
             state.update(staging=staging, remote_bytes=provenance.manifest_bytes)
             self._download(dirname, manifest, staging, progress or NullProgress())
             (staging / PROVENANCE).write_text(provenance.to_json())
@@ -502,22 +505,28 @@ class RemoteStore:
         if not is_intact(store.path(dirname)):
             # Refuse an untrusted remote before anything is staged; build checks it again
             # under the lock, on the bytes it then downloads against.
-            self._checked_manifest(dirname, policy)
+            self._checked_manifest(dirname, policy, key)
         published = store.publish(dirname, build, reuse=is_intact, on_step=on_step)
         if published.cache_hit:
-            check_origin(published.path, read_manifest(published.path), policy)
+            local = read_manifest(published.path)
+            _check_key(local.artifact_key, key, str(published.path))
+            check_origin(published.path, local, policy)
         return published
 
     @_remote_errors
-    def check_trusted(self, dirname: str, policy: TrustPolicy | None = None) -> None:
+    def check_trusted(
+        self, dirname: str, policy: TrustPolicy | None = None, key: str = ""
+    ) -> None:
         """Raise unless `policy` trusts the remote artifact; nothing is downloaded."""
-        self._checked_manifest(dirname, policy if policy is not None else TrustPolicy.load())
+        self._checked_manifest(dirname, policy if policy is not None else TrustPolicy.load(), key)
 
     def vouch(self, path: Path, policy: TrustPolicy | None = None) -> Vouch:
         """Who vouches for a pulled (or local) artifact under `policy`."""
         return check_origin(path, read_manifest(path), policy or TrustPolicy.load())
 
-    def _checked_manifest(self, dirname: str, policy: TrustPolicy) -> tuple[Manifest, Provenance]:
+    def _checked_manifest(
+        self, dirname: str, policy: TrustPolicy, key: str = ""
+    ) -> tuple[Manifest, Provenance]:
         """The remote manifest, only after its signature and every path in it checked out."""
         url = self.artifact_url(dirname)
         raw = self._read(dirname, MANIFEST)
@@ -536,6 +545,7 @@ class RemoteStore:
                 f"{url}/{MANIFEST} is for artifact {manifest.artifact_key[:KEY_LENGTH]}, "
                 f"not {dirname}"
             )
+        _check_key(manifest.artifact_key, key, f"{url}/{MANIFEST}")
         for rel in manifest.files:
             problem = entry_problem(rel)
             if problem:
@@ -586,22 +596,32 @@ def resolve_artifacts_arg(
     """
     if "://" not in value:
         return Path(value).expanduser()
-    remote, dirname = _remote_artifact(value)
-    return remote.pull(dirname, store, progress, policy).path
+    remote, dirname, key = _remote_artifact(value)
+    return remote.pull(dirname, store, progress, policy, key).path
 
 
 def check_remote_trust(value: str, policy: TrustPolicy | None = None) -> None:
     """Refuse a remote artifact `policy` does not trust, reading only its manifest and
     signature (what --dry-run does instead of pulling)."""
-    remote, dirname = _remote_artifact(value)
-    remote.check_trusted(dirname, policy)
+    remote, dirname, key = _remote_artifact(value)
+    remote.check_trusted(dirname, policy, key)
 
 
-def _remote_artifact(value: str) -> tuple[RemoteStore, str]:
-    """The remote store an artifact URL names, and the artifact's directory name in it."""
+def _remote_artifact(value: str) -> tuple[RemoteStore, str, str]:
+    """The remote store an artifact URL names, the artifact's directory name in it, and the
+    key as written in the URL (compared in full with the signed manifest)."""
     url, key = split_artifact_url(value)
     remote = open_remote(url)
-    return remote, remote.resolve(key)
+    return remote, remote.resolve(key), key
+
+
+def _check_key(artifact_key: str, wanted: str, where: str) -> None:
+    """Every character of the requested key must match: not only the directory name."""
+    if wanted and not artifact_key.startswith(wanted.lower()):
+        raise RemoteArtifactError(
+            f"{where} is for artifact {artifact_key}, not {wanted}",
+            "check the key in the URL (`neuronctl artifacts list` shows full keys)",
+        )
 
 
 def split_artifact_url(value: str) -> tuple[str, str]:
