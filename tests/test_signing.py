@@ -433,7 +433,8 @@ def test_validate_judges_trust_as_generate_does(
     tmp_path: Path, compiled_artifact: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """validate said "reusable" (exit 0) for a pulled artifact whose signer is not trusted,
-    which generate and serve then refused: CI's "validate, then serve" passed and the service failed."""
+    which generate and serve then refused: CI's "validate, then serve" passed, the service
+    failed."""
     remote = open_remote(str(tmp_path / "remote"))
     remote.push(compiled_artifact, signer=STRANGER)
     store = Store(tmp_path / "host")
@@ -442,7 +443,8 @@ def test_validate_judges_trust_as_generate_does(
     stranger_pub = write_keypair(STRANGER_KEY, tmp_path / "stranger")[1]
     key = compiled_artifact.name[:8]
 
-    for flags, code in (([], 1), (["--allow-unsigned"], 0), (["--trust-key", str(stranger_pub)], 0)):
+    trusting = ["--trust-key", str(stranger_pub)]
+    for flags, code in (([], 1), (["--allow-unsigned"], 0), (trusting, 0)):
         checked = cli("validate", key, "--json", *flags)
         served = cli("serve", "--artifacts", key, "--dry-run", *flags)
         assert checked.returncode == served.returncode == code, (flags, checked.stdout,

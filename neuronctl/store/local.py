@@ -5,7 +5,7 @@ Layout under `<root>/neuron-compiled-artifacts/`:
   .staging/<key>.<id>/   work in progress; never looks like an artifact
   .locks/<key>.lock      one lock per key: one process builds, the others wait and reuse
   .trash/                replaced artifacts on their way out
-  .failed/<key>.<id>/    what a failed build left, with its logs, until `gc`
+  .failed/<key>.<id>/    what the last failed build of a key left, with its logs, until `gc`
 """
 
 from __future__ import annotations
@@ -148,7 +148,11 @@ class Store:
         if not isinstance(exc, Exception):
             shutil.rmtree(staging, ignore_errors=True)
             return
-        kept = self._private(".failed") / staging.name
+        failed = self._private(".failed")
+        key = staging.name.split(".", 1)[0]
+        for earlier in failed.glob(f"{key}.*"):  # one kept failure per key, not per attempt
+            shutil.rmtree(earlier, ignore_errors=True)
+        kept = failed / staging.name
         staging.rename(kept)
         if isinstance(exc, NeuronctlError) and exc.hint is None:
             exc.hint = f"build files and logs kept in {kept}; `neuronctl artifacts gc` removes them"

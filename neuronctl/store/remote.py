@@ -15,6 +15,7 @@ Pull re-hashes every downloaded byte before the artifact becomes visible.
 
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
 import os
@@ -38,14 +39,17 @@ from neuronctl.store.local import ARTIFACTS_DIR, Published, Store
 from neuronctl.store.manifest import (
     HASH_CHUNK,
     MANIFEST,
+    MAX_MANIFEST_BYTES,
     FileEntry,
     Manifest,
     is_intact,
     path_rule,
+    read_capped,
     read_manifest,
     sha256_file,
 )
 from neuronctl.store.signing import (
+    MAX_SIGNATURE_BYTES,
     PROVENANCE,
     SIGNATURE,
     Provenance,
@@ -74,6 +78,22 @@ class RemoteArtifactError(NeuronctlError):
 
 class RemoteUnreachableError(NeuronctlError):
     """The remote store could not be reached: network, credentials, permissions."""
+
+
+class LocalDiskError(NeuronctlError):
+    """This host's disk refused a write (full, read-only, no permission): not the remote."""
+
+
+LOCAL_DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
+
+
+def local_disk_error(exc: OSError, path: Path | str | None = None) -> LocalDiskError:
+    where = path if path is not None else exc.filename
+    return LocalDiskError(
+        f"cannot write {where} on this host: {exc.strerror or exc}",
+        "free space on that disk or make it writable, or use another store (--store, "
+        "$NEURONCTL_STORE)",
+    )
 
 
 # Libraries whose exceptions mean "the remote said no or could not be reached".
@@ -117,6 +137,8 @@ def _remote_errors(method: Callable[..., Any]) -> Callable[..., Any]:
         except NeuronctlError:
             raise
         except Exception as exc:
+            if isinstance(exc, OSError) and _is_local_disk(self, exc):
+                raise local_disk_error(exc) from None
             mapped = _unreachable(self.url, exc)
             if mapped is None:
                 raise
@@ -164,6 +186,17 @@ class _BytesCallback(Callback):
         """Account for bytes a file system did not report (LocalFileSystem reports none)."""
         if size > self.reported:
             self.relative_update(size - self.reported)
+
+
+def _is_local_disk(remote: RemoteStore, exc: OSError) -> bool:
+    """A write refused by a disk of this host (the store, its staging), not by the remote: an
+    absolute local path outside a shared-mount remote."""
+    if exc.errno not in LOCAL_DISK_ERRNOS:
+        return False
+    name = str(exc.filename or "")
+    if not name.startswith("/"):
+        return False
+    return not (remote.is_local and name.startswith(remote.artifacts.rstrip("/") + "/"))
 
 
 def _fs_options(protocol: str) -> dict[str, Any]:
@@ -228,11 +261,8 @@ class RemoteStore:
 
     @_remote_errors
     def manifest(self, dirname: str) -> Manifest | None:
-        try:
-            data = self.fs.cat_file(self.path(dirname, MANIFEST))
-        except FileNotFoundError:
-            return None
-        return self._parse(dirname, data)
+        data = self._read(dirname, MANIFEST)
+        return None if data is None else self._parse(dirname, data)
 
     @_remote_errors
     def sizes(self, dirname: str) -> dict[str, int]:
@@ -425,9 +455,18 @@ class RemoteStore:
         source = root / rel
         target = self.path(dirname, rel)
         callback = _BytesCallback(advance)
+        # Hash what is sent: a file damaged at its recorded size is never uploaded (the
+        # manifest would vouch for it), and S3's sha256 metadata states the bytes' own hash.
+        sha = sha256_file(source)
+        if sha != entry.sha256:
+            raise RemoteArtifactError(
+                f"{source} is not the file its manifest records (sha256 {sha[:12]}…, recorded "
+                f"{entry.sha256[:12]}…): refusing to push a damaged artifact",
+                f"check it with `neuronctl validate --deep {root}`; recompile or pull it again",
+            )
         kwargs: dict[str, Any] = {}
         if self.is_s3:
-            kwargs["Metadata"] = {SHA_METADATA: entry.sha256}
+            kwargs["Metadata"] = {SHA_METADATA: sha}
         if self.is_local:
             # A shared mount has no atomic object PUT: copy beside, then rename into place.
             tmp = f"{target}.tmp-{uuid.uuid4().hex[:8]}"
@@ -447,10 +486,23 @@ class RemoteStore:
             self.fs.pipe_file(target, data)
 
     def _read(self, dirname: str, name: str) -> bytes | None:
+        """A remote metadata file, read with a size cap before anything parses it (a sparse
+        multi-GB manifest.sig must not fill memory); a FIFO on a shared mount is refused,
+        never waited on."""
+        cap = MAX_SIGNATURE_BYTES if name == SIGNATURE else MAX_MANIFEST_BYTES
+        where = f"{self.artifact_url(dirname)}/{name}"
         try:
-            return bytes(self.fs.cat_file(self.path(dirname, name)))
+            if self.is_local:
+                return read_capped(Path(self.path(dirname, name)), cap)
+            with self.fs.open(self.path(dirname, name), "rb") as f:
+                data = bytes(f.read(cap + 1))
         except FileNotFoundError:
             return None
+        except NeuronctlError as exc:
+            raise RemoteArtifactError(f"{where}: {exc.message}") from None
+        if len(data) > cap:
+            raise RemoteArtifactError(f"{where} is over the {cap}-byte limit")
+        return data
 
     def _parse(self, dirname: str, data: bytes) -> Manifest:
         try:
@@ -570,10 +622,7 @@ class RemoteStore:
             (staging / rel).parent.mkdir(parents=True, exist_ok=True)
 
         def fetch(rel: str) -> None:
-            callback = _BytesCallback(advance)
-            self.fs.get_file(self.path(dirname, rel), str(staging / rel), callback=callback)
-            callback.finish(manifest.files[rel].size)
-            got = sha256_file(staging / rel)  # just written: read back from the page cache
+            got = self._fetch(dirname, rel, manifest.files[rel].size, staging / rel, advance)
             if got != manifest.files[rel].sha256:
                 raise RemoteArtifactError(
                     f"{self.artifact_url(dirname)}/{rel} is corrupted: expected sha256 "
@@ -582,6 +631,55 @@ class RemoteStore:
                 )
 
         _run_all(fetch, list(manifest.files))
+
+    def _fetch(
+        self, dirname: str, rel: str, size: int, dest: Path, advance: Callable[[float], None]
+    ) -> str:
+        """Copy one object, never more than its signed size (an object that grew after its
+        size was checked is refused, not downloaded whole); returns the sha256 of the bytes
+        written."""
+        digest = hashlib.sha256()
+        left = size
+        with self._open_object(dirname, rel) as src:
+            try:
+                out = open_output(dest)
+            except OSError as exc:
+                raise local_disk_error(exc, dest) from None
+            with out:
+                while left > 0 and (chunk := src.read(min(HASH_CHUNK, left))):
+                    digest.update(chunk)
+                    try:
+                        out.write(chunk)
+                    except OSError as exc:
+                        raise local_disk_error(exc, dest) from None
+                    left -= len(chunk)
+                    advance(len(chunk))
+            grew = bool(src.read(1))
+        if left or grew:
+            raise RemoteArtifactError(
+                f"{self.artifact_url(dirname)}/{rel} changed size during the pull "
+                f"(signed: {size} bytes)",
+                "the remote artifact is being rewritten; pull again, or push it again with "
+                "--force",
+            )
+        return digest.hexdigest()
+
+    def _open_object(self, dirname: str, rel: str) -> Any:
+        """A remote object for reading; on a shared mount only a regular file (a FIFO or a
+        device there is refused at once, not waited on)."""
+        path = self.path(dirname, rel)
+        if not self.is_local:
+            return self.fs.open(path, "rb")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise RemoteArtifactError(f"{self.artifact_url(dirname)}/{rel} is not a regular file")
+        return os.fdopen(fd, "rb")
+
+
+def open_output(dest: Path) -> Any:
+    """Where a pulled file is written (a seam: tests make it a full disk)."""
+    return open(dest, "wb")
 
 
 def resolve_artifacts_arg(
