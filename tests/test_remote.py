@@ -519,11 +519,12 @@ def test_a_full_or_read_only_local_disk_is_not_blamed_on_the_remote(
 
     artifact, _ = _pushed_to_mount(tmp_path)
     remote = open_remote(str(tmp_path / "mount"))
+    real_open = remote_module.open_output
     monkeypatch.setattr(remote_module, "open_output", lambda dest: open("/dev/full", "wb"))
     with pytest.raises(LocalDiskError, match="on this host: No space left") as full:
         remote.pull(artifact.name, Store(tmp_path / "b"))
     assert "check the URL" not in str(full.value)
-    monkeypatch.undo()
+    monkeypatch.setattr(remote_module, "open_output", real_open)
 
     def read_only(self: Store, dirname: str) -> Path:
         raise OSError(errno.EROFS, "Read-only file system", str(self.artifacts / ".staging"))

@@ -641,19 +641,15 @@ class RemoteStore:
         digest = hashlib.sha256()
         left = size
         with self._open_object(dirname, rel) as src:
+            out = _on_this_host(lambda: open_output(dest), dest)
             try:
-                out = open_output(dest)
-            except OSError as exc:
-                raise local_disk_error(exc, dest) from None
-            with out:
                 while left > 0 and (chunk := src.read(min(HASH_CHUNK, left))):
                     digest.update(chunk)
-                    try:
-                        out.write(chunk)
-                    except OSError as exc:
-                        raise local_disk_error(exc, dest) from None
+                    _on_this_host(lambda: out.write(chunk), dest)
                     left -= len(chunk)
                     advance(len(chunk))
+            finally:
+                _on_this_host(out.close, dest)  # a full disk may say so only at the flush
             grew = bool(src.read(1))
         if left or grew:
             raise RemoteArtifactError(
@@ -675,6 +671,14 @@ class RemoteStore:
             os.close(fd)
             raise RemoteArtifactError(f"{self.artifact_url(dirname)}/{rel} is not a regular file")
         return os.fdopen(fd, "rb")
+
+
+def _on_this_host(action: Callable[[], Any], dest: Path) -> Any:
+    """A write to this host's disk: its failure is reported as local, never as the remote."""
+    try:
+        return action()
+    except OSError as exc:
+        raise local_disk_error(exc, dest) from None
 
 
 def open_output(dest: Path) -> Any:
