@@ -284,6 +284,24 @@ def test_pickle_scan_compares_member_names_case_folded(tmp_path: Path) -> None:
             check_export_graph(tmp_path / name)
 
 
+def test_a_missing_kernel_library_is_refused_not_compiled_on_the_serving_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An artifact whose kernel .so is gone had the kernel compiled at load (`kernel.load`),
+    on the serving host, into code nobody vouched for."""
+    from neuronctl.backends.torch import kernel
+    from neuronctl.backends.torch.runner import _load_kernel
+    from neuronctl.errors import NotFoundError
+
+    def compiled(*args: object) -> None:
+        raise AssertionError("the serving path compiled the kernel")
+
+    monkeypatch.setattr(kernel, "load", compiled)
+    monkeypatch.setattr(kernel, "_build", compiled)
+    with pytest.raises(NotFoundError, match=r"lacks kernels/.*\.so.*recompile"):
+        _load_kernel(kernel.digest(), tmp_path)
+
+
 # -- push and pull stay inside the artifact and the remote root -------------------------------
 
 
