@@ -456,7 +456,7 @@ def test_validate_judges_trust_as_generate_does(
 
 
 def test_revoking_a_key_stops_graphs_reused_from_its_artifact(
-    tmp_path: Path, tiny_llama: Path, compiled_artifact: Path
+    tmp_path: Path, tiny_llama: Path, compiled_artifact: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """A local compile that reused a pulled artifact's graphs kept loading them as "built on
     this host" after the signer's key was removed."""
@@ -487,3 +487,6 @@ def test_revoking_a_key_stops_graphs_reused_from_its_artifact(
         check_origin(out.path, read_manifest(out.path), TrustPolicy())  # the key revoked
     checked = cli("validate", str(out.path), "--json", env={TRUSTED_KEYS_ENV: ""})
     assert checked.returncode == 1, checked.stdout
+    monkeypatch.setenv(TRUSTED_KEYS_ENV, "")  # nor does another key launder them by signing
+    with pytest.raises(SignatureError, match="refusing to sign"):
+        open_remote(str(tmp_path / "mirror")).push(out.path, signer=STRANGER)

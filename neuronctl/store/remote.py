@@ -805,21 +805,20 @@ class PushSource:
     def read(cls, root: Path, signing: bool = False) -> PushSource:
         local = read_manifest(root)
         origin = read_provenance(root)
+        if signing:  # a signature vouches: only for what this host or a trusted key vouches for
+            try:
+                check_origin(root, local, TrustPolicy.load())
+            except SignatureError as exc:
+                raise SignatureError(
+                    f"refusing to sign {root}: nothing vouches for it here ({exc.message})",
+                    "sign artifacts where they are built",
+                ) from None
         if origin is None:
-            source = cls(root, local, (root / MANIFEST).read_bytes())
+            source = cls(root, local, read_capped(root / MANIFEST, MAX_MANIFEST_BYTES))
         else:
             problem = differs_from(local, origin.manifest_bytes)
             if problem:
                 raise RemoteArtifactError(f"{root} changed since it was pulled: {problem}")
-            if signing:  # a signature vouches: only for what a trusted key vouched for first
-                try:
-                    check_origin(root, local, TrustPolicy.load())
-                except SignatureError as exc:
-                    raise SignatureError(
-                        f"refusing to sign {root}: it was pulled without a trusted signature "
-                        f"({exc.message})",
-                        "sign artifacts where they are built",
-                    ) from None
             remote = Manifest.model_validate_json(origin.manifest_bytes)
             source = cls(root, remote, origin.manifest_bytes, origin.signature)
         source.check()
