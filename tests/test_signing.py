@@ -350,6 +350,11 @@ def test_a_store_owned_by_another_user_is_not_a_local_build(tmp_path: Path) -> N
     (tmp_path / "a").chmod(0o757)  # the store root writable by others
     with pytest.raises(SignatureError, match="writable by other users"):
         check_origin(artifact, read_manifest(artifact), TRUST)
+    (tmp_path / "a").chmod(0o755)
+    if os.geteuid() == 0:  # only root can give a directory away
+        os.chown(artifact, 65534, 65534)
+        with pytest.raises(SignatureError, match="owned by uid 65534, not by this user"):
+            check_origin(artifact, read_manifest(artifact), TRUST)
 
 
 def test_serve_refuses_an_unsigned_directory_outside_the_store(

@@ -363,7 +363,8 @@ def check_origin(artifact: Path, manifest: Manifest, policy: TrustPolicy) -> Vou
 def store_problem(artifact: Path) -> str | None:
     """Why the local file system does not vouch for `artifact` (None when it does): it must
     be `<root>/neuron-compiled-artifacts/<name>/` with those three directories owned by this
-    user and writable by no one else (group-writable only by this user's own group)."""
+    user (or root, who owns the Python environment anyway) and writable by no one else
+    (group-writable only by this user's own group)."""
     real = Path(artifact).resolve()
     if real.parent.name != ARTIFACTS_DIR:
         return f"{real} is not in a neuronctl store (.../{ARTIFACTS_DIR}/KEY)"
@@ -372,7 +373,7 @@ def store_problem(artifact: Path) -> str | None:
             info = os.stat(directory)
         except OSError as exc:
             return f"{directory}: {exc.strerror}"
-        if info.st_uid != os.geteuid():
+        if info.st_uid not in (os.geteuid(), 0):
             return f"{directory} is owned by uid {info.st_uid}, not by this user"
         if info.st_mode & 0o002 or (info.st_mode & 0o020 and info.st_gid != os.getegid()):
             return f"{directory} is writable by other users"
