@@ -149,6 +149,8 @@ def compile_model(
             )
         )
         reused.append(result.graphs_reused)
+        if result.graphs_reused and reuse_from is not None:
+            carry_graph_origin(reuse_from, staging, result.graphs)
         from neuronctl.checkpoints.hub import copy_model_files
 
         copy_model_files(build.checkpoint.path, staging)
@@ -183,7 +185,7 @@ def compile_with_remote(
     dirname = build.keys.dirname
     if not is_intact(build.path) and remote.has(dirname):
         logger.info("remote %s has %s: pulling instead of compiling", remote_url, dirname)
-        published = remote.pull(dirname, build.store, progress, policy)
+        published = remote.pull(dirname, build.store, progress, policy, build.keys.artifact)
         return CompileOutcome(
             path=published.path,
             keys=build.keys,
@@ -270,6 +272,16 @@ def _vouched(path: Path, manifest: Manifest) -> bool:
     except SignatureError:
         return False
     return True
+
+
+def carry_graph_origin(donor: Path, staging: Path, graphs: list[str]) -> None:
+    """Graphs copied from a pulled artifact stay that artifact's: the new one records who
+    signed them, and every load checks that key is still trusted (signing.check_origin)."""
+    from neuronctl.store.signing import GRAPH_ORIGIN, graph_origin_record
+
+    record = graph_origin_record(donor, graphs)
+    if record is not None:
+        (staging / GRAPH_ORIGIN).write_text(record)
 
 
 def graphs_match(path: Path, manifest: Manifest) -> bool:

@@ -25,7 +25,7 @@ from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from neuronctl.errors import NeuronctlError, SpecError
 from neuronctl.keys import FORMAT_VERSION, canonical_json
@@ -50,6 +50,9 @@ from neuronctl.store.manifest import (
     sha256_file,
     stray_files,
 )
+
+if TYPE_CHECKING:
+    from neuronctl.store.signing import TrustPolicy
 
 # Recorded "versions" that describe the build host rather than software (the CPU ISA inductor
 # compiled for). Equality is the wrong test for them (an AVX-512 host runs AVX2 code; export
@@ -111,17 +114,21 @@ def validate_artifact(
     progress: Progress | None = None,
     sources: Mapping[str, str] | None = None,
     serving_host: bool = True,
+    policy: TrustPolicy | None = None,
 ) -> Report:
     """Every check. `spec` is the requested spec (from resolve_spec, not finalized) and
     `sources` where each field came from; only fields not from "default" are compared. With
     `sources` None, fields that differ from BuildSpec's defaults count as set. With
     `serving_host` False (this host only prints a launch for another) the checks that judge
     this host as the one that loads the artifact (versions, NEURON_CC_FLAGS, capacity) are
-    left out."""
+    left out. With a trust `policy`, the trust check is the very one generate and serve run
+    before loading."""
     report, manifest = _open(path)
     if manifest is None:
         return report
     report.checks.extend(check_files(report.path, manifest, deep=deep, progress=progress))
+    if policy is not None:
+        report.checks.append(check_trust(report.path, manifest, policy))
     if serving_host:
         report.checks.extend(check_versions(manifest))
     if spec is not None:
@@ -261,6 +268,18 @@ def check_files(
         checks.append(check_hashes(root, manifest, progress))
         checks.append(check_payloads(root, manifest))
     return checks
+
+
+def check_trust(root: Path, manifest: Manifest, policy: TrustPolicy) -> Check:
+    """Who vouches for the code in the artifact: signing.check_origin, the load rule that
+    generate, serve and bench apply, under the same flags."""
+    from neuronctl.store.signing import UNSIGNED, SignatureError, check_origin
+
+    try:
+        vouch = check_origin(root, manifest, policy)
+    except SignatureError as exc:
+        return Check("trust", False, exc.message)
+    return Check("trust", True, vouch.describe(), "note" if vouch.kind == UNSIGNED else "check")
 
 
 def check_payloads(root: Path, manifest: Manifest) -> Check:

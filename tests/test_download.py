@@ -231,3 +231,42 @@ def test_real_hub_download(monkeypatch: pytest.MonkeyPatch) -> None:
     got = hub.download("hf-internal-testing/tiny-random-LlamaForCausalLM")
     assert len(got.sha) == 40
     assert (got.path / "config.json").is_file()
+
+
+def test_hub_errors_map_without_a_client_the_hub_may_not_use(
+    server: HubServer, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """map_hub_error imported httpx2, which only huggingface_hub 1.x-2.x depends on (0.x uses
+    requests): every Hub error became "internal error: ModuleNotFoundError" there. Simulated
+    here by making httpx2 unimportable; the mapping must stand on huggingface_hub.errors."""
+    import sys
+
+    from huggingface_hub import HfApi, errors
+
+    server.add_commit(REPO, {"config.json": b"{}"})
+    with pytest.raises(errors.RevisionNotFoundError) as raw:
+        HfApi(endpoint=server.url).model_info(REPO, revision="nope")
+    monkeypatch.setitem(sys.modules, "httpx2", None)  # `import httpx2` now fails
+    mapped = hub.map_hub_error(raw.value, REPO, "nope")
+    assert isinstance(mapped, NotFoundError) and "no revision 'nope'" in mapped.message
+    offline = hub.map_hub_error(errors.OfflineModeIsEnabled("off"), REPO, None)
+    assert isinstance(offline, CheckpointError) and "local Hugging Face cache" in offline.message
+
+    class ConnectionRefused(Exception):  # what requests / httpx raise, unwrapped by the hub
+        __module__ = "requests.exceptions"
+
+    refused = hub.map_hub_error(ConnectionRefused("refused"), REPO, None)
+    assert isinstance(refused, CheckpointError) and "cannot download" in refused.message
+
+
+def test_a_mistyped_local_path_is_not_reported_as_a_hub_failure(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    (tmp_path / "models").mkdir()
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(NotFoundError, match=r"models/llama-typo does not exist \(models/ is a"):
+        open_checkpoint("models/llama-typo")
+    result = cli("inspect", "models/llama-typo", cwd=tmp_path)
+    assert result.returncode == 1, result.stderr
+    assert "does not exist (models/ is a local directory)" in result.stderr
+    assert "Hugging Face cache" not in result.stderr and "Traceback" not in result.stderr

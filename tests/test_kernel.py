@@ -25,7 +25,7 @@ from neuronctl.backends.torch.graphs import (
     uses_kernel,
 )
 from neuronctl.backends.torch.runner import _load_kernel, _load_weights
-from neuronctl.errors import CheckpointError
+from neuronctl.errors import CheckpointError, NotFoundError
 from tests.helpers import make_checkpoint, read_config
 
 pytestmark = [
@@ -333,7 +333,8 @@ def test_the_kernel_digest_covers_every_file_the_library_is_built_from() -> None
 def test_runner_refuses_graphs_built_against_another_kernel_source(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="recompile"):
         _load_kernel("0123456789abcdef", tmp_path)
-    _load_kernel(kernel.digest(), tmp_path)
+    with pytest.raises(NotFoundError, match="recompile"):  # no carried copy: never built here
+        _load_kernel(kernel.digest(), tmp_path)
 
 
 def test_serving_registers_the_artifacts_copy_and_compiles_nothing(tmp_path: Path) -> None:

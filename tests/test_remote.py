@@ -415,3 +415,121 @@ def test_real_compiled_artifact_round_trip_validates(
     assert tree_bytes(pulled) == tree_bytes(compiled_artifact)
     report = validate_artifact(pulled, deep=True)
     assert report.reusable, report.summary()
+
+
+# -- bounded reads and writes: a hostile remote cannot exhaust memory, disk or time ----------
+
+
+def _pushed_to_mount(tmp_path: Path, files: dict[str, bytes] | None = None) -> tuple[Path, Path]:
+    artifact = make_artifact(tmp_path / "a", files or sample_files(big=20_000))
+    mount = tmp_path / "mount"
+    open_remote(str(mount)).push(artifact, signer=SIGNER)
+    return artifact, mount / "neuron-compiled-artifacts" / artifact.name
+
+
+@pytest.mark.parametrize("name", [SIGNATURE, MANIFEST])
+def test_a_huge_sparse_metadata_file_is_refused_unread(tmp_path: Path, name: str) -> None:
+    """A 3 GiB sparse manifest.sig took 4 GB of memory: metadata was read whole before any
+    check. Now its size is checked first and at most the cap is ever read."""
+    artifact, remote_dir = _pushed_to_mount(tmp_path)
+    os.truncate(remote_dir / name, 256 * 1024**2)  # sparse: costs no disk
+
+    with pytest.raises(RemoteArtifactError, match="over the .*-byte limit"):
+        open_remote(str(tmp_path / "mount")).pull(artifact.name, Store(tmp_path / "b"))
+
+
+@pytest.mark.timeout(60)
+@pytest.mark.parametrize("rel", [MANIFEST, SIGNATURE])
+def test_a_fifo_in_a_shared_mount_is_refused_not_waited_on(tmp_path: Path, rel: str) -> None:
+    """A FIFO named like a remote file hung pull forever (an open() that never returns)."""
+    artifact, remote_dir = _pushed_to_mount(tmp_path)
+    (remote_dir / rel).unlink()
+    os.mkfifo(remote_dir / rel)
+
+    with pytest.raises(RemoteArtifactError, match="not a regular file"):
+        open_remote(str(tmp_path / "mount")).pull(artifact.name, Store(tmp_path / "b"))
+
+
+def test_a_download_stops_at_the_signed_size(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An object grown after its size was checked (512 MiB fetched for a 463 KB object)."""
+    from neuronctl.store.remote import RemoteStore
+
+    artifact, remote_dir = _pushed_to_mount(tmp_path)
+    signed = read_manifest(artifact).files
+    rel = "graphs/tkg_128.pt2"
+    with open(remote_dir / rel, "ab") as f:
+        f.write(os.urandom(4 * 1024 * 1024))
+    # The size check saw the signed sizes: the object grows between the check and the read.
+    sizes = {r: e.size for r, e in signed.items()}
+    monkeypatch.setattr(RemoteStore, "sizes", lambda self, dirname: sizes)
+    store = Store(tmp_path / "b")
+
+    with pytest.raises(RemoteArtifactError, match=f"{rel} changed size during the pull"):
+        open_remote(str(tmp_path / "mount")).pull(artifact.name, store)
+    kept = [p for p in (store.artifacts / ".failed").rglob("tkg_128.pt2")]
+    assert all(p.stat().st_size <= signed[rel].size for p in kept)
+
+
+def test_failed_pulls_keep_one_copy_not_one_per_attempt(tmp_path: Path) -> None:
+    artifact, remote_dir = _pushed_to_mount(tmp_path)
+    rel = "weights/tp0_sharded_checkpoint.safetensors"
+    data = bytearray((remote_dir / rel).read_bytes())
+    data[10] ^= 0xFF  # same size: the pull downloads it all before the hash says no
+    (remote_dir / rel).write_bytes(bytes(data))
+    store = Store(tmp_path / "b")
+    for _attempt in range(3):
+        with pytest.raises(RemoteArtifactError, match="is corrupted"):
+            open_remote(str(tmp_path / "mount")).pull(artifact.name, store)
+    assert len(list((store.artifacts / ".failed").iterdir())) == 1
+
+
+def test_push_refuses_a_same_size_damaged_file_and_s3_metadata_is_the_sent_hash(
+    tmp_path: Path, bucket: str
+) -> None:
+    """push uploaded and signed a same-size-damaged artifact, stamping x-amz-meta-sha256 from
+    the manifest's claim: the next healthy push was a no-op and the remote stayed poisoned."""
+    artifact = make_artifact(tmp_path / "a", sample_files(big=20_000))
+    rel = "graphs/ctx_128.pt2"
+    good = (artifact / rel).read_bytes()
+    bad = bytearray(good)
+    bad[5] ^= 0xFF
+    (artifact / rel).write_bytes(bytes(bad))
+    remote = open_remote(f"s3://{bucket}")
+
+    with pytest.raises(RemoteArtifactError, match="refusing to push a damaged artifact"):
+        remote.push(artifact, signer=SIGNER)
+    assert not remote.has(artifact.name)
+
+    (artifact / rel).write_bytes(good)
+    assert not remote.push(artifact, signer=SIGNER).noop
+    key = f"neuron-compiled-artifacts/{artifact.name}/{rel}"
+    head = _client().head_object(Bucket=bucket, Key=key)
+    assert head["Metadata"]["sha256"] == hashlib.sha256(good).hexdigest()
+
+
+def test_a_full_or_read_only_local_disk_is_not_blamed_on_the_remote(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import errno
+
+    import neuronctl.store.remote as remote_module
+    from neuronctl.store.remote import LocalDiskError
+
+    artifact, _ = _pushed_to_mount(tmp_path)
+    remote = open_remote(str(tmp_path / "mount"))
+    real_open = remote_module.open_output
+    monkeypatch.setattr(remote_module, "open_output", lambda dest: open("/dev/full", "wb"))
+    with pytest.raises(LocalDiskError, match="on this host: No space left") as full:
+        remote.pull(artifact.name, Store(tmp_path / "b"))
+    assert "check the URL" not in str(full.value)
+    monkeypatch.setattr(remote_module, "open_output", real_open)
+
+    def read_only(self: Store, dirname: str) -> Path:
+        raise OSError(errno.EROFS, "Read-only file system", str(self.artifacts / ".staging"))
+
+    monkeypatch.setattr(Store, "new_staging", read_only)
+    with pytest.raises(LocalDiskError, match="Read-only file system") as ro:
+        remote.pull(artifact.name, Store(tmp_path / "c"))
+    assert "--store" in str(ro.value)

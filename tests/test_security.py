@@ -164,32 +164,142 @@ def test_generate_and_serve_refuse_a_pickled_payload_without_running_it(
     assert not marker.exists()
 
 
-def _opcodes_problem(obj: object, protocol: int) -> str | None:
-    from neuronctl.backends.torch.safeload import _pickle_problem
+def _describe(obj: object, protocol: int) -> str | None:
+    from neuronctl.backends.torch.safeload import _member_problem
 
-    return _pickle_problem(pickle.dumps(obj, protocol=protocol))
+    return _member_problem("m/data/sample_inputs/model.pt", pickle.dumps(obj, protocol=protocol))
 
 
 @pytest.mark.parametrize("protocol", [0, 2, 4, 5])
 def test_pickle_scan_names_the_global_in_every_protocol(protocol: int, tmp_path: Path) -> None:
-    problem = _opcodes_problem(_Touch(str(tmp_path / "x")), protocol)
+    problem = _describe(_Touch(str(tmp_path / "x")), protocol)
     assert problem is not None and problem.endswith("references io.open"), problem
-    assert _opcodes_problem({"a": [1, 2.0, "s"]}, protocol) is None
     assert not (tmp_path / "x").exists()
 
 
-def test_pickle_scan_accepts_tensors_and_refuses_tricks() -> None:
+@pytest.mark.parametrize("protocol", [0, 2, 4, 5])
+def test_pickle_scan_refuses_any_pickle_even_a_harmless_one(protocol: int) -> None:
+    """neuronctl's graphs carry no pickle, so none is allowed-listed: not plain data, not a
+    torch.save of tensors."""
     import torch
 
-    from neuronctl.backends.torch.safeload import _pickle_problem, _torch_save_problem
+    from neuronctl.backends.torch.safeload import _member_problem
 
+    assert "is a pickle" in str(_describe({"a": [1, 2.0, "s"]}, protocol))
     saved = io.BytesIO()
-    torch.save({"w": torch.ones(3), "p": torch.nn.Parameter(torch.zeros(2))}, saved)
-    assert _torch_save_problem(saved.getvalue()) is None
+    torch.save({"w": torch.ones(3)}, saved)
+    assert "torch.save" in str(_member_problem("m/data/weights/weight_0", saved.getvalue()))
     computed = b"\x80\x04(\x8c\x02osK\x01\x93."  # STACK_GLOBAL whose name is not a string
-    assert "computed" in str(_pickle_problem(computed))
-    assert "after its pickle" in str(_pickle_problem(pickle.dumps(1, protocol=2) + b"junk"))
-    assert "not data" in str(_pickle_problem(b"cos\nsystem\n(S'x'\ntR"[:9]))
+    assert "computed" in str(_member_problem("m/x.bin", computed))
+    assert "not data" in str(_member_problem("m/x.bin", b"cos\nsystem\n(S'x'\ntR"[:9]))
+
+
+def test_neuronctl_graphs_carry_no_pickle_and_no_payload(compiled_artifact: Path) -> None:
+    """What the scan's refuse-every-pickle rule relies on: our own graphs pass it, and their
+    payload configs declare nothing."""
+    from neuronctl.backends.torch.safeload import check_export_graph
+
+    for rel in read_manifest(compiled_artifact).graphs:
+        check_export_graph(compiled_artifact / rel)
+        with zipfile.ZipFile(compiled_artifact / rel) as archive:
+            for name in archive.namelist():
+                data = archive.read(name)
+                if name.endswith("_config.json"):
+                    assert json.loads(data) == {"config": {}}, name
+                assert not data.startswith(b"\x80"), f"{name} looks like a pickle"
+
+
+def case_swap_graph(pt2: Path, marker: Path) -> None:
+    """The bypass: the real config names `weight_0` as pickled, a decoy config names
+    `WEIGHT_0` as raw bytes, and the member `WEIGHT_0` holds the payload. torch finds
+    `weight_0` as `WEIGHT_0`: PyTorchStreamReader::getRecordID calls
+    mz_zip_reader_locate_file(..., flags=0), i.e. without MZ_ZIP_FLAG_CASE_SENSITIVE
+    (pytorch caffe2/serialize/inline_container.cc), and unpickles it in
+    torch/export/pt2_archive/_package.py `_load_state_dict` (`if payload_meta.use_pickle:
+    torch.load(..., weights_only=False)`)."""
+    with zipfile.ZipFile(pt2) as archive:
+        members = [(info, archive.read(info)) for info in archive.infolist()]
+    prefix = members[0][0].filename.split("/")[0]
+    weights = f"{prefix}/data/weights"
+    meta = {"path_name": "weight_0", "is_param": False, "use_pickle": True, "tensor_meta": None}
+    decoy = {**meta, "path_name": "WEIGHT_0", "use_pickle": False}
+    with zipfile.ZipFile(pt2, "w") as archive:
+        for info, data in members:
+            if info.filename == f"{weights}/model_weights_config.json":
+                data = json.dumps({"config": {"w": meta}}).encode()
+            archive.writestr(info, data)
+        archive.writestr(f"{weights}/decoy_weights_config.json",
+                         json.dumps({"config": {"d": decoy}}))
+        archive.writestr(f"{weights}/WEIGHT_0", pickle.dumps(_Touch(str(marker)), protocol=2))
+
+
+@pytest.fixture()
+def case_swapped_artifact(compiled_artifact: Path, tmp_path: Path) -> tuple[Path, Path]:
+    artifact = tmp_path / "store" / "neuron-compiled-artifacts" / compiled_artifact.name
+    shutil.copytree(compiled_artifact, artifact)
+    marker = tmp_path / "pwned"
+    for rel in read_manifest(artifact).graphs:
+        case_swap_graph(artifact / rel, marker)
+    write_manifest(artifact, record_files(artifact, read_manifest(artifact)))
+    return artifact, marker
+
+
+def test_the_case_swapped_payload_is_live_in_torch(
+    case_swapped_artifact: tuple[Path, Path],
+) -> None:
+    artifact, marker = case_swapped_artifact
+    graph = artifact / read_manifest(artifact).graphs[0]
+    code = f"import torch\ntry:\n    torch.export.load({str(graph)!r})\nexcept Exception:\n    pass"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300, capture_output=True)
+    assert marker.exists()  # so the refusal below is the refusal of a real exploit
+
+
+def test_validate_deep_refuses_a_case_swapped_payload(
+    case_swapped_artifact: tuple[Path, Path],
+) -> None:
+    artifact, marker = case_swapped_artifact
+    result = cli("validate", str(artifact), "--deep", "--json")
+    assert result.returncode == 1, result.stdout + result.stderr
+    checks = {c["name"]: c for c in json.loads(result.stdout)["checks"]}
+    assert "declares a pickled payload weight_0" in checks["payloads"]["reason"]
+    assert not marker.exists()
+
+
+def test_pickle_scan_compares_member_names_case_folded(tmp_path: Path) -> None:
+    """Without the pickled declaration: a raw-declared member that is a pickle, and two
+    members that torch cannot tell apart, are each refused."""
+    from neuronctl.backends.torch.safeload import UnsafeGraphError, check_export_graph
+
+    raw = {"config": {"d": {"path_name": "WEIGHT_0", "use_pickle": False}}}
+    cases = {
+        "raw.pt2": {"m/data/weights/model_weights_config.json": json.dumps(raw).encode(),
+                    "m/data/weights/weight_0": pickle.dumps(_Touch("x"), protocol=2)},
+        "twins.pt2": {"m/models/model.json": b"{}", "m/models/MODEL.json": b"{}"},
+    }  # fmt: skip
+    for name, members in cases.items():
+        with zipfile.ZipFile(tmp_path / name, "w") as archive:
+            for member, data in members.items():
+                archive.writestr(member, data)
+        with pytest.raises(UnsafeGraphError, match="references io.open|differ only in case"):
+            check_export_graph(tmp_path / name)
+
+
+def test_a_missing_kernel_library_is_refused_not_compiled_on_the_serving_path(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An artifact whose kernel .so is gone had the kernel compiled at load (`kernel.load`),
+    on the serving host, into code nobody vouched for."""
+    from neuronctl.backends.torch import kernel
+    from neuronctl.backends.torch.runner import _load_kernel
+    from neuronctl.errors import NotFoundError
+
+    def compiled(*args: object) -> None:
+        raise AssertionError("the serving path compiled the kernel")
+
+    monkeypatch.setattr(kernel, "load", compiled)
+    monkeypatch.setattr(kernel, "_build", compiled)
+    with pytest.raises(NotFoundError, match=r"lacks kernels/.*\.so.*recompile"):
+        _load_kernel(kernel.digest(), tmp_path)
 
 
 # -- push and pull stay inside the artifact and the remote root -------------------------------

@@ -307,3 +307,191 @@ def test_compile_remote_refuses_an_unsigned_hit_instead_of_using_it(
     allowed = cli(*args, "--allow-unsigned", "--json")
     assert allowed.returncode == 0, allowed.stderr
     assert json.loads(allowed.stdout)["pulled"] is True
+
+
+# -- one load rule: a local build in a store this user owns, or a signature trusted now -------
+
+
+def _signed_in_a_shared_mount(tmp_path: Path, files: dict[str, bytes]) -> tuple[Path, Path]:
+    """An artifact pushed (signed) to a shared mount others can write to, read in place."""
+    artifact = make_artifact(tmp_path / "a", files)
+    mount = tmp_path / "mount"
+    open_remote(str(mount)).push(artifact, signer=SIGNER)
+    mount.chmod(0o777)  # a shared mount: anyone may write there
+    return artifact, remote_dir(mount, artifact)
+
+
+def test_a_directory_outside_the_users_store_is_not_a_local_build(tmp_path: Path) -> None:
+    """A shared mount used in place (`--artifacts /mnt/shared/...`) was trusted as "built on
+    this host" while `artifacts pull` of the same bytes refused them as unsigned."""
+    artifact, in_place = _signed_in_a_shared_mount(tmp_path, sample_files(big=10_000))
+    assert check_origin(artifact, read_manifest(artifact), TRUST).kind == "local-build"
+
+    vouch = check_origin(in_place, read_manifest(in_place), TRUST)
+    assert vouch.kind == SIGNED and vouch.key_id == SIGNER.key_id
+    with pytest.raises(SignatureError, match="not trusted here.*not a local build"):
+        check_origin(in_place, read_manifest(in_place), TrustPolicy())
+    (in_place / SIGNATURE).unlink()
+    with pytest.raises(SignatureError, match="is not signed.*writable by other users"):
+        check_origin(in_place, read_manifest(in_place), TRUST)
+    allowed = TrustPolicy(TRUST.keys, allow_unsigned=True)
+    assert check_origin(in_place, read_manifest(in_place), allowed).kind == UNSIGNED
+    # A copy anywhere outside a store (no store layout) is no local build either.
+    import shutil
+
+    loose = tmp_path / "somewhere" / "model"
+    shutil.copytree(artifact, loose)
+    with pytest.raises(SignatureError, match="not in a neuronctl store"):
+        check_origin(loose, read_manifest(loose), TRUST)
+
+
+def test_a_store_owned_by_another_user_is_not_a_local_build(tmp_path: Path) -> None:
+    artifact = make_artifact(tmp_path / "a", sample_files(big=10_000))
+    (tmp_path / "a").chmod(0o757)  # the store root writable by others
+    with pytest.raises(SignatureError, match="writable by other users"):
+        check_origin(artifact, read_manifest(artifact), TRUST)
+    (tmp_path / "a").chmod(0o755)
+    if os.geteuid() == 0:  # only root can give a directory away
+        os.chown(artifact, 65534, 65534)
+        with pytest.raises(SignatureError, match="owned by uid 65534, not by this user"):
+            check_origin(artifact, read_manifest(artifact), TRUST)
+
+
+def test_serve_refuses_an_unsigned_directory_outside_the_store(
+    tmp_path: Path, compiled_artifact: Path
+) -> None:
+    import shutil
+
+    loose = tmp_path / "shared" / "model"
+    shutil.copytree(compiled_artifact, loose)
+    refused = cli("serve", "--artifacts", str(loose), "--dry-run")
+    assert refused.returncode == 1, refused.stderr
+    assert "not in a neuronctl store" in refused.stderr and "Traceback" not in refused.stderr
+    allowed = cli("serve", "--artifacts", str(loose), "--dry-run", "--allow-unsigned")
+    assert allowed.returncode == 0, allowed.stderr
+    assert "NOT verified" in allowed.stdout + allowed.stderr
+
+
+def test_a_bare_name_never_resolves_to_a_directory_in_the_working_directory(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Whoever can write to a service's working directory must not replace its model code by
+    creating a directory named like the key prefix it is started with."""
+    store = Store(tmp_path / "store")
+    real = make_artifact(store.root, sample_files(big=1_000))
+    work = tmp_path / "work"
+    decoy = make_artifact(tmp_path / "elsewhere", sample_files(big=1_000), seed="b")
+    import shutil
+
+    shutil.copytree(decoy, work / real.name[:8])
+    shutil.copytree(decoy, work / "mymodel")
+    monkeypatch.chdir(work)
+
+    assert store.resolve(real.name[:8]) == real
+    assert store.resolve(f"./{real.name[:8]}") == Path(f"./{real.name[:8]}")
+    from neuronctl.errors import NotFoundError
+
+    with pytest.raises(NotFoundError) as refused:
+        store.resolve("mymodel")
+    assert refused.value.hint is not None and "./mymodel" in refused.value.hint
+
+
+def test_a_remote_key_is_compared_in_full(tmp_path: Path) -> None:
+    """A URL whose key has the right 20-character directory name and a wrong tail named the
+    artifact anyway: only the first 20 characters were compared."""
+    from neuronctl.store.remote import resolve_artifacts_arg
+
+    artifact = make_artifact(tmp_path / "a", sample_files(big=10_000))
+    remote = tmp_path / "remote"
+    open_remote(str(remote)).push(artifact, signer=SIGNER)
+    full = read_manifest(artifact).artifact_key
+    wrong = full[:20] + ("0" if full[20] != "0" else "1") + full[21:]
+    store = Store(tmp_path / "host")
+
+    with pytest.raises(RemoteArtifactError, match=f"is for artifact {full}, not {wrong}"):
+        resolve_artifacts_arg(f"{remote.as_uri()}/{wrong}", store, policy=TRUST)
+    assert visible(store) == []
+    assert resolve_artifacts_arg(f"{remote.as_uri()}/{full}", store, policy=TRUST).is_dir()
+    with pytest.raises(RemoteArtifactError, match="is for artifact"):  # the cache hit too
+        resolve_artifacts_arg(f"{remote.as_uri()}/{wrong}", store, policy=TRUST)
+
+
+def test_a_code_file_replaced_at_the_same_size_is_refused_at_every_load(tmp_path: Path) -> None:
+    """A pulled artifact whose kernel .so is swapped locally (same size) passed the stat-only
+    checks and was loaded under "signature by trusted key"."""
+    files = {**sample_files(big=10_000), "kernels/neuronctl_kernel_x.so": os.urandom(5_000)}
+    artifact = make_artifact(tmp_path / "a", files)
+    remote = open_remote(str(tmp_path / "remote"))
+    remote.push(artifact, signer=SIGNER)
+    pulled = remote.pull(artifact.name, Store(tmp_path / "host"), policy=TRUST).path
+    assert check_origin(pulled, read_manifest(pulled), TRUST).kind == SIGNED
+
+    (pulled / "kernels/neuronctl_kernel_x.so").write_bytes(os.urandom(5_000))
+
+    with pytest.raises(SignatureError, match="neuronctl_kernel_x.so is not the signed file"):
+        check_origin(pulled, read_manifest(pulled), TRUST)
+    allowed = TrustPolicy(TRUST.keys, allow_unsigned=True)
+    assert check_origin(pulled, read_manifest(pulled), allowed).kind == UNSIGNED
+
+
+def test_validate_judges_trust_as_generate_does(
+    tmp_path: Path, compiled_artifact: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """validate said "reusable" (exit 0) for a pulled artifact whose signer is not trusted,
+    which generate and serve then refused: CI's "validate, then serve" passed, the service
+    failed."""
+    remote = open_remote(str(tmp_path / "remote"))
+    remote.push(compiled_artifact, signer=STRANGER)
+    store = Store(tmp_path / "host")
+    remote.pull(compiled_artifact.name, store, policy=TrustPolicy(allow_unsigned=True))
+    monkeypatch.setenv("NEURONCTL_STORE", str(store.root))
+    stranger_pub = write_keypair(STRANGER_KEY, tmp_path / "stranger")[1]
+    key = compiled_artifact.name[:8]
+
+    trusting = ["--trust-key", str(stranger_pub)]
+    for flags, code in (([], 1), (["--allow-unsigned"], 0), (trusting, 0)):
+        checked = cli("validate", key, "--json", *flags)
+        served = cli("serve", "--artifacts", key, "--dry-run", *flags)
+        assert checked.returncode == served.returncode == code, (flags, checked.stdout,
+                                                                 served.stderr)  # fmt: skip
+        trust = {c["name"]: c for c in json.loads(checked.stdout)["checks"]}["trust"]
+        assert trust["ok"] is (code == 0)
+        assert code == 0 or "not trusted here" in trust["reason"]
+    assert "--trust-key" in cli("bench", "--help").stdout
+
+
+def test_revoking_a_key_stops_graphs_reused_from_its_artifact(
+    tmp_path: Path, tiny_llama: Path, compiled_artifact: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A local compile that reused a pulled artifact's graphs kept loading them as "built on
+    this host" after the signer's key was removed."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    from neuronctl.build import compile_model, resolve_build
+    from tests.conftest import TINY_SPEC
+
+    remote = open_remote(str(tmp_path / "remote"))
+    remote.push(compiled_artifact, signer=SIGNER)
+    store = Store(tmp_path / "host")
+    remote.pull(compiled_artifact.name, store, policy=TRUST)
+    tuned = tmp_path / "tuned"
+    shutil.copytree(tiny_llama, tuned)
+    tensors = load_file(str(tuned / "model.safetensors"))
+    name = next(iter(tensors))
+    tensors[name] = tensors[name] + 1
+    save_file(tensors, str(tuned / "model.safetensors"), metadata={"format": "pt"})
+
+    out = compile_model(resolve_build(str(tuned), TINY_SPEC, store_dir=store.root), jobs=1)
+    assert out.graphs_reused
+
+    vouch = check_origin(out.path, read_manifest(out.path), TRUST)
+    assert vouch.kind == "local-build" and vouch.key_id == SIGNER.key_id
+    with pytest.raises(SignatureError, match="reuses graphs from .* no trusted key vouches"):
+        check_origin(out.path, read_manifest(out.path), TrustPolicy())  # the key revoked
+    checked = cli("validate", str(out.path), "--json", env={TRUSTED_KEYS_ENV: ""})
+    assert checked.returncode == 1, checked.stdout
+    monkeypatch.setenv(TRUSTED_KEYS_ENV, "")  # nor does another key launder them by signing
+    with pytest.raises(SignatureError, match="refusing to sign"):
+        open_remote(str(tmp_path / "mirror")).push(out.path, signer=STRANGER)

@@ -36,8 +36,10 @@ class FakeBackend:
 
 @pytest.fixture
 def artifact(compiled_artifact: Path, tmp_path: Path) -> Path:
-    """A private copy of the real compiled artifact (conftest.TINY_SPEC): tests damage it."""
-    return Path(shutil.copytree(compiled_artifact, tmp_path / "copy" / compiled_artifact.name))
+    """A private copy of the real compiled artifact (conftest.TINY_SPEC): tests damage it. In
+    a store of this user's, so that the trust check takes it for a local build."""
+    store = tmp_path / "copy" / "neuron-compiled-artifacts"
+    return Path(shutil.copytree(compiled_artifact, store / compiled_artifact.name))
 
 
 def _cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, dict[str, Any]]:

@@ -37,6 +37,13 @@ def open_checkpoint(
         return open_local(ref, path.absolute(), allow_pickle=allow_pickle)
     if not looks_like_hub_id(ref):
         raise NotFoundError(f"{ref} does not exist", "name a checkpoint directory or a Hub id")
+    if (parent := path.parent) != Path(".") and parent.is_dir():
+        # ORG/NAME where ORG is a local directory: a mistyped path, not a Hub id to fetch
+        raise NotFoundError(
+            f"{ref} does not exist ({parent}/ is a local directory)",
+            f"check the name (`ls {parent}`); a Hub id is only fetched when no local "
+            f"directory {parent}/ is there",
+        )
     from neuronctl.checkpoints.hub import snapshot
 
     local, sha = snapshot(ref, revision, cache_only=not download)

@@ -240,8 +240,15 @@ def hub_errors(repo_id: str, revision: str | None) -> Iterator[None]:
         raise mapped from None
 
 
+# The HTTP clients huggingface_hub has used (requests up to 0.x, httpx, httpx2 in 1.x-2.x):
+# their transport errors (refused, DNS, TLS, timeouts) reach us unwrapped. Matched by module
+# so that no version of the hub needs a client it does not depend on.
+HTTP_CLIENT_MODULES = frozenset({"requests", "urllib3", "httpx", "httpx2", "httpcore"})
+
+
 def map_hub_error(exc: BaseException, repo_id: str, revision: str | None) -> NeuronctlError | None:
-    import httpx2
+    """A one-line error for what huggingface_hub raised, through its public exception types
+    (`huggingface_hub.errors`) and the transport errors of whichever HTTP client it uses."""
     from huggingface_hub import errors
 
     rev = f" at revision {revision}" if revision else ""
@@ -263,7 +270,8 @@ def map_hub_error(exc: BaseException, repo_id: str, revision: str | None) -> Neu
             "and downloads are off (HF_HUB_OFFLINE=1)",
             f"run `neuronctl download {repo_id}` with network access first",
         )
-    if isinstance(exc, httpx2.HTTPError | errors.HfHubHTTPError | ConnectionError):
+    transport = type(exc).__module__.split(".")[0] in HTTP_CLIENT_MODULES
+    if transport or isinstance(exc, errors.HfHubHTTPError | ConnectionError | TimeoutError):
         return CheckpointError(
             f"cannot download {repo_id}{rev} from {endpoint()}: {str(exc).splitlines()[0]}",
             "check the network, or set HF_HUB_OFFLINE=1 to use the local cache",

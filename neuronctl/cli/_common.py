@@ -62,7 +62,8 @@ AllowUnsignedOpt = Annotated[
     bool,
     typer.Option(
         "--allow-unsigned",
-        help="Use a remote artifact that has no trusted signature (its files run as code here).",
+        help="Load an artifact that neither a local build in your store nor a trusted signature "
+        "vouches for (its code runs here unverified); needed at every use.",
     ),
 ]
 SignKeyOpt = Annotated[

@@ -6,7 +6,16 @@ from typing import Any
 
 import typer
 
-from neuronctl.cli._common import ArtifactsOpt, JsonOpt, console, print_json, table
+from neuronctl.cli._common import (
+    AllowUnsignedOpt,
+    ArtifactsOpt,
+    JsonOpt,
+    TrustKeyOpt,
+    console,
+    print_json,
+    say_vouch,
+    table,
+)
 from neuronctl.errors import NeuronctlError, UsageError
 
 ORDER = 70
@@ -22,6 +31,8 @@ def bench_command(
     max_tokens: int = typer.Option(64, "--max-tokens", min=1, help="Output tokens per request."),
     warmup: int = typer.Option(1, "--warmup", min=0, help="Unmeasured requests first."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random prompts."),
+    trust_key: TrustKeyOpt = None,
+    allow_unsigned: AllowUnsignedOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Measure an artifact: time to first token (TTFT), time per output token (TPOT),
@@ -41,8 +52,10 @@ def bench_command(
     """
     from neuronctl.engine.bench import bench_engine
     from neuronctl.engine.loader import make_engine, open_artifact
+    from neuronctl.store.signing import TrustPolicy
 
-    loaded = open_artifact(artifacts)
+    loaded = open_artifact(artifacts, policy=TrustPolicy.load(trust_key, allow_unsigned))
+    say_vouch(loaded.vouch)
     runner = loaded.runner
     limit = min(runner.max_context_length, max(runner.context_buckets))
     if prompt_len > limit:

@@ -143,7 +143,7 @@ def pull_command(
     policy = TrustPolicy.load(trust_key, allow_unsigned)
     dirname = remote.resolve(key)
     with progress_for(json_out, bytes_=True) as progress:
-        published = remote.pull(dirname, local, progress, policy)
+        published = remote.pull(dirname, local, progress, policy, key)
     manifest = read_manifest(published.path)
     vouch = check_origin(published.path, manifest, policy)
     if vouch.kind == UNSIGNED:

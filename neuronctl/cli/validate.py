@@ -4,15 +4,17 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import typer
 
 from neuronctl.cli._common import (
+    AllowUnsignedOpt,
     ConfigOpt,
     JsonOpt,
     RevisionOpt,
     StoreOpt,
+    TrustKeyOpt,
     console,
     print_json,
     table,
@@ -21,6 +23,9 @@ from neuronctl.cli._common import (
 from neuronctl.cli._progress import progress_for
 from neuronctl.errors import EXIT_FAILED, EXIT_OK, UsageError
 from neuronctl.validate import Report, requested_spec, validate_artifact
+
+if TYPE_CHECKING:
+    from neuronctl.store.signing import TrustPolicy
 
 ORDER = 30
 ARTIFACTS_ENV = "NEURON_COMPILED_ARTIFACTS"
@@ -46,6 +51,8 @@ def validate_command(
         False, "--deep", help="Re-hash every byte against the manifest's sha256 (slow)."
     ),
     store: StoreOpt = None,
+    trust_key: TrustKeyOpt = None,
+    allow_unsigned: AllowUnsignedOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
     """Check that an artifact can be reused as-is: for this spec, on this host.
@@ -54,7 +61,9 @@ def validate_command(
     --deep, its sha256 too); backend/compiler/runtime versions and NEURON_CC_FLAGS match this
     host; the requested spec (flags or -c FILE, when given) equals the compiled one on every
     field that changes the compiled result; the host has the cores the tp degree needs; with
-    --model, the checkpoint is the one it was built from.
+    --model, the checkpoint is the one it was built from; and the trust check generate and
+    serve run before loading (a local build in a store you own, or a signature by a key
+    trusted now: --trust-key, --allow-unsigned take the same values as theirs).
 
     Exit codes: 0 reusable, 1 not reusable (or not found), 2 usage error.
 
@@ -66,7 +75,10 @@ def validate_command(
 
       neuronctl validate -c neuronctl.toml --model ./llama --deep --json
     """
-    target = resolve_target(path, store)
+    from neuronctl.store.signing import TrustPolicy
+
+    policy = TrustPolicy.load(trust_key, allow_unsigned)
+    target = resolve_target(path, store, policy)
     spec, sources = requested_spec(spec_flags, config)
     with progress_for(quiet=json_out or not deep, bytes_=True) as progress:
         report = validate_artifact(
@@ -77,6 +89,7 @@ def validate_command(
             deep=deep,
             progress=progress,
             sources=sources,
+            policy=policy,
         )
     if json_out:
         print_json(report.as_dict())
@@ -85,7 +98,9 @@ def validate_command(
     raise typer.Exit(EXIT_OK if report.reusable else EXIT_FAILED)
 
 
-def resolve_target(path: str | None, store: Path | None) -> Path:
+def resolve_target(
+    path: str | None, store: Path | None, policy: TrustPolicy | None = None
+) -> Path:
     """KEY|PATH|URL, else $NEURON_COMPILED_ARTIFACTS (store.resolve's one rule)."""
     text = path or os.environ.get(ARTIFACTS_ENV)
     if not text:
@@ -94,7 +109,7 @@ def resolve_target(path: str | None, store: Path | None) -> Path:
         )
     from neuronctl.store.resolve import resolve_artifact
 
-    return resolve_artifact(text, store)
+    return resolve_artifact(text, store, policy=policy)
 
 
 def render(report: Report) -> None:

@@ -5,7 +5,7 @@ Layout under `<root>/neuron-compiled-artifacts/`:
   .staging/<key>.<id>/   work in progress; never looks like an artifact
   .locks/<key>.lock      one lock per key: one process builds, the others wait and reuse
   .trash/                replaced artifacts on their way out
-  .failed/<key>.<id>/    what a failed build left, with its logs, until `gc`
+  .failed/<key>.<id>/    what the last failed build of a key left, with its logs, until `gc`
 """
 
 from __future__ import annotations
@@ -148,7 +148,11 @@ class Store:
         if not isinstance(exc, Exception):
             shutil.rmtree(staging, ignore_errors=True)
             return
-        kept = self._private(".failed") / staging.name
+        failed = self._private(".failed")
+        key = staging.name.split(".", 1)[0]
+        for earlier in failed.glob(f"{key}.*"):  # one kept failure per key, not per attempt
+            shutil.rmtree(earlier, ignore_errors=True)
+        kept = failed / staging.name
         staging.rename(kept)
         if isinstance(exc, NeuronctlError) and exc.hint is None:
             exc.hint = f"build files and logs kept in {kept}; `neuronctl artifacts gc` removes them"
@@ -177,20 +181,27 @@ class Store:
                 yield path, None
 
     def resolve(self, key_or_path: str) -> Path:
-        """What a command's KEY|PATH argument names: a path when it is spelled like one (or
-        an existing directory), else an artifact of this store by key or unique prefix.
+        """What a command's KEY|PATH argument names: a path when it is spelled like one
+        (has a separator, starts with `.` or `~`), else an artifact of this store by key or
+        unique prefix. A bare name is never looked up in the working directory: whoever can
+        write there must not be able to stand in for a key of the store.
 
         A path to a store (its root or its neuron-compiled-artifacts directory) is refused
         with a hint: it holds artifacts, it is not one."""
         path = Path(key_or_path).expanduser()
-        if path.is_dir() or os.sep in key_or_path or key_or_path.startswith("."):
+        if "/" in key_or_path or os.sep in key_or_path or key_or_path.startswith((".", "~")):
             if not is_artifact(path) and is_store(path):
                 raise UsageError(
                     f"{path} is an artifact store, not an artifact",
                     f"name an artifact by key: --store {path} KEY (see `neuronctl artifacts list`)",
                 )
             return path
-        return self.find(key_or_path)
+        try:
+            return self.find(key_or_path)
+        except NotFoundError as exc:
+            if path.is_dir():
+                exc.hint = f"a bare name is a key of the store; for the directory, write ./{path}"
+            raise
 
     def find(self, key_or_prefix: str) -> Path:
         """An artifact by full key, directory name or unique prefix of either."""

@@ -42,6 +42,9 @@ from neuronctl.spec import BuildSpec, ModelShape
 MANIFEST = "manifest.json"
 MANIFEST_TMP = MANIFEST + ".tmp"
 HASH_CHUNK = 8 * 1024 * 1024
+# Metadata is read with a cap before it is parsed: a hostile or broken manifest.json cannot
+# exhaust memory. 64 MiB holds the manifest of an artifact with several hundred thousand files.
+MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 # A store's private directories: what is under them is never an artifact (store/local.py).
 PRIVATE_DIRS = frozenset({".staging", ".failed", ".trash", ".locks"})
 # Stray files with these suffixes could be picked up by a loader (a graph, a weight shard,
@@ -213,16 +216,42 @@ def write_manifest(root: Path, manifest: Manifest) -> None:
     os.replace(tmp, root / MANIFEST)
 
 
+def read_capped(path: Path, cap: int) -> bytes:
+    """A small local file's bytes, refused above `cap` bytes and unless it is a regular file.
+
+    Opened non-blocking and checked with fstat, so a FIFO (or a device) named like a
+    manifest fails at once instead of hanging the reader; never reads more than cap + 1."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | getattr(os, "O_CLOEXEC", 0))
+    try:
+        info = os.fstat(fd)
+        if not stat.S_ISREG(info.st_mode):
+            raise NeuronctlError(f"{path} is not a regular file")
+        if info.st_size > cap:
+            raise NeuronctlError(f"{path} is {info.st_size} bytes, over the {cap}-byte limit")
+        chunks, left = [], cap + 1
+        while left > 0 and (chunk := os.read(fd, min(left, HASH_CHUNK))):
+            chunks.append(chunk)
+            left -= len(chunk)
+    finally:
+        os.close(fd)
+    data = b"".join(chunks)
+    if len(data) > cap:  # it grew since the fstat
+        raise NeuronctlError(f"{path} is over the {cap}-byte limit")
+    return data
+
+
 def read_manifest(root: Path) -> Manifest:
     path = root / MANIFEST
     try:
-        data = json.loads(path.read_text())
+        data = json.loads(read_capped(path, MAX_MANIFEST_BYTES))
+    except NeuronctlError as exc:
+        raise NotFoundError(exc.message) from None
     except FileNotFoundError:
         raise NotFoundError(
             f"{root} is not an artifact: no {MANIFEST}",
             "compile one with `neuronctl compile MODEL`",
         ) from None
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
         raise NotFoundError(f"{path} is not valid JSON: {exc}") from None
     try:
         return Manifest.model_validate(data)

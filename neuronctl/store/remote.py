@@ -15,6 +15,7 @@ Pull re-hashes every downloaded byte before the artifact becomes visible.
 
 from __future__ import annotations
 
+import errno
 import functools
 import hashlib
 import os
@@ -38,14 +39,17 @@ from neuronctl.store.local import ARTIFACTS_DIR, Published, Store
 from neuronctl.store.manifest import (
     HASH_CHUNK,
     MANIFEST,
+    MAX_MANIFEST_BYTES,
     FileEntry,
     Manifest,
     is_intact,
     path_rule,
+    read_capped,
     read_manifest,
     sha256_file,
 )
 from neuronctl.store.signing import (
+    MAX_SIGNATURE_BYTES,
     PROVENANCE,
     SIGNATURE,
     Provenance,
@@ -74,6 +78,22 @@ class RemoteArtifactError(NeuronctlError):
 
 class RemoteUnreachableError(NeuronctlError):
     """The remote store could not be reached: network, credentials, permissions."""
+
+
+class LocalDiskError(NeuronctlError):
+    """This host's disk refused a write (full, read-only, no permission): not the remote."""
+
+
+LOCAL_DISK_ERRNOS = frozenset({errno.ENOSPC, errno.EDQUOT, errno.EROFS, errno.EACCES, errno.EPERM})
+
+
+def local_disk_error(exc: OSError, path: Path | str | None = None) -> LocalDiskError:
+    where = path if path is not None else exc.filename
+    return LocalDiskError(
+        f"cannot write {where} on this host: {exc.strerror or exc}",
+        "free space on that disk or make it writable, or use another store (--store, "
+        "$NEURONCTL_STORE)",
+    )
 
 
 # Libraries whose exceptions mean "the remote said no or could not be reached".
@@ -117,6 +137,8 @@ def _remote_errors(method: Callable[..., Any]) -> Callable[..., Any]:
         except NeuronctlError:
             raise
         except Exception as exc:
+            if isinstance(exc, OSError) and _is_local_disk(self, exc):
+                raise local_disk_error(exc) from None
             mapped = _unreachable(self.url, exc)
             if mapped is None:
                 raise
@@ -164,6 +186,17 @@ class _BytesCallback(Callback):
         """Account for bytes a file system did not report (LocalFileSystem reports none)."""
         if size > self.reported:
             self.relative_update(size - self.reported)
+
+
+def _is_local_disk(remote: RemoteStore, exc: OSError) -> bool:
+    """A write refused by a disk of this host (the store, its staging), not by the remote: an
+    absolute local path outside a shared-mount remote."""
+    if exc.errno not in LOCAL_DISK_ERRNOS:
+        return False
+    name = str(exc.filename or "")
+    if not name.startswith("/"):
+        return False
+    return not (remote.is_local and name.startswith(remote.artifacts.rstrip("/") + "/"))
 
 
 def _fs_options(protocol: str) -> dict[str, Any]:
@@ -228,11 +261,8 @@ class RemoteStore:
 
     @_remote_errors
     def manifest(self, dirname: str) -> Manifest | None:
-        try:
-            data = self.fs.cat_file(self.path(dirname, MANIFEST))
-        except FileNotFoundError:
-            return None
-        return self._parse(dirname, data)
+        data = self._read(dirname, MANIFEST)
+        return None if data is None else self._parse(dirname, data)
 
     @_remote_errors
     def sizes(self, dirname: str) -> dict[str, int]:
@@ -265,7 +295,7 @@ class RemoteStore:
         key = key_or_prefix.strip("/")
         if not key or "/" in key or key.startswith("."):
             raise UsageError(f"{key_or_prefix!r} is not an artifact key")
-        if len(key) >= KEY_LENGTH:
+        if len(key) >= KEY_LENGTH:  # the rest of the key is compared with the signed manifest
             return key[:KEY_LENGTH]
         matches = [name for name in self.list_keys() if name.startswith(key)]
         if len(matches) == 1:
@@ -425,9 +455,18 @@ class RemoteStore:
         source = root / rel
         target = self.path(dirname, rel)
         callback = _BytesCallback(advance)
+        # Hash what is sent: a file damaged at its recorded size is never uploaded (the
+        # manifest would vouch for it), and S3's sha256 metadata states the bytes' own hash.
+        sha = sha256_file(source)
+        if sha != entry.sha256:
+            raise RemoteArtifactError(
+                f"{source} is not the file its manifest records (sha256 {sha[:12]}…, recorded "
+                f"{entry.sha256[:12]}…): refusing to push a damaged artifact",
+                f"check it with `neuronctl validate --deep {root}`; recompile or pull it again",
+            )
         kwargs: dict[str, Any] = {}
         if self.is_s3:
-            kwargs["Metadata"] = {SHA_METADATA: entry.sha256}
+            kwargs["Metadata"] = {SHA_METADATA: sha}
         if self.is_local:
             # A shared mount has no atomic object PUT: copy beside, then rename into place.
             tmp = f"{target}.tmp-{uuid.uuid4().hex[:8]}"
@@ -447,10 +486,23 @@ class RemoteStore:
             self.fs.pipe_file(target, data)
 
     def _read(self, dirname: str, name: str) -> bytes | None:
+        """A remote metadata file, read with a size cap before anything parses it (a sparse
+        multi-GB manifest.sig must not fill memory); a FIFO on a shared mount is refused,
+        never waited on."""
+        cap = MAX_SIGNATURE_BYTES if name == SIGNATURE else MAX_MANIFEST_BYTES
+        where = f"{self.artifact_url(dirname)}/{name}"
         try:
-            return bytes(self.fs.cat_file(self.path(dirname, name)))
+            if self.is_local:
+                return read_capped(Path(self.path(dirname, name)), cap)
+            with self.fs.open(self.path(dirname, name), "rb") as f:
+                data = bytes(f.read(cap + 1))
         except FileNotFoundError:
             return None
+        except NeuronctlError as exc:
+            raise RemoteArtifactError(f"{where}: {exc.message}") from None
+        if len(data) > cap:
+            raise RemoteArtifactError(f"{where} is over the {cap}-byte limit")
+        return data
 
     def _parse(self, dirname: str, data: bytes) -> Manifest:
         try:
@@ -471,10 +523,13 @@ class RemoteStore:
         store: Store,
         progress: Progress | None = None,
         policy: TrustPolicy | None = None,
+        key: str = "",
     ) -> Published:
         """Download an artifact into `store`: signature checked against `policy` first, then
         every byte against the signed sha256 list, published atomically under its lock.
 
+        `key` is the key as the user asked for it (a prefix of the artifact key, maybe all of
+        it): the signed manifest's artifact key must start with every character of it.
         A local copy (pulled earlier, or built here) is a cache hit; its provenance is checked
         against `policy` just the same."""
         if not DIRNAME_RE.fullmatch(dirname):
@@ -483,7 +538,7 @@ class RemoteStore:
         state: dict[str, Any] = {}
 
         def build(staging: Path) -> Manifest:
-            manifest, provenance = self._checked_manifest(dirname, policy)
+            manifest, provenance = self._checked_manifest(dirname, policy, key)
             state.update(staging=staging, remote_bytes=provenance.manifest_bytes)
             self._download(dirname, manifest, staging, progress or NullProgress())
             (staging / PROVENANCE).write_text(provenance.to_json())
@@ -502,22 +557,28 @@ class RemoteStore:
         if not is_intact(store.path(dirname)):
             # Refuse an untrusted remote before anything is staged; build checks it again
             # under the lock, on the bytes it then downloads against.
-            self._checked_manifest(dirname, policy)
+            self._checked_manifest(dirname, policy, key)
         published = store.publish(dirname, build, reuse=is_intact, on_step=on_step)
         if published.cache_hit:
-            check_origin(published.path, read_manifest(published.path), policy)
+            local = read_manifest(published.path)
+            _check_key(local.artifact_key, key, str(published.path))
+            check_origin(published.path, local, policy)
         return published
 
     @_remote_errors
-    def check_trusted(self, dirname: str, policy: TrustPolicy | None = None) -> None:
+    def check_trusted(
+        self, dirname: str, policy: TrustPolicy | None = None, key: str = ""
+    ) -> None:
         """Raise unless `policy` trusts the remote artifact; nothing is downloaded."""
-        self._checked_manifest(dirname, policy if policy is not None else TrustPolicy.load())
+        self._checked_manifest(dirname, policy if policy is not None else TrustPolicy.load(), key)
 
     def vouch(self, path: Path, policy: TrustPolicy | None = None) -> Vouch:
         """Who vouches for a pulled (or local) artifact under `policy`."""
         return check_origin(path, read_manifest(path), policy or TrustPolicy.load())
 
-    def _checked_manifest(self, dirname: str, policy: TrustPolicy) -> tuple[Manifest, Provenance]:
+    def _checked_manifest(
+        self, dirname: str, policy: TrustPolicy, key: str = ""
+    ) -> tuple[Manifest, Provenance]:
         """The remote manifest, only after its signature and every path in it checked out."""
         url = self.artifact_url(dirname)
         raw = self._read(dirname, MANIFEST)
@@ -536,6 +597,7 @@ class RemoteStore:
                 f"{url}/{MANIFEST} is for artifact {manifest.artifact_key[:KEY_LENGTH]}, "
                 f"not {dirname}"
             )
+        _check_key(manifest.artifact_key, key, f"{url}/{MANIFEST}")
         for rel in manifest.files:
             problem = entry_problem(rel)
             if problem:
@@ -560,10 +622,7 @@ class RemoteStore:
             (staging / rel).parent.mkdir(parents=True, exist_ok=True)
 
         def fetch(rel: str) -> None:
-            callback = _BytesCallback(advance)
-            self.fs.get_file(self.path(dirname, rel), str(staging / rel), callback=callback)
-            callback.finish(manifest.files[rel].size)
-            got = sha256_file(staging / rel)  # just written: read back from the page cache
+            got = self._fetch(dirname, rel, manifest.files[rel].size, staging / rel, advance)
             if got != manifest.files[rel].sha256:
                 raise RemoteArtifactError(
                     f"{self.artifact_url(dirname)}/{rel} is corrupted: expected sha256 "
@@ -572,6 +631,59 @@ class RemoteStore:
                 )
 
         _run_all(fetch, list(manifest.files))
+
+    def _fetch(
+        self, dirname: str, rel: str, size: int, dest: Path, advance: Callable[[float], None]
+    ) -> str:
+        """Copy one object, never more than its signed size (an object that grew after its
+        size was checked is refused, not downloaded whole); returns the sha256 of the bytes
+        written."""
+        digest = hashlib.sha256()
+        left = size
+        with self._open_object(dirname, rel) as src:
+            out = _on_this_host(lambda: open_output(dest), dest)
+            try:
+                while left > 0 and (chunk := src.read(min(HASH_CHUNK, left))):
+                    digest.update(chunk)
+                    _on_this_host(lambda: out.write(chunk), dest)
+                    left -= len(chunk)
+                    advance(len(chunk))
+            finally:
+                _on_this_host(out.close, dest)  # a full disk may say so only at the flush
+            grew = bool(src.read(1))
+        if left or grew:
+            raise RemoteArtifactError(
+                f"{self.artifact_url(dirname)}/{rel} changed size during the pull "
+                f"(signed: {size} bytes)",
+                "the remote artifact is being rewritten; pull again, or push it again with "
+                "--force",
+            )
+        return digest.hexdigest()
+
+    def _open_object(self, dirname: str, rel: str) -> Any:
+        """A remote object for reading; on a shared mount only a regular file (a FIFO or a
+        device there is refused at once, not waited on)."""
+        path = self.path(dirname, rel)
+        if not self.is_local:
+            return self.fs.open(path, "rb")
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)
+        if not stat.S_ISREG(os.fstat(fd).st_mode):
+            os.close(fd)
+            raise RemoteArtifactError(f"{self.artifact_url(dirname)}/{rel} is not a regular file")
+        return os.fdopen(fd, "rb")
+
+
+def _on_this_host(action: Callable[[], Any], dest: Path) -> Any:
+    """A write to this host's disk: its failure is reported as local, never as the remote."""
+    try:
+        return action()
+    except OSError as exc:
+        raise local_disk_error(exc, dest) from None
+
+
+def open_output(dest: Path) -> Any:
+    """Where a pulled file is written (a seam: tests make it a full disk)."""
+    return open(dest, "wb")
 
 
 def resolve_artifacts_arg(
@@ -586,22 +698,32 @@ def resolve_artifacts_arg(
     """
     if "://" not in value:
         return Path(value).expanduser()
-    remote, dirname = _remote_artifact(value)
-    return remote.pull(dirname, store, progress, policy).path
+    remote, dirname, key = _remote_artifact(value)
+    return remote.pull(dirname, store, progress, policy, key).path
 
 
 def check_remote_trust(value: str, policy: TrustPolicy | None = None) -> None:
     """Refuse a remote artifact `policy` does not trust, reading only its manifest and
     signature (what --dry-run does instead of pulling)."""
-    remote, dirname = _remote_artifact(value)
-    remote.check_trusted(dirname, policy)
+    remote, dirname, key = _remote_artifact(value)
+    remote.check_trusted(dirname, policy, key)
 
 
-def _remote_artifact(value: str) -> tuple[RemoteStore, str]:
-    """The remote store an artifact URL names, and the artifact's directory name in it."""
+def _remote_artifact(value: str) -> tuple[RemoteStore, str, str]:
+    """The remote store an artifact URL names, the artifact's directory name in it, and the
+    key as written in the URL (compared in full with the signed manifest)."""
     url, key = split_artifact_url(value)
     remote = open_remote(url)
-    return remote, remote.resolve(key)
+    return remote, remote.resolve(key), key
+
+
+def _check_key(artifact_key: str, wanted: str, where: str) -> None:
+    """Every character of the requested key must match: not only the directory name."""
+    if wanted and not artifact_key.startswith(wanted.lower()):
+        raise RemoteArtifactError(
+            f"{where} is for artifact {artifact_key}, not {wanted}",
+            "check the key in the URL (`neuronctl artifacts list` shows full keys)",
+        )
 
 
 def split_artifact_url(value: str) -> tuple[str, str]:
@@ -683,21 +805,20 @@ class PushSource:
     def read(cls, root: Path, signing: bool = False) -> PushSource:
         local = read_manifest(root)
         origin = read_provenance(root)
+        if signing:  # a signature vouches: only for what this host or a trusted key vouches for
+            try:
+                check_origin(root, local, TrustPolicy.load())
+            except SignatureError as exc:
+                raise SignatureError(
+                    f"refusing to sign {root}: nothing vouches for it here ({exc.message})",
+                    "sign artifacts where they are built",
+                ) from None
         if origin is None:
-            source = cls(root, local, (root / MANIFEST).read_bytes())
+            source = cls(root, local, read_capped(root / MANIFEST, MAX_MANIFEST_BYTES))
         else:
             problem = differs_from(local, origin.manifest_bytes)
             if problem:
                 raise RemoteArtifactError(f"{root} changed since it was pulled: {problem}")
-            if signing:  # a signature vouches: only for what a trusted key vouched for first
-                try:
-                    check_origin(root, local, TrustPolicy.load())
-                except SignatureError as exc:
-                    raise SignatureError(
-                        f"refusing to sign {root}: it was pulled without a trusted signature "
-                        f"({exc.message})",
-                        "sign artifacts where they are built",
-                    ) from None
             remote = Manifest.model_validate_json(origin.manifest_bytes)
             source = cls(root, remote, origin.manifest_bytes, origin.signature)
         source.check()

@@ -3,8 +3,9 @@
 - a URL (`s3://bucket/prefix/KEY`, `file:///…/KEY`, optionally with a
   `/neuron-compiled-artifacts/` segment): the artifact in that remote store, pulled (verified)
   into the local store first;
-- a path (contains a separator, starts with `.`, or is an existing directory): that directory;
-- anything else: a key, directory name or unique prefix in the local store.
+- a path (contains a separator, starts with `.` or `~`): that directory;
+- anything else: a key, directory name or unique prefix in the local store (never a directory
+  of the working directory: `./name` names that one).
 
 The local store is `--store` (its root or its `neuron-compiled-artifacts` directory), else the
 one default (`store.local.default_store_root`: $NEURONCTL_STORE, else ~/.cache/neuronctl).

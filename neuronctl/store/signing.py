@@ -10,8 +10,18 @@ Files:
   <local>/<key>/provenance.json written by pull: where the artifact came from, the remote
                                 manifest's exact bytes and its signature, so that every later
                                 load re-checks the signature against the keys trusted *then*.
-An artifact without provenance.json was built on this host (or copied in by hand): the local
-file system vouches for it.
+  <local>/<key>/graph-origin.json  written by compile when it reused the graphs of a pulled
+                                artifact: that artifact's signed manifest, its signature and
+                                the graphs taken from it, so revoking the key stops them too.
+
+The one load rule (check_origin): code loads only from
+  - a local build: no provenance.json, inside a store this user owns
+    (`<root>/neuron-compiled-artifacts/<key>/`, all three owned by this user and writable by
+    no one else), and any graphs it reused from a pulled artifact still vouched for;
+  - an artifact a key trusted *now* signed (provenance.json of a pull, or the manifest.sig of
+    a pushed artifact read in place on a shared mount), its code files (graphs, shared
+    libraries) hashed against the signed manifest at every load;
+  - anything else only with --allow-unsigned.
 
 Keys: `neuronctl artifacts keygen NAME` writes NAME.key (private, PKCS#8 PEM, mode 0600) and
 NAME.pub. A pusher signs with --sign-key or $NEURONCTL_SIGNING_KEY (a path, or the PEM text
@@ -36,10 +46,23 @@ from cryptography.hazmat.primitives import serialization
 from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
 
 from neuronctl.errors import NeuronctlError, UsageError
-from neuronctl.store.manifest import Manifest
+from neuronctl.store.manifest import (
+    MANIFEST,
+    MAX_MANIFEST_BYTES,
+    Manifest,
+    read_capped,
+    sha256_file,
+)
 
 SIGNATURE = "manifest.sig"
 PROVENANCE = "provenance.json"
+GRAPH_ORIGIN = "graph-origin.json"
+ARTIFACTS_DIR = "neuron-compiled-artifacts"  # a store's layout (store/local.py)
+MAX_SIGNATURE_BYTES = 64 * 1024  # a manifest.sig is ~300 bytes
+MAX_PROVENANCE_BYTES = 2 * MAX_MANIFEST_BYTES  # a base64 manifest and its signature
+# Files that are code when loaded: graphs (the manifest names them) and shared libraries,
+# TorchScript and NEFF files by suffix. Hashed against the signed manifest at every load.
+CODE_SUFFIXES = (".so", ".pt2", ".pt", ".neff")
 SIGNING_KEY_ENV = "NEURONCTL_SIGNING_KEY"
 TRUSTED_KEYS_ENV = "NEURONCTL_TRUSTED_KEYS"
 SIGNATURE_FORMAT = "neuronctl-signature/1"
@@ -86,6 +109,8 @@ class Vouch:
     url: str | None = None
 
     def describe(self) -> str:
+        if self.kind == LOCAL_BUILD and self.url:
+            return f"built on this host, graphs signed by trusted key {self.key_id} ({self.url})"
         if self.kind == LOCAL_BUILD:
             return "built on this host (local store)"
         if self.kind == SIGNED:
@@ -296,14 +321,14 @@ def read_provenance(artifact: Path) -> Provenance | None:
     if not path.exists() and not path.is_symlink():
         return None
     try:
-        record = json.loads(path.read_text())
+        record = json.loads(read_capped(path, MAX_PROVENANCE_BYTES))
         signature = record["signature"]
         return Provenance(
             url=str(record["url"]),
             manifest_bytes=base64.b64decode(record["manifest"], validate=True),
             signature=None if signature is None else str(signature).encode(),
         )
-    except (OSError, ValueError, KeyError, TypeError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, NeuronctlError) as exc:
         raise SignatureError(
             f"{path} is unreadable ({type(exc).__name__})",
             "pull the artifact again with `neuronctl artifacts pull`",
@@ -311,22 +336,162 @@ def read_provenance(artifact: Path) -> Provenance | None:
 
 
 def check_origin(artifact: Path, manifest: Manifest, policy: TrustPolicy) -> Vouch:
-    """Who vouches for a local artifact before anything in it is loaded.
+    """Who vouches for a local artifact before anything in it is loaded: the one load rule
+    (module doc). Raises SignatureError when nothing does, unless the policy allows unsigned.
 
-    Built here: the local store. Pulled: the signature recorded at pull time, checked again
-    against the keys trusted now, and the local manifest must be the signed one (same files,
-    same sha256). Raises SignatureError otherwise, unless the policy allows unsigned."""
+    Pulled (provenance.json): the signature recorded at pull time, checked again against the
+    keys trusted now; the local manifest must be the signed one and every code file hash to
+    its signed sha256. No provenance: a local build if it sits in a store this user owns
+    (graphs it reused from a pulled artifact checked as that artifact would be), else only a
+    manifest.sig beside it (a shared mount read in place) vouches."""
     origin = read_provenance(artifact)
-    if origin is None:
-        return Vouch(LOCAL_BUILD)
-    vouch = verify(origin.manifest_bytes, origin.signature, policy, origin.url)
-    problem = differs_from(manifest, origin.manifest_bytes)
-    if problem:
+    if origin is not None:
+        vouch = verify(origin.manifest_bytes, origin.signature, policy, origin.url)
+        problem = differs_from(manifest, origin.manifest_bytes)
+        if problem:
+            raise SignatureError(
+                f"{artifact} is not what was pulled from {origin.url}: {problem}",
+                "pull it again with `neuronctl artifacts pull`",
+            )
+        return _code_checked(artifact, origin.manifest_bytes, vouch, policy)
+    where = store_problem(artifact)
+    if where is None:
+        return _graph_origin(artifact, manifest, policy) or Vouch(LOCAL_BUILD)
+    return _signed_in_place(artifact, manifest, policy, where)
+
+
+def store_problem(artifact: Path) -> str | None:
+    """Why the local file system does not vouch for `artifact` (None when it does): it must
+    be `<root>/neuron-compiled-artifacts/<name>/` with those three directories owned by this
+    user (or root, who owns the Python environment anyway) and writable by no one else
+    (group-writable only by this user's own group)."""
+    real = Path(artifact).resolve()
+    if real.parent.name != ARTIFACTS_DIR:
+        return f"{real} is not in a neuronctl store (.../{ARTIFACTS_DIR}/KEY)"
+    for directory in (real, real.parent, real.parent.parent):
+        try:
+            info = os.stat(directory)
+        except OSError as exc:
+            return f"{directory}: {exc.strerror}"
+        if info.st_uid not in (os.geteuid(), 0):
+            return f"{directory} is owned by uid {info.st_uid}, not by this user"
+        if info.st_mode & 0o002 or (info.st_mode & 0o020 and info.st_gid != os.getegid()):
+            return f"{directory} is writable by other users"
+    return None
+
+
+def _signed_in_place(artifact: Path, manifest: Manifest, policy: TrustPolicy, where: str) -> Vouch:
+    """An artifact outside any store this user owns: only its own manifest.sig vouches."""
+    url = str(artifact)
+    try:
+        raw = read_capped(artifact / MANIFEST, MAX_MANIFEST_BYTES)
+        signature = _read_signature(artifact / SIGNATURE)
+        vouch = verify(raw, signature, policy, url)
+    except SignatureError as exc:
         raise SignatureError(
-            f"{artifact} is not what was pulled from {origin.url}: {problem}",
-            "pull it again with `neuronctl artifacts pull`",
-        )
-    return vouch
+            f"{exc.message}; it is not a local build either: {where}",
+            "pull it into your store with `neuronctl artifacts pull`, or pass --allow-unsigned "
+            "to run it unverified",
+        ) from None
+    if vouch.kind == SIGNED and (problem := differs_from(manifest, raw)):
+        raise SignatureError(f"{artifact}: {problem}")
+    return _code_checked(artifact, raw, vouch, policy)
+
+
+def _read_signature(path: Path) -> bytes | None:
+    try:
+        return read_capped(path, MAX_SIGNATURE_BYTES)
+    except FileNotFoundError:
+        return None
+    except (OSError, NeuronctlError) as exc:
+        raise SignatureError(f"{path} is unreadable: {exc}") from None
+
+
+def code_files(manifest: Manifest) -> list[str]:
+    """The files of an artifact that run as code when it is loaded."""
+    return sorted({*manifest.graphs, *(r for r in manifest.files if r.endswith(CODE_SUFFIXES))})
+
+
+def code_problem(artifact: Path, signed: Manifest, names: list[str]) -> str | None:
+    """The first of `names` whose bytes are not what the signed manifest records."""
+    for rel in names:
+        entry = signed.files.get(rel)
+        if entry is None:
+            return f"{rel} is not in the signed manifest"
+        try:
+            got = sha256_file(artifact / rel)
+        except OSError as exc:
+            return f"{rel} cannot be read ({exc.strerror})"
+        if got != entry.sha256:
+            return f"{rel} is not the signed file (sha256 {got[:12]}…, signed {entry.sha256[:12]}…)"
+    return None
+
+
+def _code_checked(artifact: Path, signed_bytes: bytes, vouch: Vouch, policy: TrustPolicy) -> Vouch:
+    """A signature vouches only for the bytes it covers: hash the code files now."""
+    if vouch.kind != SIGNED:
+        return vouch
+    signed = Manifest.model_validate_json(signed_bytes)
+    problem = code_problem(artifact, signed, code_files(signed))
+    if problem is None:
+        return vouch
+    if policy.allow_unsigned:
+        return Vouch(UNSIGNED, url=vouch.url)
+    raise SignatureError(
+        f"{artifact}: {problem}; key {vouch.key_id} did not vouch for it",
+        "the artifact changed after it was verified: pull it again, or pass --allow-unsigned",
+    )
+
+
+# -- graphs reused from a pulled artifact -----------------------------------------------------
+
+
+def graph_origin_record(donor: Path, graphs: list[str]) -> str | None:
+    """What a compile that copied `graphs` from `donor` must carry: the donor's signed
+    manifest and signature (or the record the donor itself carries); None for a donor built
+    here, whose graphs the local store vouches for."""
+    origin = read_provenance(donor)
+    if origin is None:
+        inherited = donor / GRAPH_ORIGIN
+        if not inherited.is_file():
+            return None
+        return read_capped(inherited, MAX_PROVENANCE_BYTES).decode()
+    record = json.loads(origin.to_json())
+    record["graphs"] = sorted(graphs)
+    return json.dumps(record, indent=2) + "\n"
+
+
+def _graph_origin(artifact: Path, manifest: Manifest, policy: TrustPolicy) -> Vouch | None:
+    """A local build that reused a pulled artifact's graphs: that artifact's signature, checked
+    against the keys trusted now, and the reused graphs against its signed sha256s."""
+    path = artifact / GRAPH_ORIGIN
+    if GRAPH_ORIGIN not in manifest.files and not path.exists():
+        return None
+    try:
+        record = json.loads(read_capped(path, MAX_PROVENANCE_BYTES))
+        url = str(record["url"])
+        signed_bytes = base64.b64decode(record["manifest"], validate=True)
+        sig = record["signature"]
+        graphs = [str(g) for g in record["graphs"]]
+    except (OSError, ValueError, KeyError, TypeError, NeuronctlError) as exc:
+        raise SignatureError(
+            f"{path} is unreadable ({type(exc).__name__})", "recompile the artifact"
+        ) from None
+    signature = None if sig is None else str(sig).encode()
+    try:
+        vouch = verify(signed_bytes, signature, policy, url)
+    except SignatureError as exc:
+        raise SignatureError(
+            f"{artifact} reuses graphs from {url}, which no trusted key vouches for now: "
+            f"{exc.message}",
+            "recompile it without the donor (remove the donor artifact first), or pass "
+            "--allow-unsigned",
+        ) from None
+    if vouch.kind == SIGNED:
+        problem = code_problem(artifact, Manifest.model_validate_json(signed_bytes), graphs)
+        if problem and not policy.allow_unsigned:
+            raise SignatureError(f"{artifact}: reused graph {problem}", "recompile the artifact")
+    return Vouch(LOCAL_BUILD if vouch.kind == SIGNED else UNSIGNED, vouch.key_id, url)
 
 
 def differs_from(local: Manifest, remote_bytes: bytes) -> str | None:

@@ -191,8 +191,9 @@ def _neuron_config(path: Path) -> dict[str, Any]:
 
 
 def _load_kernel(built_with: str, path: Path) -> None:
-    """Register the kernel the graphs call: the artifact's own copy (no compiler needed);
-    an artifact compiled before copies were carried has it built here instead."""
+    """Register the kernel the graphs call: the artifact's own copy. Serving never compiles:
+    an artifact without its copy is refused (the copy is code the manifest lists and the
+    load rule vouched for; a library built here on the serving path would be neither)."""
     from neuronctl.backends.torch import kernel
 
     if built_with != kernel.digest():
@@ -202,10 +203,12 @@ def _load_kernel(built_with: str, path: Path) -> None:
         )
     # The name is derived, never read from a file: the digest was just checked.
     library = path / kernel.artifact_library()
-    if library.is_file():
-        kernel.load_from(library)
-    else:
-        kernel.load()
+    if not library.is_file():
+        raise NotFoundError(
+            f"{path} lacks {kernel.artifact_library()}, the kernel library its graphs call",
+            "recompile the artifact (compile carries the library; serving never compiles it)",
+        )
+    kernel.load_from(library)
 
 
 def _load_weights(

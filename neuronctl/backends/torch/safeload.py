@@ -1,21 +1,22 @@
-"""Load an export graph without ever unpickling an arbitrary object.
+"""Load an export graph without ever unpickling anything.
 
 `torch.export.load` reads a `.pt2` zip archive and unpickles some of its members with
 `weights_only=False` (pickled weights and constants, sample inputs on fallback, "opaque"
 objects with plain `pickle.loads`): a `.pt2` whose pickle calls `os.system` runs it on load.
-So before torch sees the file, every member is inspected, without executing anything:
+neuronctl's own export graphs carry no pickle at all (weights are graph inputs, the payload
+configs are empty, the sample inputs member is empty), so before torch sees the file every
+member must be data, judged without executing anything:
 
 - JSON records (the serialized graph, the payload configs) and the archive's tiny metadata
-  records are data;
-- raw tensor payloads the configs declare as not pickled are read by torch as bytes;
-- anything else must be a pickle, or a torch.save zip whose `.pkl` is one, that
-  `pickletools.genops` decodes completely and whose globals are all on ALLOWED_GLOBALS
-  (tensor and storage rebuilding, nothing that calls out);
-- script and opaque objects (TorchScript, plain pickles of Python objects) are refused.
+  records;
+- raw tensor payloads that a payload config declares with `use_pickle: false`, which torch
+  reads as bytes; such a member must not itself be a pickle or a zip;
+- a payload config that declares any pickled payload, script object or opaque object is
+  refused, and so is any member that is a pickle or a torch.save zip, whatever its name.
 
-Anything unrecognised is refused: the rule fails closed. neuronctl's own export graphs carry
-no pickle at all (weights are graph inputs), so a refusal always means the file was not made
-by `neuronctl compile`.
+torch's zip reader finds members case-insensitively (miniz's locate_file without the
+case-sensitive flag), so names are compared case-folded and an archive with two members whose
+names differ only in case is refused. Anything unrecognised is refused: the rule fails closed.
 
 AOTInductor packages load a shared library and Neuron artifacts a TorchScript/NEFF file: those
 are code by nature, and what vouches for them is the local build or a verified signature
@@ -34,31 +35,6 @@ from typing import IO, Any
 
 from neuronctl.errors import NeuronctlError
 
-ALLOWED_GLOBALS = frozenset(
-    {
-        "collections.OrderedDict",
-        "torch._utils._rebuild_tensor_v2",
-        "torch._utils._rebuild_parameter",
-        "torch.Size",
-        "torch.device",
-        "torch.storage.UntypedStorage",
-        "torch.UntypedStorage",
-        *(
-            f"torch.{name}Storage"
-            for name in (
-                "Float", "Double", "Half", "BFloat16", "Long", "Int", "Short", "Char", "Byte",
-                "Bool", "ComplexFloat", "ComplexDouble",
-            )
-        ),  # fmt: skip
-        *(
-            f"torch.{name}"
-            for name in (
-                "float32", "float64", "float16", "bfloat16", "int64", "int32", "int16", "int8",
-                "uint8", "bool", "complex64", "complex128",
-            )
-        ),  # fmt: skip
-    }
-)
 STRING_OPS = frozenset(
     {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "STRING", "BINSTRING",
      "SHORT_BINSTRING"}
@@ -68,6 +44,7 @@ MEMO_GET_OPS = frozenset({"GET", "BINGET", "LONG_BINGET"})
 REFUSED_PREFIXES = ("custom_obj_", "opaque_obj_")  # TorchScript objects, plain pickles
 METADATA_RE = re.compile(rb"[\w.\-]{0,64}\n?")  # archive_format, byteorder, version, ...
 ZIP_MAGIC = b"PK\x03\x04"
+PAYLOAD_DIRS = ("data/weights", "data/constants")
 
 
 class UnsafeGraphError(NeuronctlError):
@@ -86,100 +63,121 @@ def check_export_graph(file: Path) -> None:
     """Raise UnsafeGraphError unless every member of the `.pt2` is data (see module doc)."""
     try:
         with zipfile.ZipFile(file) as archive:
-            raw = _raw_payloads(archive)
-            for info in archive.infolist():
-                if info.is_dir() or info.filename in raw:
-                    continue
-                problem = _member_problem(info.filename, archive.read(info))
-                if problem:
-                    raise UnsafeGraphError(
-                        f"{file}: refusing to load it: {info.filename} {problem}",
-                        "neuronctl's export graphs never carry pickled objects; this file was "
-                        "not made by `neuronctl compile` (recompile, or pull a signed artifact)",
-                    )
+            problem = _archive_problem(archive)
     except (zipfile.BadZipFile, OSError) as exc:
         raise UnsafeGraphError(f"{file} is not a torch.export archive: {exc}") from None
+    if problem:
+        raise UnsafeGraphError(
+            f"{file}: refusing to load it: {problem}",
+            "neuronctl's export graphs never carry pickled objects; this file was "
+            "not made by `neuronctl compile` (recompile, or pull a signed artifact)",
+        )
 
 
-def _raw_payloads(archive: zipfile.ZipFile) -> set[str]:
-    """Members the payload configs declare only as raw tensor bytes (torch reads them as
-    bytes); a member any entry names otherwise is not raw."""
+def _archive_problem(archive: zipfile.ZipFile) -> str | None:
+    members = [info for info in archive.infolist() if not info.is_dir()]
+    seen: dict[str, str] = {}
+    for info in members:
+        folded = info.filename.casefold()
+        if folded in seen:
+            return (
+                f"{info.filename} and {seen[folded]} differ only in case "
+                "(torch would read either for both)"
+            )
+        seen[folded] = info.filename
+    raw, problem = _raw_payloads(archive)
+    if problem:
+        return problem
+    for info in members:
+        data = archive.read(info)
+        is_raw = info.filename.casefold() in raw
+        problem = _raw_problem(data) if is_raw else _member_problem(info.filename, data)
+        if problem:
+            return f"{info.filename} {problem}"
+    return None
+
+
+def _raw_payloads(archive: zipfile.ZipFile) -> tuple[set[str], str | None]:
+    """The members (case-folded) the payload configs declare as raw tensor bytes, or why a
+    config is refused: every payload must be declared `use_pickle: false`, none an object."""
     raw: set[str] = set()
-    other: set[str] = set()
     for name in archive.namelist():
         folder, _, base = name.rpartition("/")
-        if not base.endswith("_config.json"):
+        if not base.casefold().endswith("_config.json"):
             continue
-        if not folder.endswith(("data/weights", "data/constants")):
+        if not folder.casefold().endswith(PAYLOAD_DIRS):
             continue
         try:
             config = json.loads(archive.read(name)).get("config", {})
         except (ValueError, AttributeError):
             continue  # _member_problem judges the file itself
-        for meta in config.values() if isinstance(config, dict) else ():
-            if not isinstance(meta, dict):
-                continue
-            path = f"{folder}/{meta.get('path_name', '')}"
-            is_raw = meta.get("use_pickle") is False and not str(
-                meta.get("path_name", "")
-            ).startswith(REFUSED_PREFIXES)
-            (raw if is_raw else other).add(path)
-    return raw - other
+        entries = config.values() if isinstance(config, dict) else ()
+        for meta in entries:
+            path_name = str(meta.get("path_name", "")) if isinstance(meta, dict) else ""
+            if not isinstance(meta, dict) or meta.get("use_pickle") is not False:
+                return raw, f"{name} declares a pickled payload {path_name or repr(meta)}"
+            if path_name.casefold().startswith(REFUSED_PREFIXES):
+                return raw, f"{name} declares a script or opaque object {path_name}"
+            raw.add(f"{folder}/{path_name}".casefold())
+    return raw, None
+
+
+def _raw_problem(data: bytes) -> str | None:
+    """A raw payload is read as bytes; one that is a pickle or a zip is a disguised one."""
+    if data.startswith(ZIP_MAGIC):
+        return "is a torch.save archive (pickled), not a raw payload"
+    if _is_pickle(data):
+        return _describe_pickle(data)
+    return None
 
 
 def _member_problem(name: str, data: bytes) -> str | None:
-    base = name.rpartition("/")[2]
-    if base.startswith(REFUSED_PREFIXES):
+    if name.rpartition("/")[2].casefold().startswith(REFUSED_PREFIXES):
         return "is a script or opaque Python object"
     if not data or METADATA_RE.fullmatch(data):
         return None
-    if data.startswith(ZIP_MAGIC):
-        return _torch_save_problem(data)
-    if name.endswith(".json") and _is_json(data):
+    if name.casefold().endswith(".json") and _is_json(data):
         return None
-    return _pickle_problem(data)
+    if data.startswith(ZIP_MAGIC):
+        return "is a torch.save archive (pickled)"
+    if _is_pickle(data):
+        return _describe_pickle(data)
+    return "is not data (neither JSON, archive metadata nor a declared raw payload)"
 
 
-def _torch_save_problem(data: bytes) -> str | None:
-    """A torch.save zip: its pickles are checked, its storages are bytes."""
+def _is_pickle(data: bytes) -> bool:
+    """Whether `data` starts with a complete pickle (decoded, never executed)."""
     try:
-        with zipfile.ZipFile(io.BytesIO(data)) as inner:
-            for info in inner.infolist():
-                content = inner.read(info)
-                parts = info.filename.split("/")
-                if info.filename.endswith(".pkl"):
-                    problem = _pickle_problem(content)
-                elif len(parts) >= 2 and parts[-2] == "data" and parts[-1].isdigit():
-                    problem = None  # a tensor storage, read as bytes
-                elif not content or METADATA_RE.fullmatch(content):
-                    problem = None
-                else:
-                    problem = f"holds an unrecognised member {info.filename}"
-                if problem:
-                    return problem
-    except zipfile.BadZipFile:
-        return "is a damaged zip"
-    return None
+        for _op in pickletools.genops(io.BytesIO(data)):
+            pass
+    except ValueError:
+        return False
+    return True
 
 
-def _pickle_problem(data: bytes) -> str | None:
-    """Why this pickle could run code when unpickled, or None when it only rebuilds tensors."""
+def _describe_pickle(data: bytes) -> str:
+    """What a refused pickle would call, for the error message."""
+    targets = _pickle_globals(data)
+    if targets:
+        return f"is a pickle that references {targets[0]}"
+    return "is a pickle (neuronctl's graphs carry none)"
+
+
+def _pickle_globals(data: bytes) -> list[str]:
+    """The globals a pickle names, in order, decoded without executing anything."""
     stream: IO[bytes] = io.BytesIO(data)
     stack: list[Any] = []  # what recent opcodes pushed, as far as strings go
     memo: dict[int, Any] = {}
+    found: list[str] = []
     try:
         for op, arg, _pos in pickletools.genops(stream):
             target = _global_target(op.name, arg, stack)
-            if target is not None and target not in ALLOWED_GLOBALS:
-                return f"is a pickle that references {target}"
-            if op.name.startswith("EXT"):
-                return "is a pickle that uses the copyreg extension registry"
+            if target is not None:
+                found.append(target)
             _track(op.name, arg, stack, memo)
-    except ValueError as exc:
-        return f"is not data (neither JSON, a tensor payload nor a clean pickle: {exc})"
-    if stream.tell() != len(data):
-        return "has data after its pickle (the legacy torch.save format is not accepted)"
-    return None
+    except ValueError:
+        pass
+    return found
 
 
 def _global_target(op: str, arg: Any, stack: list[Any]) -> str | None:
