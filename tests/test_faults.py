@@ -1,0 +1,204 @@
+"""Faults and hostile inputs leave a working host: a dead engine fails what it held and says so
+on /health; one request's cost is capped; a client that leaves costs nothing but its own work.
+
+The server tests run the app in-process over tests/fake_runner.py (no compiled artifact).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import threading
+from typing import Any
+
+import httpx
+import pytest
+
+from neuronctl.engine.engine import Engine
+from neuronctl.engine.errors import EngineDeadError, RequestError
+from neuronctl.engine.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS, SamplingParams
+from neuronctl.engine.scheduler import Scheduler, SchedulerOutput
+from neuronctl.server.app import create_app
+from tests.fake_runner import EOS_ID, FakeRunner, byte_decoder
+
+DEADLINE = 30  # seconds: a wait that passes this is the hang under test
+
+
+class ByteModel:
+    """The TextModel the app needs: one token per Latin-1 byte."""
+
+    def encode(self, text: str) -> list[int]:
+        return list(text.encode("latin-1", "replace"))
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        return self.encode("".join(str(m.get("content", "")) for m in messages))
+
+
+class FailingScheduler(Scheduler):
+    """Schedules normally until `fail` is set, then raises inside the engine loop."""
+
+    def __init__(self, batch_size: int) -> None:
+        super().__init__(batch_size)
+        self.fail = threading.Event()
+
+    def schedule(self) -> SchedulerOutput:
+        if self.fail.is_set():
+            raise RuntimeError("injected scheduler failure")
+        return super().schedule()
+
+
+def engine_over(runner: FakeRunner, **kw: Any) -> Engine:
+    return Engine(runner, byte_decoder, eos_ids=[EOS_ID], **kw)
+
+
+def result_within(handle: Any, seconds: float = DEADLINE) -> Any:
+    """handle.result() in a thread, with a deadline: a hang fails the test, not the suite."""
+    box: list[Any] = []
+    thread = threading.Thread(target=lambda: box.append(handle.result()), daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert box, f"no result within {seconds} s: the request hangs"
+    return box[0]
+
+
+# -- a dead engine -------------------------------------------------------------------------------
+
+
+def test_a_dead_engine_fails_what_it_held_and_refuses_new_work() -> None:
+    """Any exception escaping the engine loop used to end the thread silently: every request
+    waited forever. Now each held request ends with an error and submit raises
+    EngineDeadError (HTTP 503)."""
+    runner = FakeRunner(batch_size=2, seq_len=64, step_delay=0.01)
+    scheduler = FailingScheduler(2)
+    engine = engine_over(runner, scheduler=scheduler)
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    handles = [engine.submit([1 + i, 2], params) for i in range(3)]  # 2 running, 1 waiting
+    engine.start()
+    scheduler.fail.set()
+    outputs = [result_within(h) for h in handles]
+    assert all(o.finish_reason == "error" for o in outputs)
+    assert all("injected scheduler failure" in (o.error or "") for o in outputs)
+    with pytest.raises(EngineDeadError, match="engine failed"):
+        engine.submit([1], params)
+
+
+def test_health_turns_503_when_the_engine_dies(caplog: pytest.LogCaptureFixture) -> None:
+    """vLLM answers /health with 503 once its engine is dead
+    (vllm-project/vllm, vllm/entrypoints/serve/instrumentator/health.py: `except
+    EngineDeadError: return Response(status_code=503)`); a new request gets 503 too."""
+    scheduler = FailingScheduler(1)
+    engine = engine_over(FakeRunner(batch_size=1), scheduler=scheduler).start()
+    app = create_app(engine, ByteModel(), "fake")
+
+    async def probe() -> tuple[int, int, int]:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            before = (await client.get("/health")).status_code
+            scheduler.fail.set()
+            handle = engine.submit([1], SamplingParams(temperature=0, max_tokens=2))
+            await asyncio.to_thread(result_within, handle)
+            after = (await client.get("/health")).status_code
+            body = {"model": "fake", "prompt": "hi", "max_tokens": 2}
+            refused = (await client.post("/v1/completions", json=body)).status_code
+            return before, after, refused
+
+    with caplog.at_level(logging.ERROR, logger="neuronctl.engine.engine"):
+        assert asyncio.run(probe()) == (200, 503, 503)
+    assert "engine thread failed" in caplog.text  # the traceback is logged, once
+
+
+def test_a_failed_batched_prefill_is_logged(caplog: pytest.LogCaptureFixture) -> None:
+    """The engine retries a failed batched prefill one prompt at a time; the failure was
+    swallowed without a line in the log."""
+    runner = FakeRunner(batch_size=4, fail_prefill_on=99)
+    engine = engine_over(runner)
+    params = SamplingParams(temperature=0, max_tokens=3)
+    handles = [engine.submit(p, params) for p in ([99, 1], [2], [3])]
+    with caplog.at_level(logging.WARNING, logger="neuronctl.engine.engine"):
+        engine.start()
+        outputs = [result_within(h) for h in handles]
+        engine.stop()
+    assert [o.finish_reason for o in outputs] == ["error", "length", "length"]
+    assert "batched prefill of 3 prompts failed" in caplog.text
+    assert "injected prefill failure" in caplog.text
+
+
+# -- per-request caps ----------------------------------------------------------------------------
+
+
+def test_stop_strings_are_capped_in_count_and_total_length() -> None:
+    """400,000 stop strings (7.8 MB, under the body limit) made every token of every request
+    in the batch pay for matching them on the engine thread."""
+    engine = engine_over(FakeRunner(batch_size=1))
+    many = tuple(f"s{i}" for i in range(MAX_STOP_STRINGS + 1))
+    with pytest.raises(RequestError, match="stop strings") as err:
+        engine.submit([1], SamplingParams(stop=many))
+    assert err.value.param == "stop"
+    with pytest.raises(RequestError, match="characters"):
+        engine.submit([1], SamplingParams(stop=("x" * (MAX_STOP_CHARS + 1),)))
+    at_cap = tuple("ab"[i % 2] * (MAX_STOP_CHARS // MAX_STOP_STRINGS) for i in range(16))
+    engine.start()
+    out = engine.submit([1], SamplingParams(temperature=0, max_tokens=2, stop=at_cap)).result()
+    engine.stop()
+    assert out.finish_reason in ("length", "stop")
+
+
+def test_a_tiny_top_p_samples_the_top_token() -> None:
+    """top_p=1e-300 passed validation and then, compared in float32 (where it is 0), kept no
+    token at all: multinomial failed and the request was a 500."""
+    engine = engine_over(FakeRunner(batch_size=1)).start()
+    greedy = engine.submit([7, 8], SamplingParams(temperature=0, max_tokens=4)).result()
+    tiny = engine.submit([7, 8], SamplingParams(temperature=1.0, top_p=1e-300, max_tokens=4))
+    out = tiny.result()
+    engine.stop()
+    assert out.finish_reason == "length", out.error
+    assert out.token_ids == greedy.token_ids  # only the most likely token survives top_p
+
+
+def test_a_non_streaming_client_that_leaves_is_a_499_not_a_500(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """`whole` cancelled its collector and read the result of the still-pending task:
+    InvalidStateError escaped as an ASGI traceback and /metrics counted a 500."""
+    runner = FakeRunner(batch_size=1, seq_len=512, step_delay=0.02)
+    engine = engine_over(runner).start()
+    app = create_app(engine, ByteModel(), "fake")
+    body = json.dumps(
+        {"model": "fake", "prompt": "hi", "max_tokens": 400, "ignore_eos": True}
+    ).encode()
+    statuses: list[int] = []
+
+    async def leave() -> None:
+        first = True
+
+        async def receive() -> dict[str, Any]:
+            nonlocal first
+            if first:
+                first = False
+                return {"type": "http.request", "body": body, "more_body": False}
+            while engine.stats()["running"] == 0:  # disconnect once generation is under way
+                await asyncio.sleep(0.01)
+            return {"type": "http.disconnect"}
+
+        async def send(message: dict[str, Any]) -> None:
+            if message["type"] == "http.response.start":
+                statuses.append(message["status"])
+
+        scope = {
+            "type": "http", "asgi": {"version": "3.0"}, "http_version": "1.1",
+            "method": "POST", "scheme": "http", "path": "/v1/completions", "raw_path": b"",
+            "query_string": b"", "root_path": "", "client": ("127.0.0.1", 1),
+            "server": ("127.0.0.1", 80),
+            "headers": [(b"content-type", b"application/json"),
+                        (b"content-length", str(len(body)).encode())],
+        }  # fmt: skip
+        await asyncio.wait_for(app(scope, receive, send), DEADLINE)
+
+    with caplog.at_level(logging.ERROR):
+        asyncio.run(leave())
+    metrics = app.state.metrics.render().decode()
+    engine.stop()
+    assert statuses == [499]
+    assert "InvalidStateError" not in caplog.text
+    assert 'code="500"' not in metrics and 'code="499"' in metrics
