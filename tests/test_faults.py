@@ -9,7 +9,11 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import signal
+import subprocess
+import sys
 import threading
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -20,7 +24,13 @@ from neuronctl.engine.errors import EngineDeadError, RequestError
 from neuronctl.engine.sampling import MAX_STOP_CHARS, MAX_STOP_STRINGS, SamplingParams
 from neuronctl.engine.scheduler import Scheduler, SchedulerOutput
 from neuronctl.server.app import create_app
+from neuronctl.store.gc import collect
+from neuronctl.store.lease import unused
+from neuronctl.store.local import Store
 from tests.fake_runner import EOS_ID, FakeRunner, byte_decoder
+from tests.test_store import manifest
+
+ROOT = Path(__file__).resolve().parents[1]
 
 DEADLINE = 30  # seconds: a wait that passes this is the hang under test
 
@@ -202,3 +212,59 @@ def test_a_non_streaming_client_that_leaves_is_a_499_not_a_500(
     assert statuses == [499]
     assert "InvalidStateError" not in caplog.text
     assert 'code="500"' not in metrics and 'code="499"' in metrics
+
+
+# -- gc and running servers ----------------------------------------------------------------------
+
+HOLDER = """
+import sys
+from neuronctl.store.lease import hold
+lease = hold(sys.argv[1])
+print("held" if lease.held else "no lease", flush=True)
+sys.stdin.read()
+"""
+
+
+def test_gc_keeps_an_artifact_a_running_process_holds_until_it_dies(tmp_path: Path) -> None:
+    """`artifacts gc` removed the artifact a running server used; its next request was a 500
+    while /health said ok. A loading process holds a lease (a shared flock) that gc will not
+    break; SIGKILL drops it and the next gc removes the artifact."""
+    store = Store(tmp_path)
+    for key in ("old", "new"):
+        store.publish(key, lambda staging, key=key: manifest(key))
+    old = store.path("old")
+    holder = subprocess.Popen(
+        [sys.executable, "-c", HOLDER, str(old)],
+        cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert holder.stdout is not None and holder.stdout.readline().strip() == "held"
+        report = collect(store, keep_last=0)
+        assert report.in_use == [old] and old.is_dir()
+        assert [p.name for p in report.removed] == ["new"]
+    finally:
+        holder.send_signal(signal.SIGKILL)
+        holder.wait(DEADLINE)
+    assert [p.name for p in collect(store, keep_last=0).removed] == ["old"]
+    assert not old.exists()
+
+
+def test_loading_an_artifact_takes_its_lease(tmp_path: Path, monkeypatch: Any) -> None:
+    """open_artifact holds the lease before it reads anything (serve, generate, bench)."""
+    from neuronctl.engine import loader
+
+    store = Store(tmp_path)
+    store.publish("k", lambda staging: manifest("k"))
+    seen: list[bool] = []
+
+    def fail_load(root: Path) -> None:
+        with unused(root) as free:
+            seen.append(free)
+        raise RuntimeError("stop here")
+
+    monkeypatch.setattr(loader, "check_reusable", fail_load)
+    with pytest.raises(RuntimeError, match="stop here"):
+        loader.open_artifact(store.path("k"))
+    assert seen == [False]
+    with unused(store.path("k")) as free:  # a load that fails lets go of its lease
+        assert free

@@ -145,6 +145,8 @@ def gc_command(
         console.print(f"{verb} artifact {path}")
     for path in report.leftovers:
         console.print(f"{verb} leftover {path}")
+    for path in report.in_use:
+        console.print(f"kept artifact {path}: a running process uses it")
     console.print(
         f"{verb} {len(report.removed)} artifacts, {len(report.leftovers)} leftovers, "
         f"{human_size(report.freed_bytes)}"
