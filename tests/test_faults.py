@@ -268,3 +268,124 @@ def test_loading_an_artifact_takes_its_lease(tmp_path: Path, monkeypatch: Any) -
     assert seen == [False]
     with unused(store.path("k")) as free:  # a load that fails lets go of its lease
         assert free
+
+
+# -- the kernel build ----------------------------------------------------------------------------
+
+LOCK_HOLDER = """
+import sys, time
+from pathlib import Path
+from neuronctl.backends.torch.kernel import build_lock
+with build_lock(Path(sys.argv[1]), 60):
+    print("locked", flush=True)
+    time.sleep(600)
+"""
+
+
+def group_members(pgid: int) -> list[int]:
+    """Live processes in a process group (from /proc: field 5 of stat is the pgrp)."""
+    members = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[2]) == pgid and fields[0] != "Z":
+            members.append(int(stat.parent.name))
+    return members
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_build_lock_whose_holder_was_killed_is_taken_over(tmp_path: Path) -> None:
+    """torch's cpp_extension lock is a file that exists while a build runs; its waiters loop
+    while it exists (pytorch/pytorch, torch/utils/file_baton.py, FileBaton.wait), so a build
+    killed with SIGKILL made every later kernel build hang forever. neuronctl's build lock is
+    a flock, which dies with its holder, and under it the stale torch file is removed."""
+    from neuronctl.backends.torch.kernel import TORCH_BATON, build_lock
+
+    holder = subprocess.Popen(
+        [sys.executable, "-c", LOCK_HOLDER, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE,
+        text=True,
+    )  # fmt: skip
+    assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+    (tmp_path / TORCH_BATON).write_text("")  # what a killed cpp_extension build leaves
+    from neuronctl.errors import BuildError
+
+    with pytest.raises(BuildError, match="another process"):  # alive: waited for, bounded
+        with build_lock(tmp_path, 0.3):
+            pass
+    holder.send_signal(signal.SIGKILL)
+    holder.wait(DEADLINE)
+    with build_lock(tmp_path, DEADLINE):  # dead: taken over at once
+        pass
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_a_kernel_build_past_its_timeout_is_killed_with_its_compilers(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """cpp_extension.load had no timeout, and its ninja and compiler processes outlived a
+    killed compile. The build now runs in its own process group, killed whole on a timeout."""
+    from neuronctl.backends.torch import kernel
+    from neuronctl.errors import BuildError
+
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing built: a full build
+    monkeypatch.setenv(kernel.BUILD_TIMEOUT_ENV, "2")
+    spawned: list[subprocess.Popen[str]] = []
+    real_popen = subprocess.Popen
+
+    def recording(*args: Any, **kw: Any) -> subprocess.Popen[str]:
+        spawned.append(real_popen(*args, **kw))
+        return spawned[-1]
+
+    monkeypatch.setattr(kernel.subprocess, "Popen", recording)
+    with pytest.raises(BuildError, match="did not finish in 2 s"):
+        kernel._build()
+    assert group_members(spawned[0].pid) == []
+    with kernel.build_lock(kernel.cache_dir(), 1):  # nothing of the build holds it
+        pass
+
+
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_sigkill_during_a_kernel_build_leaves_no_compiler_and_the_next_build_proceeds(
+    tmp_path: Path,
+) -> None:
+    """SIGKILL a compile in the middle of the kernel build: its compiler processes die with
+    it (they were seven survivors), and the next build in the same cache finishes."""
+    import os
+    import time
+
+    env = {**os.environ, "XDG_CACHE_HOME": str(tmp_path), "PYTHONPATH": str(ROOT)}
+    code = "from neuronctl.backends.torch import kernel; kernel.load(); print('built')"
+    first = subprocess.Popen([sys.executable, "-c", code], cwd=ROOT, env=env)
+    build_dirs = tmp_path / "neuronctl" / "kernels"
+    deadline = time.monotonic() + 120
+    while not list(build_dirs.glob("*/" + "lock")) and time.monotonic() < deadline:
+        time.sleep(0.05)  # torch's baton exists once cpp_extension is building
+    assert list(build_dirs.glob("*/lock")), "the build never started"
+    children = group_members_of_children(first.pid)
+    first.send_signal(signal.SIGKILL)
+    first.wait(DEADLINE)
+    deadline = time.monotonic() + DEADLINE
+    while any(group_members(g) for g in children) and time.monotonic() < deadline:
+        time.sleep(0.1)
+    assert not any(group_members(g) for g in children), "compiler processes survived"
+    second = subprocess.run(
+        [sys.executable, "-c", code], cwd=ROOT, env=env, capture_output=True, text=True,
+        timeout=600,
+    )  # fmt: skip
+    assert second.returncode == 0 and "built" in second.stdout, second.stderr
+
+
+def group_members_of_children(parent: int) -> list[int]:
+    """Process groups led by the direct children of `parent` (the build child's session)."""
+    groups = []
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = stat.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        if int(fields[1]) == parent:
+            groups.append(int(fields[2]))
+    return groups
