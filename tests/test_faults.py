@@ -389,3 +389,101 @@ def group_members_of_children(parent: int) -> list[int]:
         if int(fields[1]) == parent:
             groups.append(int(fields[2]))
     return groups
+
+
+# -- config and spec bounds ----------------------------------------------------------------------
+
+
+def with_config(tiny_llama: Path, tmp_path: Path, text: str) -> Path:
+    import shutil
+
+    ckpt = tmp_path / "ckpt"
+    shutil.copytree(tiny_llama, ckpt)
+    (ckpt / "config.json").write_text(text)
+    return ckpt
+
+
+def edited(tiny_llama: Path, **changes: Any) -> str:
+    config = json.loads((tiny_llama / "config.json").read_text())
+    return json.dumps({**config, **changes})
+
+
+@pytest.mark.parametrize(
+    ("changes", "message"),
+    [
+        ({"num_hidden_layers": 10**8}, "num_hidden_layers is 100000000; it must be an integer"),
+        ({"hidden_size": "64"}, "hidden_size is '64'"),
+        ({"num_attention_heads": True}, "num_attention_heads is True"),
+        ({"vocab_size": 0}, "vocab_size is 0"),
+        ({"rms_norm_eps": -1.0}, "rms_norm_eps is -1.0"),
+    ],
+)
+def test_config_values_are_range_checked_before_anything_is_built(
+    tiny_llama: Path, tmp_path: Path, changes: dict[str, Any], message: str
+) -> None:
+    """num_hidden_layers 10**8 drove compile to 20.8 GB before any tensor was compared; a
+    string "64" was read as 64."""
+    from neuronctl.checkpoints.reader import open_local
+    from neuronctl.errors import CheckpointError
+
+    ckpt = with_config(tiny_llama, tmp_path, edited(tiny_llama, **changes))
+    with pytest.raises(CheckpointError, match=message):
+        open_local(str(ckpt), ckpt)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        ('{"rope_theta": NaN, "architectures": ["LlamaForCausalLM"]}', "NaN is not a number"),
+        ("DEEP", "nested too deeply"),
+        ('{"a": ' * 40 + "1" + "}" * 40, "nested over 32 levels"),
+    ],
+    ids=["nan", "100k-deep", "40-deep"],
+)
+def test_nan_and_deep_configs_are_one_line_errors(
+    tiny_llama: Path, tmp_path: Path, text: str, message: str
+) -> None:
+    """NaN rope_theta and a 100,000-deep config.json were "internal error" (exit 70)."""
+    from tests.helpers import cli
+
+    if text == "DEEP":
+        text = "[" * 100_000 + "]" * 100_000
+    ckpt = with_config(tiny_llama, tmp_path, text)
+    result = cli("inspect", str(ckpt))
+    assert result.returncode == 1, result.stderr
+    assert message in result.stderr and "Traceback" not in result.stderr
+    assert "internal error" not in result.stderr
+
+
+@pytest.mark.parametrize(
+    ("toml", "field"),
+    [
+        ("seq_len = true", "seq_len"),
+        ("batch_size = 1e9", "batch_size"),
+        ("seq_len = 100000000", "seq_len"),
+        ("quantized = 1", "quantized"),
+        ("context_buckets = [true]", "context_buckets"),
+        ("on_device_sampling = {do_sample = 'yes'}", "on_device_sampling"),
+    ],
+)
+def test_spec_types_are_strict_and_bounded(tmp_path: Path, toml: str, field: str) -> None:
+    """`seq_len = true` in a TOML was read as seq_len 1."""
+    from neuronctl.errors import SpecError
+    from neuronctl.spec import resolve_spec
+
+    path = tmp_path / "neuronctl.toml"
+    path.write_text(toml + "\n")
+    with pytest.raises(SpecError) as err:
+        resolve_spec(config_file=path, env={})
+    assert field in str(err.value)
+
+
+@pytest.mark.parametrize("value", ["١٢٨,٢٥٦", "1_28", "128,２５６"])
+def test_bucket_variables_take_ascii_digits_only(value: str) -> None:
+    """int() reads Arabic-Indic and full-width digits and underscores: NEURON_*_BUCKETS
+    written in them passed as buckets."""
+    from neuronctl.errors import SpecError
+    from neuronctl.spec import resolve_spec
+
+    with pytest.raises(SpecError, match="comma-separated list of integers"):
+        resolve_spec(env={"NEURON_CONTEXT_LENGTH_BUCKETS": value})
