@@ -28,6 +28,7 @@ from neuronctl.store.gc import collect
 from neuronctl.store.lease import unused
 from neuronctl.store.local import Store
 from tests.fake_runner import EOS_ID, FakeRunner, byte_decoder
+from tests.hang_worker import Job, hang
 from tests.test_store import manifest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -487,3 +488,27 @@ def test_bucket_variables_take_ascii_digits_only(value: str) -> None:
 
     with pytest.raises(SpecError, match="comma-separated list of integers"):
         resolve_spec(env={"NEURON_CONTEXT_LENGTH_BUCKETS": value})
+
+
+# -- graph workers -------------------------------------------------------------------------------
+
+
+def test_a_graph_worker_that_hangs_is_killed_at_the_timeout(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Graph workers had no timeout: one stuck compile held `compile` forever."""
+    import os
+
+    from neuronctl.backends.torch import graphs
+    from neuronctl.errors import BuildError
+
+    monkeypatch.setenv(graphs.GRAPH_TIMEOUT_ENV, "5")
+    jobs = [Job(f"context_encoding_{bucket}", str(tmp_path)) for bucket in (64, 128)]
+    bars = {job.name: (lambda _: None) for job in jobs}
+    with pytest.raises(BuildError, match="no graph finished in 5 s"):
+        graphs._build_in_pool(jobs, 2, bars, build=hang)  # type: ignore[arg-type]
+    pids = [int(p.stem) for p in tmp_path.glob("*.pid")]
+    assert pids, "the workers never started"
+    for pid in pids:
+        with pytest.raises(ProcessLookupError):
+            os.kill(pid, 0)
