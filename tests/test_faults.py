@@ -512,3 +512,35 @@ def test_a_graph_worker_that_hangs_is_killed_at_the_timeout(
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+# -- generate --engine vllm ----------------------------------------------------------------------
+
+
+def test_generate_with_vllm_leaves_no_prompts_file_behind(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Each `generate --engine vllm` run wrote its prompts to a mkstemp file (and leaked the
+    descriptor) that nothing removed after exec; now the file lives while the program runs."""
+    import tempfile
+
+    from neuronctl.cli.generate import kept_prompts_file, run_with_prompts
+    from neuronctl.vllm import VllmLaunch
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
+    (tmp_path / "tmp").mkdir()
+    out = tmp_path / "seen.txt"
+    reader = "import sys, pathlib; pathlib.Path(sys.argv[2]).write_text(open(sys.argv[1]).read())"
+
+    def launch_for(prompts_file: Path) -> VllmLaunch:
+        return VllmLaunch([sys.executable, "-c", reader + "; sys.exit(3)", str(prompts_file),
+                           str(out)], {})  # fmt: skip
+
+    lines = '{"prompt": "hi"}\n'
+    for _ in range(2):
+        assert run_with_prompts(lines, launch_for) == 3  # its exit status comes back
+        assert out.read_text() == lines
+    assert list((tmp_path / "tmp").iterdir()) == []
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))
+    assert kept_prompts_file(lines) == kept_prompts_file(lines)  # dry runs: one file
+    assert len(list((tmp_path / "cache").rglob("*.jsonl"))) == 1
