@@ -36,7 +36,7 @@ Dtype = Literal["auto", "bfloat16", "float16", "float32"]
 # Strict types: a TOML `seq_len = true` or a config's "64" is refused, not read as 1 or 64.
 Number = Annotated[float, _Strict()]  # an int or a float, never a bool or a string
 # Upper bounds, checked before anything is allocated from them; far above any real build.
-MAX_TP_DEGREE = 512
+MAX_TP_DEGREE = 1 << 16
 MAX_BATCH_SIZE = 65536
 MAX_SEQ_LEN = 1 << 24
 Buckets = list[Annotated[StrictInt, Field(le=MAX_SEQ_LEN)]] | Literal["auto"]
