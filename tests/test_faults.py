@@ -562,3 +562,30 @@ def test_compile_refuses_a_tp_degree_this_host_cannot_validate(
     assert "tp degree 4 needs 4 CPU cores, this host has 2" in err
     assert "--tp-degree 2 or less" in err and "Traceback" not in err
     assert not list(tmp_path.rglob("manifest.json"))
+
+
+EXEC_HOLDER = """
+import os, sys
+from neuronctl.store.lease import hold
+hold(sys.argv[1], across_exec=True)
+after = "import sys; print('exec', flush=True); sys.stdin.read()"
+os.execv(sys.executable, [sys.executable, "-c", after])
+"""
+
+
+def test_a_lease_taken_across_exec_is_held_by_the_program_execd(tmp_path: Path) -> None:
+    """`serve --engine vllm` execs vLLM: the lease it takes first must outlive the exec, or
+    gc would remove what vLLM serves."""
+    store = Store(tmp_path)
+    store.publish("k", lambda staging: manifest("k"))
+    held = subprocess.Popen(
+        [sys.executable, "-c", EXEC_HOLDER, str(store.path("k"))],
+        cwd=ROOT, stdin=subprocess.PIPE, stdout=subprocess.PIPE, text=True,
+    )  # fmt: skip
+    try:
+        assert held.stdout is not None and held.stdout.readline().strip() == "exec"
+        assert collect(store, keep_last=0).in_use == [store.path("k")]
+    finally:
+        held.kill()
+        held.wait(DEADLINE)
+    assert [p.name for p in collect(store, keep_last=0).removed] == ["k"]

@@ -48,10 +48,11 @@ class Lease:
             self._fd = None
 
 
-def hold(artifact: Path) -> Lease:
+def hold(artifact: Path, across_exec: bool = False) -> Lease:
     """Take a shared lease on an artifact before reading it; waits only while a gc of this
     very artifact is removing it. A store this process cannot write to gives no lease (a
-    store it cannot write to, it cannot gc either)."""
+    store it cannot write to, it cannot gc either). across_exec: the program this process
+    execs next (vLLM) keeps holding it."""
     path = lease_file(artifact)
     if path is None:
         return Lease(None)
@@ -62,6 +63,7 @@ def hold(artifact: Path) -> Lease:
         logger.info("no lease on %s (%s): gc may remove it while in use", artifact, exc)
         return Lease(None)
     fcntl.flock(fd, fcntl.LOCK_SH)
+    os.set_inheritable(fd, across_exec)
     return Lease(fd)
 
 
