@@ -9,6 +9,7 @@ from __future__ import annotations
 import asyncio
 import json
 import logging
+import os
 import signal
 import subprocess
 import sys
@@ -283,19 +284,6 @@ with build_lock(Path(sys.argv[1]), 60):
 """
 
 
-def group_members(pgid: int) -> list[int]:
-    """Live processes in a process group (from /proc: field 5 of stat is the pgrp)."""
-    members = []
-    for stat in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = stat.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        if int(fields[2]) == pgid and fields[0] != "Z":
-            members.append(int(stat.parent.name))
-    return members
-
-
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
 def test_a_build_lock_whose_holder_was_killed_is_taken_over(tmp_path: Path) -> None:
     """torch's cpp_extension lock is a file that exists while a build runs; its waiters loop
@@ -326,25 +314,66 @@ def test_a_kernel_build_past_its_timeout_is_killed_with_its_compilers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """cpp_extension.load had no timeout, and its ninja and compiler processes outlived a
-    killed compile. The build now runs in its own process group, killed whole on a timeout."""
+    killed compile (ninja puts each command in a process group of its own, so a group kill
+    misses them). At the timeout the build child kills every process below it."""
+    import time
+
     from neuronctl.backends.torch import kernel
     from neuronctl.errors import BuildError
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing built: a full build
-    monkeypatch.setenv(kernel.BUILD_TIMEOUT_ENV, "2")
-    spawned: list[subprocess.Popen[str]] = []
-    real_popen = subprocess.Popen
+    monkeypatch.setenv(kernel.BUILD_TIMEOUT_ENV, "8")  # past start-up, inside the compile
+    build_dir = kernel.cache_dir()
+    seen: set[str] = set()
+    done = threading.Event()
 
-    def recording(*args: Any, **kw: Any) -> subprocess.Popen[str]:
-        spawned.append(real_popen(*args, **kw))
-        return spawned[-1]
+    def watch() -> None:
+        while not done.wait(0.05):
+            seen.update(command(pid) for pid in working_in(build_dir))
 
-    monkeypatch.setattr(kernel.subprocess, "Popen", recording)
-    with pytest.raises(BuildError, match="did not finish in 2 s"):
-        kernel._build()
-    assert group_members(spawned[0].pid) == []
-    with kernel.build_lock(kernel.cache_dir(), 1):  # nothing of the build holds it
+    watcher = threading.Thread(target=watch, daemon=True)
+    watcher.start()
+    try:
+        with pytest.raises(BuildError, match="did not finish in 8 s"):
+            kernel._build()
+    finally:
+        done.set()
+        watcher.join()
+    assert seen & COMPILERS, f"no compiler ran before the timeout: {seen}"
+    deadline = time.monotonic() + 5  # SIGKILLed already; their exits may take a moment
+    while working_in(build_dir) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    assert [command(p) for p in working_in(build_dir)] == []
+    with kernel.build_lock(build_dir, 1):  # nothing of the build holds it
         pass
+
+
+def working_in(folder: Path) -> list[int]:
+    """Live processes whose working directory is `folder` (ninja and what it runs)."""
+    pids = []
+    for cwd in Path("/proc").glob("[0-9]*/cwd"):
+        try:
+            if Path(os.readlink(cwd)) == folder and alive(int(cwd.parent.name)):
+                pids.append(int(cwd.parent.name))
+        except OSError:
+            continue
+    return pids
+
+
+def test_a_stamped_library_skips_the_build_child_until_it_changes(tmp_path: Path) -> None:
+    """Loading an already-built kernel starts no build child; a library left half-written
+    by a killed link (no stamp) or rebuilt since (another mtime) is built again."""
+    import os
+
+    from neuronctl.backends.torch import kernel
+
+    library = tmp_path / "neuronctl_kernel_x.so"
+    library.write_bytes(b"half a link")
+    assert not kernel._built(library)
+    kernel._stamp(library)
+    assert kernel._built(library)
+    os.utime(library, ns=(1, 1))
+    assert not kernel._built(library)
 
 
 @pytest.mark.slow

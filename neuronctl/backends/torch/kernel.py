@@ -175,20 +175,42 @@ def _build() -> Path:
     """Build the library in a child process under the build directory's lock; load it here.
 
     The child's compiler processes die with it, and it dies with us; a build that runs past
-    the timeout is killed (its whole process group) and fails."""
-    _find_ninja()
+    the timeout is killed with every process below it, and fails."""
     build_dir = cache_dir()
-    build_dir.mkdir(parents=True, exist_ok=True)
-    timeout = build_timeout()
-    with build_lock(build_dir, timeout):
-        # torch's own lock (a file that exists while a build runs: torch/utils/file_baton.py)
-        # is left behind by a killed build, and every later build waits on it forever. We
-        # hold the directory's flock, so no live neuronctl build holds that file.
-        (build_dir / TORCH_BATON).unlink(missing_ok=True)
-        _run_build_child(build_dir, timeout)
     library = build_dir / f"{library_stem()}.so"
+    if not _built(library):  # else: no child, no compiler, no lock
+        _find_ninja()
+        build_dir.mkdir(parents=True, exist_ok=True)
+        timeout = build_timeout()
+        with build_lock(build_dir, timeout):
+            # torch's own lock (a file that exists while a build runs: torch/utils/
+            # file_baton.py) is left behind by a killed build, and every later build waits
+            # on it forever. We hold the directory's flock: no live neuronctl build holds it.
+            (build_dir / TORCH_BATON).unlink(missing_ok=True)
+            _run_build_child(build_dir, timeout)
+            _stamp(library)
     torch.ops.load_library(str(library))
     return library
+
+
+def _stamp_of(library: Path) -> Path:
+    return library.with_suffix(".built")
+
+
+def _stamp(library: Path) -> None:
+    """Note the finished library's size and mtime: a later load skips the build child."""
+    st = library.stat()
+    _stamp_of(library).write_text(f"{st.st_size} {st.st_mtime_ns}\n")
+
+
+def _built(library: Path) -> bool:
+    """The library a completed build stamped, unchanged since (a build killed while linking
+    leaves no stamp; one rebuilding it changes the mtime)."""
+    try:
+        st = library.stat()
+        return _stamp_of(library).read_text().split() == [str(st.st_size), str(st.st_mtime_ns)]
+    except OSError:
+        return False
 
 
 TORCH_BATON = "lock"  # cpp_extension's FileBaton in the build directory
@@ -239,8 +261,8 @@ def build_lock(build_dir: Path, timeout: float) -> Iterator[None]:
 
 
 def _run_build_child(build_dir: Path, timeout: float) -> None:
-    """cpp_extension.load in a new session (ninja and the compilers join its process group),
-    waited for with a timeout; on a timeout or an interrupt the whole group is killed."""
+    """cpp_extension.load in a child process in a new session, waited for with a timeout; on
+    a timeout or an interrupt the child and every process below it are killed."""
     code = "import sys; from neuronctl.backends.torch.kernel import build_here; build_here()"
     child = subprocess.Popen(
         [sys.executable, "-c", code, str(build_dir), str(os.getpid())],
@@ -252,13 +274,13 @@ def _run_build_child(build_dir: Path, timeout: float) -> None:
     try:
         _, stderr = child.communicate(timeout=timeout)
     except subprocess.TimeoutExpired:
-        _kill_group(child)
+        _kill_build(child)
         raise BuildError(
             f"building neuronctl's CPU kernels did not finish in {timeout:.0f} s; killed it",
             f"raise {BUILD_TIMEOUT_ENV} on a slow host, or compile with --compiler export",
         ) from None
     except BaseException:  # Ctrl-C: nothing of the build may outlive us
-        _kill_group(child)
+        _kill_build(child)
         raise
     if child.returncode != 0:
         last = (stderr or "").strip().splitlines()[-12:]
@@ -269,23 +291,32 @@ def _run_build_child(build_dir: Path, timeout: float) -> None:
         )
 
 
-def _kill_group(child: subprocess.Popen[str]) -> None:
+def _kill_build(child: subprocess.Popen[str]) -> None:
+    """SIGTERM: the child kills every process below it (workers.kill_tree), then itself;
+    SIGKILL to its group if it has not within a few seconds."""
+    child.send_signal(signal.SIGTERM)
     try:
-        os.killpg(child.pid, signal.SIGKILL)
-    except ProcessLookupError:
-        pass
-    child.wait()
+        child.wait(KILL_GRACE_SECONDS)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(child.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        child.wait()
+
+
+KILL_GRACE_SECONDS = 5
 
 
 def build_here() -> None:
-    """The build child: `python -c ... BUILD_DIR PARENT_PID`. Its process group dies with
-    the parent (workers.die_with_parent)."""
+    """The build child: `python -c ... BUILD_DIR PARENT_PID`. It and every process below it
+    die with the parent (workers.die_with_parent)."""
     from torch.utils import cpp_extension
 
     from neuronctl.workers import die_with_parent
 
     build_dir, parent = sys.argv[1], int(sys.argv[2])
-    die_with_parent(parent, whole_group=True)
+    die_with_parent(parent, whole_tree=True)
     define()
     cpp_extension.load(
         name=library_stem(),
