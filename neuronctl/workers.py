@@ -69,7 +69,8 @@ def _exit(whole_tree: bool) -> None:
 
 def kill_tree() -> None:
     """SIGKILL every process below this one. A process-group kill is not enough: ninja starts
-    each command in a process group of its own. This process is a child subreaper, so the
+    each command in a process group of its own (its subprocess-posix.cc, POSIX_SPAWN_SETPGROUP,
+    so that Ctrl-C reaches only ninja). This process is a child subreaper, so the
     orphans of what it kills become its children, and the next look finds them."""
     for _ in range(20):
         below = descendants(os.getpid())

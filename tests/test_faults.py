@@ -314,8 +314,10 @@ def test_a_kernel_build_past_its_timeout_is_killed_with_its_compilers(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """cpp_extension.load had no timeout, and its ninja and compiler processes outlived a
-    killed compile (ninja puts each command in a process group of its own, so a group kill
-    misses them). At the timeout the build child kills every process below it."""
+    killed compile. ninja puts each command in a process group of its own (ninja-build/ninja,
+    src/subprocess-posix.cc, Subprocess::Start: POSIX_SPAWN_SETPGROUP, "so ctrl-c won't reach
+    it"), so a group kill misses them. At the timeout the build child kills every process
+    below it."""
     import time
 
     from neuronctl.backends.torch import kernel
