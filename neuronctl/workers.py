@@ -10,6 +10,9 @@ guards, both set up by `die_with_parent` as the pool's initializer:
 - everywhere: a daemon thread that polls the parent pid and exits the worker when the parent
   is gone (covers other platforms, and the kernel rule's one gap: it is tied to the parent
   *thread* that spawned the worker).
+
+A process that runs other programs (the kernel build, which runs ninja and the compilers)
+asks for `whole_tree`: it kills everything below it before it exits.
 """
 
 from __future__ import annotations
