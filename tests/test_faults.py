@@ -651,3 +651,26 @@ def test_a_lease_taken_across_exec_is_held_by_the_program_execd(tmp_path: Path) 
         held.kill()
         held.wait(DEADLINE)
     assert [p.name for p in collect(store, keep_last=0).removed] == ["k"]
+
+
+def test_a_request_dropped_in_the_step_that_killed_the_engine_still_ends() -> None:
+    """A cancelled request leaves the scheduler when the step is scheduled; if ending it
+    raises (here its detokenizer's flush), the engine dies with it out of the scheduler's
+    reach, and it must still get its last event."""
+
+    class FlushFails:
+        def __call__(self, token_id: int) -> str:
+            return chr(token_id) if token_id < 256 else ""
+
+        def flush(self) -> str:
+            raise RuntimeError("injected flush failure")
+
+    runner = FakeRunner(batch_size=1, seq_len=512, step_delay=0.01)
+    engine = Engine(runner, FlushFails, eos_ids=[EOS_ID])
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+    handle = engine.submit([1, 2], params)
+    engine.start()
+    next(iter(handle))  # generating
+    handle.cancel()
+    out = result_within(handle)
+    assert out.finish_reason == "error" and "injected flush failure" in (out.error or "")

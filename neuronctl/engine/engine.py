@@ -88,6 +88,7 @@ class Engine:
         self._stopping = False
         self._drain = True
         self.death: str | None = None  # why the engine thread failed; None while it is alive
+        self._step: SchedulerOutput | None = None  # the step being applied
         self.steps = 0  # decode steps run, for tests and metrics
 
     # -- public API, any thread ---------------------------------------------------------------
@@ -210,6 +211,7 @@ class Engine:
                 if self._stopping and not (self._drain and self.scheduler.has_work()):
                     break
                 step = self.scheduler.schedule()
+            self._step = step  # its aborted requests have left the scheduler already
             self.apply(step)
 
     def apply(self, step: SchedulerOutput) -> None:
@@ -306,6 +308,8 @@ class Engine:
         self._send(request, event)
 
     def _send(self, request: Request, event: Event) -> None:
+        if event.finish_reason is not None:
+            request.ended = True
         try:
             request.sink(event)
         except Exception:  # the consumer is gone (e.g. its event loop closed): stop its work
@@ -315,9 +319,13 @@ class Engine:
         with self._cond:
             self.death, self._stopping = reason, True
             leftover = self.scheduler.drain_all()
+        step = self._step or SchedulerOutput()
+        for request in step.aborted + step.prefill + step.decode:
+            if request not in leftover:
+                leftover.append(request)
         error = f"the engine failed: {reason}"
-        for request in leftover:  # no detokenizer call: it may be what failed
-            output = request.output("error", error)
+        for request in [r for r in leftover if not r.ended]:
+            output = request.output("error", error)  # no detokenizer call: it may have failed
             self._send(request, Event(request.request_id, None, "", time.perf_counter(),
                                       "error", output, error))  # fmt: skip
 
