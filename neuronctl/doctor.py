@@ -27,6 +27,16 @@ NEURON_INSTALL = f"pip install --extra-index-url {NEURON_REPO} {{package}}"
 LOW_DISK_BYTES = 20 * 2**30  # a compiled 8B model with sharded weights is ~16 GB
 CORES_PER_DEVICE = 2  # NeuronCore-v2 devices (Inf2, Trn1); used only when neuron-ls is absent
 
+
+def available_cpus() -> int:
+    """CPUs this process may run on (its affinity, e.g. a container's cpuset), which compile
+    and validate both hold a torch artifact's tp degree against."""
+    try:
+        return len(os.sched_getaffinity(0))
+    except AttributeError:  # not Linux
+        return os.cpu_count() or 1
+
+
 # dist name -> (import name, backends that need it)
 CORE_PACKAGES = {
     "torch": ("torch", ("torch", "nxdi", "tnx")),
@@ -386,12 +396,20 @@ def toolchain_finding(backend: str) -> Finding:
     ninja = ninja_path()
     missing = [what for what, found in (("C++ compiler", cxx), ("ninja", ninja)) if not found]
     if not missing:
-        return Finding("c++ toolchain", True, f"{cxx} and ninja: inductor graphs and "
-                       "neuronctl's kernels can be built here", section="host")
+        return Finding(
+            "c++ toolchain",
+            True,
+            f"{cxx} and ninja: inductor graphs and neuronctl's kernels can be built here",
+            section="host",
+        )
     needed = "needed by --compiler inductor" if backend == "torch" else "torch backend only"
-    return Finding("c++ toolchain", False, f"no {' or '.join(missing)} on PATH ({needed})",
-                   "install g++ and `pip install ninja`, or compile with --compiler export",
-                   section="host")
+    return Finding(
+        "c++ toolchain",
+        False,
+        f"no {' or '.join(missing)} on PATH ({needed})",
+        "install g++ and `pip install ninja`, or compile with --compiler export",
+        section="host",
+    )
 
 
 def disk_finding(store: Path | None) -> Finding:

@@ -10,26 +10,36 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import shlex
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any, Literal
+from typing import Annotated, Any, Literal
 
 from pydantic import (
     BaseModel,
     ConfigDict,
     Field,
+    StrictBool,
+    StrictInt,
     ValidationError,
     ValidationInfo,
     field_validator,
 )
+from pydantic import Strict as _Strict
 
 from neuronctl.errors import SpecError
 
 Backend = Literal["torch", "nxdi", "tnx"]
 Dtype = Literal["auto", "bfloat16", "float16", "float32"]
-Buckets = list[int] | Literal["auto"]
+# Strict types: a TOML `seq_len = true` or a config's "64" is refused, not read as 1 or 64.
+Number = Annotated[float, _Strict()]  # an int or a float, never a bool or a string
+# Upper bounds, checked before anything is allocated from them; far above any real build.
+MAX_TP_DEGREE = 1 << 16
+MAX_BATCH_SIZE = 65536
+MAX_SEQ_LEN = 1 << 24
+Buckets = list[Annotated[StrictInt, Field(le=MAX_SEQ_LEN)]] | Literal["auto"]
 
 DTYPES = ("bfloat16", "float16", "float32")
 DEFAULT_GLOBAL_TOPK = 256
@@ -40,13 +50,13 @@ class OnDeviceSampling(BaseModel):
 
     model_config = ConfigDict(extra="forbid", frozen=True)
 
-    do_sample: bool = False
-    top_k: int = 1
-    top_p: float = 1.0
-    temperature: float = 1.0
-    dynamic: bool = False
-    deterministic: bool = False
-    global_topk: int = DEFAULT_GLOBAL_TOPK
+    do_sample: StrictBool = False
+    top_k: StrictInt = 1
+    top_p: Number = 1.0
+    temperature: Number = 1.0
+    dynamic: StrictBool = False
+    deterministic: StrictBool = False
+    global_topk: StrictInt = Field(DEFAULT_GLOBAL_TOPK, ge=1, le=1 << 20)
 
 
 # What an nxdi build samples with unless the spec says otherwise (`--on-device-sampling off`
@@ -63,15 +73,15 @@ class BuildSpec(BaseModel):
     model: str | None = None
     revision: str | None = None
     backend: Backend = "torch"
-    tp_degree: int = Field(1, ge=1)
-    batch_size: int = Field(1, ge=1)
-    seq_len: int = Field(128, ge=1)
-    max_context_length: int | None = Field(None, ge=1)
+    tp_degree: StrictInt = Field(1, ge=1, le=MAX_TP_DEGREE)
+    batch_size: StrictInt = Field(1, ge=1, le=MAX_BATCH_SIZE)
+    seq_len: StrictInt = Field(128, ge=1, le=MAX_SEQ_LEN)
+    max_context_length: StrictInt | None = Field(None, ge=1, le=MAX_SEQ_LEN)
     dtype: Dtype = "auto"
     context_buckets: Buckets = "auto"
     token_gen_buckets: Buckets = "auto"
     on_device_sampling: OnDeviceSampling | None = None
-    quantized: bool = False
+    quantized: StrictBool = False
     # NxD Inference's names (neuronx_distributed QuantizedDtype: INT8, F8E4M3 at every SDK;
     # F8E4M3FN only from 2.27). "s8" / "f8e4m3fn" (TNx, NEURON_QUANT_DTYPE) are accepted.
     quantization_dtype: Literal["int8", "f8e4m3"] = "int8"
@@ -79,7 +89,7 @@ class BuildSpec(BaseModel):
         "per_tensor_symmetric"
     )
     draft_model: str | None = None
-    num_speculative_tokens: int = Field(0, ge=0)
+    num_speculative_tokens: StrictInt = Field(0, ge=0, le=64)
     compiler: Literal["inductor", "export"] | None = "inductor"
     override_neuron_config: dict[str, Any] = Field(default_factory=dict)
     cc_flags: str = ""
@@ -153,14 +163,17 @@ USES_CC_FLAGS = frozenset({"nxdi", "tnx"})
 QUANT_DTYPES = {"s8": "int8", "int8": "int8", "f8e4m3fn": "f8e4m3", "f8e4m3": "f8e4m3"}
 
 
+_ASCII_INT = re.compile(r"[0-9]+")
+
+
 def parse_int_list(text: str, where: str) -> list[int]:
+    """ASCII digits only: int() also reads "١٢٨" (Arabic-Indic) and "1_000"."""
     parts = [p.strip() for p in text.split(",") if p.strip()]
-    try:
-        return [int(p) for p in parts]
-    except ValueError:
+    if not all(_ASCII_INT.fullmatch(p) for p in parts):
         raise SpecError(
             where, f"{text!r} is not a comma-separated list of integers", "e.g. 128,256,512"
-        ) from None
+        )
+    return [int(p) for p in parts]
 
 
 def parse_json_object(text: str, where: str) -> dict[str, Any]:

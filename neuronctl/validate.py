@@ -27,6 +27,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from neuronctl.doctor import available_cpus
 from neuronctl.errors import NeuronctlError, SpecError
 from neuronctl.keys import FORMAT_VERSION, canonical_json
 from neuronctl.progress import NullProgress, Progress
@@ -585,13 +586,6 @@ def check_capacity(manifest: Manifest) -> list[Check]:
             )
         ]
     return [Check("capacity", True, f"tp degree {tp} <= {cores} NeuronCores ({how})")]
-
-
-def available_cpus() -> int:
-    try:
-        return len(os.sched_getaffinity(0))
-    except AttributeError:  # not Linux
-        return os.cpu_count() or 1
 
 
 # --- 6. checkpoint --------------------------------------------------------------------------

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import json
 import logging
+import math
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -116,19 +117,90 @@ def config_dtype(config: dict[str, Any]) -> str | None:
     return str(value) if value else None
 
 
+# Bounds on a config.json, checked before anything is built from it: a model is allocated
+# from these numbers (num_hidden_layers 10**8 drove a compile to 20.8 GB before any tensor
+# was compared). Each is far above any released model's (Llama 3.1 405B: 126 layers, hidden
+# 16384, intermediate 53248, 128 heads; Gemma: 262144 vocabulary; 10M-token contexts).
+MAX_CONFIG_BYTES = 16 * 1024 * 1024
+MAX_CONFIG_DEPTH = 32
+CONFIG_LIMITS = {
+    "num_hidden_layers": 1024,
+    "hidden_size": 65536,
+    "intermediate_size": 262144,
+    "num_attention_heads": 1024,
+    "num_key_value_heads": 1024,
+    "head_dim": 1024,
+    "vocab_size": 4 * 1024 * 1024,
+    "max_position_embeddings": 32 * 1024 * 1024,
+}
+POSITIVE_FLOATS = ("rope_theta", "rms_norm_eps")
+
+
 def read_config(path: Path) -> dict[str, Any]:
     config_path = path / CONFIG
     if not config_path.is_file():
         raise CheckpointError(
             f"{path} has no config.json", "point at the directory holding the model's config.json"
         )
+    if config_path.stat().st_size > MAX_CONFIG_BYTES:
+        raise CheckpointError(f"{config_path} is over {MAX_CONFIG_BYTES} bytes: not a config")
     try:
-        config = json.loads(config_path.read_text())
-    except (json.JSONDecodeError, UnicodeDecodeError) as exc:
+        config = json.loads(config_path.read_text(), parse_constant=_no_constant)
+    except (json.JSONDecodeError, UnicodeDecodeError, ValueError) as exc:
         raise CheckpointError(f"{config_path} is not valid JSON: {exc}") from None
+    except RecursionError:
+        raise CheckpointError(f"{config_path} is nested too deeply to be a config") from None
     if not isinstance(config, dict):
         raise CheckpointError(f"{config_path} is not a JSON object")
+    if _depth(config) > MAX_CONFIG_DEPTH:
+        raise CheckpointError(f"{config_path} is nested over {MAX_CONFIG_DEPTH} levels deep")
+    check_config_values(config, config_path)
     return config
+
+
+def _no_constant(name: str) -> Any:
+    raise ValueError(f"{name} is not a number JSON allows")
+
+
+def _depth(value: Any) -> int:
+    """How deeply objects and arrays nest (iterative: a deep value must not recurse)."""
+    deepest, stack = 0, [(value, 0)]
+    while stack:
+        item, depth = stack.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, depth + 1)
+            children = item.values() if isinstance(item, dict) else item
+            stack.extend((child, depth + 1) for child in children)
+    return deepest
+
+
+def check_config_values(config: dict[str, Any], where: Path) -> None:
+    """The sizes a model is built from are integers in range, its float constants finite
+    and positive, at the top level and in a nested text_config."""
+    text_config = config.get("text_config")
+    for section in (config, text_config if isinstance(text_config, dict) else {}):
+        for name, limit in CONFIG_LIMITS.items():
+            value = section.get(name)
+            if value is None:
+                continue
+            if not _is_int(value) or not 1 <= value <= limit:
+                raise CheckpointError(
+                    f"{where}: {name} is {value!r}; it must be an integer from 1 to {limit}",
+                    "the config.json is damaged or not a model's",
+                )
+        for name in POSITIVE_FLOATS:
+            value = section.get(name)
+            if value is None:
+                continue
+            if not (_is_int(value) or isinstance(value, float)) or not 0 < value < math.inf:
+                raise CheckpointError(
+                    f"{where}: {name} is {value!r}; it must be a finite number > 0",
+                    "the config.json is damaged or not a model's",
+                )
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def check_architecture(config: dict[str, Any], where: Path) -> None:

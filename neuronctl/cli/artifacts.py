@@ -9,7 +9,9 @@ import typer
 
 from neuronctl.cli._common import JsonOpt, StoreOpt, console, human_size, print_json, table
 from neuronctl.cli._groups import artifacts_app
+from neuronctl.errors import NeuronctlError
 from neuronctl.store.gc import collect, parse_duration, parse_size
+from neuronctl.store.lease import unused
 from neuronctl.store.local import Store
 from neuronctl.store.manifest import Manifest, read_manifest
 from neuronctl.store.resolve import open_store
@@ -96,7 +98,8 @@ def show_command(key: str = KeyArg, store: StoreOpt = None, json_out: JsonOpt = 
 
 @artifacts_app.command("rm")
 def rm_command(key: str = KeyArg, store: StoreOpt = None, json_out: JsonOpt = False) -> None:
-    """Remove one artifact (atomically: it is never seen half-deleted).
+    """Remove one artifact (atomically: it is never seen half-deleted). An artifact a running
+    process has loaded (serve, generate, bench) is kept: stop that process first.
 
     Example: neuronctl artifacts rm 3f9a2c
     """
@@ -106,7 +109,13 @@ def rm_command(key: str = KeyArg, store: StoreOpt = None, json_out: JsonOpt = Fa
     else:
         s = open_store(store)
         path = s.find(key)
-    s.remove(path)
+    with unused(path) as free:
+        if not free:
+            raise NeuronctlError(
+                f"{path.name} is in use by a running process (serve, generate or bench)",
+                "stop that process first; `artifacts gc` keeps it too while it runs",
+            )
+        s.remove(path)
     if json_out:
         print_json({"removed": str(path)})
     else:
@@ -145,6 +154,8 @@ def gc_command(
         console.print(f"{verb} artifact {path}")
     for path in report.leftovers:
         console.print(f"{verb} leftover {path}")
+    for path in report.in_use:
+        console.print(f"kept artifact {path}: a running process uses it")
     console.print(
         f"{verb} {len(report.removed)} artifacts, {len(report.leftovers)} leftovers, "
         f"{human_size(report.freed_bytes)}"

@@ -6,6 +6,7 @@ import json
 import sys
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -27,6 +28,7 @@ from neuronctl.vllm import TARGET_HELP as VLLM_TARGET_HELP
 if TYPE_CHECKING:  # the engine imports torch: keep it off every command's start-up
     from neuronctl.engine.sampling import SamplingParams
     from neuronctl.store.signing import TrustPolicy
+    from neuronctl.vllm import VllmLaunch
 
 ORDER = 35
 ENGINES = ("builtin", "vllm")
@@ -198,7 +200,6 @@ def _generate_vllm(
     json_out: bool,
     policy: TrustPolicy,
 ) -> None:
-    import os
 
     from neuronctl.cli.serve import print_launch, print_plan
     from neuronctl.engine.loader import vouch_for
@@ -213,10 +214,9 @@ def _generate_vllm(
         print_plan(run.plan(), json_out)
         return
     path = run.path
-    target = cli_target(read_manifest(path), vllm_target)
+    manifest = read_manifest(path)
+    target = cli_target(manifest, vllm_target)
     say_vouch(vouch_for(path, policy))
-    prompts_file = Path(tempfile.mkstemp(prefix="neuronctl-prompts-", suffix=".jsonl")[1])
-    prompts_file.write_text("".join(json.dumps({"prompt": p.text}) + "\n" for p in prompts))
     sampling = {
         "temperature": params.temperature,
         "top_k": params.top_k,
@@ -227,13 +227,53 @@ def _generate_vllm(
         "ignore_eos": params.ignore_eos,
     }
     sampling = {k: v for k, v in sampling.items() if v is not None}
-    launch = generate_launch(
-        path, read_manifest(path), prompts_file, sampling=sampling, target=target
-    )
+
+    def launch_for(prompts_file: Path) -> VllmLaunch:
+        return generate_launch(path, manifest, prompts_file, sampling=sampling, target=target)
+
+    lines = "".join(json.dumps({"prompt": p.text}) + "\n" for p in prompts)
     if dry_run:
-        print_launch(launch, json_out)
+        print_launch(launch_for(kept_prompts_file(lines)), json_out)
         return
-    os.execvpe(launch.argv[0], launch.argv, {**os.environ, **launch.env})
+    code = run_with_prompts(lines, launch_for)
+    if code:
+        raise typer.Exit(code)
+
+
+def kept_prompts_file(lines: str) -> Path:
+    """A dry run prints a command to run later: its prompts stay, under the user cache, named
+    by their content (the same prompts, the same file: repeated dry runs add nothing)."""
+    import hashlib
+
+    from neuronctl.store.local import user_cache_store
+
+    folder = user_cache_store() / "prompts"
+    folder.mkdir(parents=True, exist_ok=True)
+    path = folder / f"{hashlib.sha256(lines.encode()).hexdigest()[:32]}.jsonl"
+    path.write_text(lines)
+    return path
+
+
+def run_with_prompts(lines: str, launch_for: Callable[[Path], VllmLaunch]) -> int:
+    """Run the vLLM program over the prompts in a temporary file, removed when it exits; its
+    exit status. SIGTERM and SIGHUP are passed on; Ctrl-C reaches it from the terminal."""
+    import os
+    import signal
+    import subprocess
+
+    with tempfile.TemporaryDirectory(prefix="neuronctl-prompts-") as folder:
+        prompts_file = Path(folder) / "prompts.jsonl"
+        prompts_file.write_text(lines)
+        launch = launch_for(prompts_file)
+        child = subprocess.Popen(launch.argv, env={**os.environ, **launch.env})
+        forwarded = (signal.SIGTERM, signal.SIGHUP)
+        previous = {sig: signal.signal(sig, lambda n, _: child.send_signal(n)) for sig in forwarded}
+        previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            return child.wait()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
 
 
 def register(app: typer.Typer) -> None:

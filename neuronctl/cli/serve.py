@@ -187,6 +187,9 @@ def _serve_vllm(
         print_launch(launch, json_out)
         return
     _print_notes(launch)
+    from neuronctl.store.lease import hold
+
+    hold(path, across_exec=True)  # vLLM holds the lease on: gc keeps what it serves
     # exec, so that signals (SIGTERM from an orchestrator) reach vLLM directly.
     os.execvpe(launch.argv[0], launch.argv, {**os.environ, **launch.env})
 

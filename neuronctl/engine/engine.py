@@ -12,6 +12,7 @@ and its own incremental detokenizer, so text costs O(1) per token.
 
 from __future__ import annotations
 
+import logging
 import queue
 import threading
 import time
@@ -20,7 +21,7 @@ from functools import partial
 from typing import Any
 
 from neuronctl.backends.base import Runner
-from neuronctl.engine.errors import EngineStoppedError, RequestError
+from neuronctl.engine.errors import EngineDeadError, EngineStoppedError, RequestError
 from neuronctl.engine.request import Event, FinishReason, Request, RequestOutput, Sink
 from neuronctl.engine.sampling import (
     DEFAULT_GLOBAL_TOPK,
@@ -30,6 +31,8 @@ from neuronctl.engine.sampling import (
 )
 from neuronctl.engine.scheduler import Scheduler, SchedulerOutput
 from neuronctl.engine.text import NewDecoder
+
+logger = logging.getLogger(__name__)
 
 
 class RequestHandle:
@@ -84,6 +87,8 @@ class Engine:
         self._thread: threading.Thread | None = None
         self._stopping = False
         self._drain = True
+        self.death: str | None = None  # why the engine thread failed; None while it is alive
+        self._step: SchedulerOutput | None = None  # the step being applied
         self.steps = 0  # decode steps run, for tests and metrics
 
     # -- public API, any thread ---------------------------------------------------------------
@@ -115,6 +120,7 @@ class Engine:
             sink = events.put
         request = Request(list(prompt_ids), resolved, max_tokens, sink, self.new_decoder())
         with self._cond:
+            self.check_health()
             if self._stopping:
                 raise EngineStoppedError("the engine is shutting down")
             self.scheduler.add(request)
@@ -133,6 +139,14 @@ class Engine:
         with self._cond:
             request.cancelled = True
             self._cond.notify_all()
+
+    def check_health(self) -> None:
+        """Raise EngineDeadError once the engine thread has failed."""
+        if self.death is not None:
+            raise EngineDeadError(
+                f"the engine failed and serves nothing more ({self.death})",
+                "restart the server; the log has the failure's traceback",
+            )
 
     def stats(self) -> dict[str, int]:
         with self._cond:
@@ -179,6 +193,17 @@ class Engine:
     # -- the engine thread --------------------------------------------------------------------
 
     def _loop(self) -> None:
+        """Run steps until stopped; an exception that escapes a step kills the engine, and
+        everything it held is failed, so no request waits forever for a thread that is gone."""
+        try:
+            self._steps()
+        except BaseException as exc:
+            logger.exception("the engine thread failed; failing every request it held")
+            self._die(f"{type(exc).__name__}: {exc}")
+            return
+        self._abort_all()
+
+    def _steps(self) -> None:
         while True:
             with self._cond:
                 while not self.scheduler.has_work() and not self._stopping:
@@ -186,8 +211,8 @@ class Engine:
                 if self._stopping and not (self._drain and self.scheduler.has_work()):
                     break
                 step = self.scheduler.schedule()
+            self._step = step  # its aborted requests have left the scheduler already
             self.apply(step)
-        self._abort_all()
 
     def apply(self, step: SchedulerOutput) -> None:
         """Run one scheduled step on the runner and hand each request its new token."""
@@ -207,7 +232,11 @@ class Engine:
             try:
                 logits = self._prefill_batch(slots, [r.prompt_ids for r in requests])
             except Exception:  # one bad prompt must not fail its neighbours: one at a time
-                pass
+                logger.warning(
+                    "batched prefill of %d prompts failed; encoding them one at a time",
+                    len(requests),
+                    exc_info=True,
+                )
             else:
                 self._run(requests, lambda: logits, rows=list(range(len(requests))))
                 return
@@ -279,10 +308,26 @@ class Engine:
         self._send(request, event)
 
     def _send(self, request: Request, event: Event) -> None:
+        if event.finish_reason is not None:
+            request.ended = True
         try:
             request.sink(event)
         except Exception:  # the consumer is gone (e.g. its event loop closed): stop its work
             request.cancelled = True
+
+    def _die(self, reason: str) -> None:
+        with self._cond:
+            self.death, self._stopping = reason, True
+            leftover = self.scheduler.drain_all()
+        step = self._step or SchedulerOutput()
+        for request in step.aborted + step.prefill + step.decode:
+            if request not in leftover:
+                leftover.append(request)
+        error = f"the engine failed: {reason}"
+        for request in [r for r in leftover if not r.ended]:
+            output = request.output("error", error)  # no detokenizer call: it may have failed
+            self._send(request, Event(request.request_id, None, "", time.perf_counter(),
+                                      "error", output, error))  # fmt: skip
 
     def _abort_all(self) -> None:
         with self._cond:

@@ -22,3 +22,8 @@ class QueueFullError(NeuronctlError):
 
 class EngineStoppedError(NeuronctlError):
     """The engine is shutting down or has stopped (HTTP 503)."""
+
+
+class EngineDeadError(EngineStoppedError):
+    """The engine thread failed: what it held was failed, nothing new is taken (HTTP 503, as
+    vLLM's /health answers once its engine is dead)."""

@@ -20,6 +20,8 @@ from neuronctl.engine.errors import RequestError
 from neuronctl.engine.sampling import DEFAULT_GLOBAL_TOPK
 from neuronctl.engine.tokenizer import EngineTokenizer
 from neuronctl.errors import NotFoundError, UsageError
+from neuronctl.store.lease import Lease
+from neuronctl.store.lease import hold as hold_lease
 from neuronctl.store.manifest import Manifest, read_manifest
 from neuronctl.validate import NotReusableError, check_reusable
 
@@ -38,6 +40,7 @@ class LoadedArtifact:
     eos_ids: list[int]
     global_topk: int = DEFAULT_GLOBAL_TOPK
     vouch: Vouch | None = None  # who vouches for the code in it (signing.check_origin)
+    lease: Lease | None = None  # held while loaded: gc leaves the artifact alone
 
     @property
     def model_name(self) -> str:
@@ -77,6 +80,17 @@ def open_artifact(
     path: str | Path | None, validate: bool = True, policy: TrustPolicy | None = None
 ) -> LoadedArtifact:
     root = resolve_artifact_path(path, policy=policy)
+    lease = hold_lease(root)  # before reading it: `artifacts gc` keeps what is in use
+    try:
+        loaded = _load(root, validate, policy)
+    except BaseException:
+        lease.release()
+        raise
+    loaded.lease = lease
+    return loaded
+
+
+def _load(root: Path, validate: bool, policy: TrustPolicy | None) -> LoadedArtifact:
     if validate:
         check_reusable(root)
     manifest = read_manifest(root)
@@ -87,9 +101,7 @@ def open_artifact(
     eos = eos_token_ids(root)
     if not eos and tokenizer.eos_token_id is not None:
         eos = [tokenizer.eos_token_id]
-    return LoadedArtifact(
-        root, manifest, runner, tokenizer, eos, global_topk(manifest), vouch=vouch
-    )
+    return LoadedArtifact(root, manifest, runner, tokenizer, eos, global_topk(manifest), vouch)
 
 
 @contextmanager

@@ -103,6 +103,7 @@ class Request:
     token_times: list[float] = field(default_factory=list)
     scheduled: float | None = None
     cancelled: bool = False
+    ended: bool = False  # its last event (the one with a finish reason) was sent
     generator: torch.Generator = field(init=False)
     text: TextStream = field(init=False)
 

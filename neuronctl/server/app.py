@@ -165,6 +165,11 @@ def create_app(
 
     @app.get("/health")
     async def health() -> JSONResponse:
+        if engine.death is not None:  # vLLM: EngineDeadError -> 503
+            return JSONResponse(
+                {"status": "engine failed", "error": engine.death, **engine.stats()},
+                status_code=503,
+            )
         if app.state.draining:
             return JSONResponse({"status": "draining", **engine.stats()}, status_code=503)
         return JSONResponse({"status": "ok", **engine.stats()})
@@ -395,7 +400,10 @@ class CompletionStream:
             gone.cancel()
             if not collect.done():
                 collect.cancel()  # closes the event stream, which cancels the engine work
-        if collect.cancelled():
+        if collect.cancelled() or not collect.done():
+            # cancel() only asks: wait for the task to end before reading it (reading a
+            # task still pending raised InvalidStateError, an ASGI traceback and a 500).
+            await asyncio.gather(collect, return_exceptions=True)
             raise ApiError(499, "the client closed the request")
         outputs = collect.result()
         failed = [o for o in outputs.values() if o.finish_reason == "error"]

@@ -12,6 +12,7 @@ from pathlib import Path
 from pydantic import ByteSize, TypeAdapter, ValidationError
 
 from neuronctl.errors import NotFoundError, UsageError
+from neuronctl.store.lease import unused
 from neuronctl.store.local import Store
 from neuronctl.store.manifest import Manifest
 
@@ -60,6 +61,7 @@ def parse_size(text: str) -> int:
 class GcReport:
     removed: list[Path] = field(default_factory=list)  # artifacts
     leftovers: list[Path] = field(default_factory=list)  # staging, failed, trash
+    in_use: list[Path] = field(default_factory=list)  # doomed, but a running process holds it
     freed_bytes: int = 0
     dry_run: bool = False
 
@@ -67,6 +69,7 @@ class GcReport:
         return {
             "removed": [str(p) for p in self.removed],
             "leftovers": [str(p) for p in self.leftovers],
+            "in_use": [str(p) for p in self.in_use],
             "freed_bytes": self.freed_bytes,
             "dry_run": self.dry_run,
         }
@@ -124,12 +127,17 @@ def collect(
     report = GcReport(dry_run=dry_run)
     artifacts = [(p, m) for p, m in store.iter_artifacts() if m is not None]
     for path, manifest in doomed_artifacts(artifacts, keep_last, older_than, max_size):
-        logger.info("%s artifact %s (created %s)", _verb(dry_run), path.name, manifest.created)
-        if not dry_run:
-            try:
-                store.remove(path)
-            except NotFoundError:  # a concurrent `rm` or `gc` got there first
+        with unused(path) as free:  # held across the removal: nobody starts loading it
+            if not free:
+                logger.warning("keeping artifact %s: a running process uses it", path.name)
+                report.in_use.append(path)
                 continue
+            logger.info("%s artifact %s (created %s)", _verb(dry_run), path.name, manifest.created)
+            if not dry_run:
+                try:
+                    store.remove(path)
+                except NotFoundError:  # a concurrent `rm` or `gc` got there first
+                    continue
         report.removed.append(path)
         report.freed_bytes += manifest.total_size()
     for path in leftovers(store):

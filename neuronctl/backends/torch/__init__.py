@@ -20,6 +20,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from neuronctl.backends.base import BuildRequest, BuildResult, HostCheck
+from neuronctl.doctor import available_cpus
 from neuronctl.errors import BuildError, CheckpointError, SpecError
 from neuronctl.store.local import user_cache_store
 
@@ -35,9 +36,7 @@ MODELING_VERSION = "6"
 NEURON_CONFIG = "neuron_config.json"
 # neuronctl's own CPU ops, one library (kernel.py): the matmul and decode attention, and
 # the header they share (in the digest, not compiled on its own).
-KERNEL_SOURCES = tuple(
-    Path(__file__).with_name(n) for n in ("simd.h", "gemv.cpp", "attention.cpp")
-)
+KERNEL_SOURCES = tuple(Path(__file__).with_name(n) for n in ("simd.h", "gemv.cpp", "attention.cpp"))
 
 
 @cache
@@ -193,6 +192,14 @@ class TorchBackend:
 
         args = modeling.args_from_config(config)
         modeling.check_args(args, spec.seq_len)
+        cores = available_cpus()
+        if spec.tp_degree > cores:  # validate refuses such an artifact on this host
+            raise SpecError(
+                "tp_degree",
+                f"tp degree {spec.tp_degree} needs {spec.tp_degree} CPU cores, this host has "
+                f"{cores}: the artifact would never validate here",
+                f"use --tp-degree {cores} or less",
+            )
         if spec.compiler not in ("export", "inductor"):
             raise SpecError(
                 "compiler", f"{spec.compiler!r} is not a torch compiler", "use inductor or export"
@@ -282,8 +289,9 @@ def graph_jobs(spec: BuildSpec, config: dict[str, Any], staging: Path) -> list[A
     kinds = [(CONTEXT, b, n) for b in spec.context_buckets for n in prompt_counts(spec.batch_size)]
     kinds += [(TOKEN_GEN, b, 1) for b in spec.token_gen_buckets]
     compute = compute_dtype(str(spec.dtype), spec.quantized, half_units())
-    blocked = uses_kernel(str(spec.compiler), compute, modeling.args_from_config(config),
-                          _cpu_flags())
+    blocked = uses_kernel(
+        str(spec.compiler), compute, modeling.args_from_config(config), _cpu_flags()
+    )
     return [
         GraphJob(
             kind,
@@ -374,8 +382,10 @@ def attention_choice(jobs: list[Any], args: Any) -> str:
     from neuronctl.backends.torch import kernel
 
     if jobs[0].blocked and kernel.attention_fits(args.head_dim, jobs[0].numerics.storage):
-        return ("neuronctl::attend for token generation (AVX2+FMA; the cache read as stored, "
-                "float32 softmax); masked batched matmuls for context encoding")
+        return (
+            "neuronctl::attend for token generation (AVX2+FMA; the cache read as stored, "
+            "float32 softmax); masked batched matmuls for context encoding"
+        )
     return "masked batched matmuls, the cache widened to the compute dtype"
 
 
@@ -383,11 +393,15 @@ def matmul_choice(jobs: list[Any]) -> str:
     """The matmul kernels an artifact's graphs use, in words (neuron_config numerics)."""
     job = jobs[0]
     if job.blocked and job.numerics.quantized:
-        return ("neuronctl::linear_blocked (AVX2; int8 weights blocked 4x16 at load, times "
-                "activations rounded to int16 per row, int32 sums, float32 scales)")
+        return (
+            "neuronctl::linear_blocked (AVX2; int8 weights blocked 4x16 at load, times "
+            "activations rounded to int16 per row, int32 sums, float32 scales)"
+        )
     if job.blocked:
-        return ("neuronctl::linear_blocked (AVX2+FMA; weights blocked 4x16 at load, widened "
-                "in registers, float32 accumulation)")
+        return (
+            "neuronctl::linear_blocked (AVX2+FMA; weights blocked 4x16 at load, widened "
+            "in registers, float32 accumulation)"
+        )
     if job.compiler != "inductor":
         return "aten (traced graph, run by torch.export)"
     if any(j.packed for j in jobs):
@@ -427,7 +441,7 @@ def host_checks(manifest: Manifest, here: Mapping[str, str]) -> list[HostCheck]:
     if manifest.spec.compiler == "inductor":
         checks.append(isa_check(manifest, here))
     checks.append(half_units_check(manifest, here))
-    tp, cores = manifest.spec.tp_degree, os.cpu_count() or 1
+    tp, cores = manifest.spec.tp_degree, available_cpus()
     checks.append(
         HostCheck("cores", True, f"tp degree {tp}, {cores} cores")
         if tp <= cores
@@ -448,8 +462,9 @@ def half_units_check(manifest: Manifest, here: Mapping[str, str]) -> HostCheck:
     compute = compute_dtype(str(spec.dtype), bool(spec.quantized), built_with)
     units = here.get("cpu_half_units", "none")
     if compute == "float32" or compute_dtype(compute, False, units) == compute:
-        return HostCheck("half-precision units", True, f"computes in {compute}; this host "
-                         f"has {units} units")
+        return HostCheck(
+            "half-precision units", True, f"computes in {compute}; this host has {units} units"
+        )
     return HostCheck(
         "half-precision units",
         False,

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from neuronctl.backends.torch import kernel, modeling
-from neuronctl.errors import BuildError
+from neuronctl.errors import BuildError, UsageError
 from neuronctl.progress import Progress
 from neuronctl.workers import die_with_parent
 
@@ -83,8 +83,12 @@ def uses_kernel(compiler: str, compute: str, args: modeling.ModelArgs, cpu_flags
     at 0.9 of the read bandwidth where inductor's reduction reaches 0.6, and at 64 rows it
     is level with MKL's float32 GEMM without widening anything (docs/torch-backend.md).
     """
-    return (compiler == "inductor" and compute == "float32" and kernel.usable(cpu_flags)
-            and modeling.blockable(args))
+    return (
+        compiler == "inductor"
+        and compute == "float32"
+        and kernel.usable(cpu_flags)
+        and modeling.blockable(args)
+    )
 
 
 def packs_weights(compiler: str, batch_size: int, numerics: modeling.Numerics) -> bool:
@@ -95,9 +99,13 @@ def packs_weights(compiler: str, batch_size: int, numerics: modeling.Numerics) -
     ~3x (fp32) faster than aten's at 8 rows. Narrower storage (int8, bf16 computed in fp32)
     is widened per matmul instead (modeling.linear).
     """
-    return (compiler == "inductor" and batch_size > GEMV_MAX_BATCH
-            and not numerics.quantized and numerics.storage == numerics.compute
-            and modeling.can_pack(numerics.compute))
+    return (
+        compiler == "inductor"
+        and batch_size > GEMV_MAX_BATCH
+        and not numerics.quantized
+        and numerics.storage == numerics.compute
+        and modeling.can_pack(numerics.compute)
+    )
 
 
 def graph_name(kind: str, bucket: int, prompts: int = 1) -> str:
@@ -126,8 +134,15 @@ def example_inputs(job: GraphJob) -> tuple[Any, ...]:
     freq = modeling.inv_freq(args)
     if job.kind == CONTEXT:
         tokens = torch.zeros(job.prompts, job.bucket, dtype=torch.long)
-        return (weights, freq, k, v, tokens, torch.ones(job.prompts, dtype=torch.long),
-                torch.zeros(job.prompts, dtype=torch.long))
+        return (
+            weights,
+            freq,
+            k,
+            v,
+            tokens,
+            torch.ones(job.prompts, dtype=torch.long),
+            torch.zeros(job.prompts, dtype=torch.long),
+        )
     tokens = torch.zeros(job.batch_size, dtype=torch.long)
     return (weights, freq, k, v, tokens, torch.zeros(job.batch_size, dtype=torch.long))
 
@@ -143,8 +158,9 @@ def module_for(job: GraphJob) -> torch.nn.Module:
     widened = numerics.storage != numerics.compute and not numerics.quantized
     most = GEMV_MAX_WIDENED_BATCH if widened else GEMV_MAX_BATCH
     use_gemv = job.compiler == "inductor" and job.batch_size <= most
-    return modeling.TokenGeneration(args, job.bucket, job.numerics, use_gemv, job.packed,
-                                    job.blocked)
+    return modeling.TokenGeneration(
+        args, job.bucket, job.numerics, use_gemv, job.packed, job.blocked
+    )
 
 
 def build_graph(job: GraphJob) -> str:
@@ -197,8 +213,9 @@ def _weights_as_inputs_for_onednn() -> Iterator[None]:
 
     op = torch.ops.mkldnn._linear_pointwise.default
 
-    def lower(x: Any, w: Any, b: Any, attr: Any, scalars: Any, algorithm: Any,
-              layout: Any = None) -> Any:
+    def lower(
+        x: Any, w: Any, b: Any, attr: Any, scalars: Any, algorithm: Any, layout: Any = None
+    ) -> Any:
         size = x.get_size()
         if len(size) > 2:
             x = lowering.view(x, [-1, size[-1]])
@@ -248,10 +265,32 @@ def build_graphs(jobs: list[GraphJob], workers: int, progress: Progress) -> list
     return _build_in_pool(jobs, min(workers, len(jobs)), bars)
 
 
+GRAPH_TIMEOUT_ENV = "NEURONCTL_GRAPH_TIMEOUT"
+DEFAULT_GRAPH_TIMEOUT = 3600.0  # seconds a pool may go without finishing a graph
+
+
+def graph_timeout() -> float:
+    text = os.environ.get(GRAPH_TIMEOUT_ENV, "")
+    try:
+        seconds = float(text) if text else DEFAULT_GRAPH_TIMEOUT
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < float("inf"):
+        raise UsageError(
+            f"{GRAPH_TIMEOUT_ENV}={text!r} is not a number of seconds > 0",
+            f"e.g. {GRAPH_TIMEOUT_ENV}=7200",
+        )
+    return seconds
+
+
 def _build_in_pool(
-    jobs: list[GraphJob], workers: int, bars: dict[str, Callable[[float], None]]
+    jobs: list[GraphJob],
+    workers: int,
+    bars: dict[str, Callable[[float], None]],
+    build: Callable[[GraphJob], str] = build_graph,
 ) -> list[str]:
     results: dict[str, str] = {}
+    timeout = graph_timeout()
     # Workers die with this process (SIGKILL included): no orphan keeps compiling.
     with ProcessPoolExecutor(
         max_workers=workers,
@@ -259,10 +298,18 @@ def _build_in_pool(
         initializer=die_with_parent,
         initargs=(os.getpid(),),
     ) as pool:
-        pending: dict[Future[str], GraphJob] = {pool.submit(build_graph, j): j for j in jobs}
+        pending: dict[Future[str], GraphJob] = {pool.submit(build, j): j for j in jobs}
         try:
             while pending:
-                finished, _ = wait(pending, return_when=FIRST_COMPLETED)
+                finished, _ = wait(pending, timeout=timeout, return_when=FIRST_COMPLETED)
+                if not finished:  # a worker hangs (or the host is far too slow): stop them all
+                    _kill_workers(pool)
+                    names = ", ".join(sorted(job.name for job in pending.values()))
+                    raise BuildError(
+                        f"no graph finished in {timeout:.0f} s (pending: {names}); "
+                        "killed the compile workers",
+                        f"raise {GRAPH_TIMEOUT_ENV} on a slow host, or use --workers 1",
+                    )
                 for future in finished:
                     job = pending.pop(future)
                     results[job.name] = _result(future, job)
@@ -272,6 +319,16 @@ def _build_in_pool(
                 future.cancel()
             raise
     return [results[job.name] for job in jobs]
+
+
+def _kill_workers(pool: ProcessPoolExecutor) -> None:
+    """SIGKILL every worker: shutdown() alone waits for the running jobs to finish."""
+    kill = getattr(pool, "kill_workers", None)  # Python 3.14
+    if kill is not None:
+        kill()
+        return
+    for process in list((getattr(pool, "_processes", None) or {}).values()):
+        process.kill()
 
 
 def _result(future: Future[str], job: GraphJob) -> str:

@@ -21,10 +21,17 @@ here, so graphs trace and export without the library.
 
 from __future__ import annotations
 
+import fcntl
 import mmap
 import os
 import platform
 import shutil
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
 
@@ -34,7 +41,7 @@ from torch import Tensor
 from neuronctl.backends.torch import KERNEL_SOURCES
 from neuronctl.backends.torch import kernel_digest as digest  # part of the graph key
 from neuronctl.doctor import installed_ninja
-from neuronctl.errors import BuildError
+from neuronctl.errors import BuildError, UsageError
 from neuronctl.store.local import user_cache_store
 
 ROWS, CHUNK = 4, 16  # the blocked layout: [N/ROWS, K/CHUNK, ROWS, CHUNK]
@@ -79,7 +86,7 @@ def into_huge_pages(weights: dict[str, Tensor], names: list[str]) -> None:
     offset = 0
     for name, size in zip(names, sizes, strict=True):
         tensor = weights[name]
-        view = space[offset:offset + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
+        view = space[offset : offset + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
         weights[name] = view.copy_(tensor)
         offset += size
 
@@ -165,37 +172,168 @@ def load_from(library: Path) -> None:
 
 
 def _build() -> Path:
-    from torch.utils import cpp_extension
+    """Build the library in a child process under the build directory's lock; load it here.
 
-    _find_ninja()
+    The child's compiler processes die with it, and it dies with us; a build that runs past
+    the timeout is killed with every process below it, and fails."""
     build_dir = cache_dir()
-    build_dir.mkdir(parents=True, exist_ok=True)
+    library = build_dir / f"{library_stem()}.so"
+    if not _built(library):  # else: no child, no compiler, no lock
+        _find_ninja()
+        build_dir.mkdir(parents=True, exist_ok=True)
+        timeout = build_timeout()
+        with build_lock(build_dir, timeout):
+            # torch's own lock (a file that exists while a build runs: torch/utils/
+            # file_baton.py) is left behind by a killed build, and every later build waits
+            # on it forever. We hold the directory's flock: no live neuronctl build holds it.
+            (build_dir / TORCH_BATON).unlink(missing_ok=True)
+            _run_build_child(build_dir, timeout)
+            _stamp(library)
+    torch.ops.load_library(str(library))
+    return library
+
+
+def _stamp_of(library: Path) -> Path:
+    return library.with_suffix(".built")
+
+
+def _stamp(library: Path) -> None:
+    """Note the finished library's size and mtime: a later load skips the build child."""
+    st = library.stat()
+    _stamp_of(library).write_text(f"{st.st_size} {st.st_mtime_ns}\n")
+
+
+def _built(library: Path) -> bool:
+    """The library a completed build stamped, unchanged since (a build killed while linking
+    leaves no stamp; one rebuilding it changes the mtime)."""
     try:
-        built = cpp_extension.load(
-            name=library_stem(),
-            sources=[str(source) for source in KERNEL_SOURCES if source.suffix == ".cpp"],
-            extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
-            extra_ldflags=["-fopenmp"],
-            build_directory=str(build_dir),
-            is_python_module=False,
-            verbose=False,
+        st = library.stat()
+        return _stamp_of(library).read_text().split() == [str(st.st_size), str(st.st_mtime_ns)]
+    except OSError:
+        return False
+
+
+TORCH_BATON = "lock"  # cpp_extension's FileBaton in the build directory
+BUILD_LOCK = "neuronctl-build.lock"
+BUILD_TIMEOUT_ENV = "NEURONCTL_KERNEL_BUILD_TIMEOUT"
+DEFAULT_BUILD_TIMEOUT = 900.0  # seconds; ~15 s on an idle host, minutes on a loaded one
+
+
+def build_timeout() -> float:
+    text = os.environ.get(BUILD_TIMEOUT_ENV, "")
+    if not text:
+        return DEFAULT_BUILD_TIMEOUT
+    try:
+        seconds = float(text)
+    except ValueError:
+        seconds = -1.0
+    if not 0 < seconds < float("inf"):
+        raise UsageError(
+            f"{BUILD_TIMEOUT_ENV}={text!r} is not a number of seconds > 0",
+            f"e.g. {BUILD_TIMEOUT_ENV}=1800",
         )
-    except Exception as exc:  # a compiler or ninja missing, or a broken toolchain
+    return seconds
+
+
+@contextmanager
+def build_lock(build_dir: Path, timeout: float) -> Iterator[None]:
+    """One kernel build per directory at a time. A flock: the kernel drops it when its holder
+    dies, so a killed build never blocks the next one. Polled, so Ctrl-C and the timeout
+    apply while waiting."""
+    fd = os.open(build_dir / BUILD_LOCK, os.O_RDWR | os.O_CREAT | os.O_CLOEXEC, 0o644)
+    try:
+        deadline = time.monotonic() + timeout
+        while True:
+            try:
+                fcntl.flock(fd, fcntl.LOCK_EX | fcntl.LOCK_NB)
+                break
+            except BlockingIOError:
+                if time.monotonic() > deadline:
+                    raise BuildError(
+                        f"another process has been building neuronctl's CPU kernels in "
+                        f"{build_dir} for over {timeout:.0f} s",
+                        f"wait for it, or raise {BUILD_TIMEOUT_ENV}",
+                    ) from None
+                time.sleep(0.1)
+        yield
+    finally:
+        os.close(fd)
+
+
+def _run_build_child(build_dir: Path, timeout: float) -> None:
+    """cpp_extension.load in a child process in a new session, waited for with a timeout; on
+    a timeout or an interrupt the child and every process below it are killed."""
+    code = "import sys; from neuronctl.backends.torch.kernel import build_here; build_here()"
+    child = subprocess.Popen(
+        [sys.executable, "-c", code, str(build_dir), str(os.getpid())],
+        stdout=subprocess.DEVNULL,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    try:
+        _, stderr = child.communicate(timeout=timeout)
+    except subprocess.TimeoutExpired:
+        _kill_build(child)
         raise BuildError(
-            f"building neuronctl's CPU kernels (matmul, attention) failed: "
-            f"{type(exc).__name__}: {exc}",
+            f"building neuronctl's CPU kernels did not finish in {timeout:.0f} s; killed it",
+            f"raise {BUILD_TIMEOUT_ENV} on a slow host, or compile with --compiler export",
+        ) from None
+    except BaseException:  # Ctrl-C: nothing of the build may outlive us
+        _kill_build(child)
+        raise
+    if child.returncode != 0:
+        last = (stderr or "").strip().splitlines()[-12:]
+        raise BuildError(
+            "building neuronctl's CPU kernels (matmul, attention) failed:\n" + "\n".join(last),
             "install a C++ compiler and ninja (what AOTInductor needs too), or compile with "
             "--compiler export",
-        ) from None
-    return Path(built)
+        )
+
+
+def _kill_build(child: subprocess.Popen[str]) -> None:
+    """SIGTERM: the child kills every process below it (workers.kill_tree), then itself;
+    SIGKILL to its group if it has not within a few seconds."""
+    child.send_signal(signal.SIGTERM)
+    try:
+        child.wait(KILL_GRACE_SECONDS)
+    except subprocess.TimeoutExpired:
+        try:
+            os.killpg(child.pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+        child.wait()
+
+
+KILL_GRACE_SECONDS = 5
+
+
+def build_here() -> None:
+    """The build child: `python -c ... BUILD_DIR PARENT_PID`. It and every process below it
+    die with the parent (workers.die_with_parent)."""
+    from torch.utils import cpp_extension
+
+    from neuronctl.workers import die_with_parent
+
+    build_dir, parent = sys.argv[1], int(sys.argv[2])
+    die_with_parent(parent, whole_tree=True)
+    define()
+    cpp_extension.load(
+        name=library_stem(),
+        sources=[str(source) for source in KERNEL_SOURCES if source.suffix == ".cpp"],
+        extra_cflags=["-O3", "-mavx2", "-mfma", "-fopenmp"],
+        extra_ldflags=["-fopenmp"],
+        build_directory=build_dir,
+        is_python_module=False,
+        verbose=False,
+    )
 
 
 def _find_ninja() -> None:
     """cpp_extension runs `ninja` from PATH; the ninja neuronctl depends on may be off it
     (doctor.installed_ninja, which doctor reports from too)."""
     if not shutil.which("ninja") and (found := installed_ninja()):
-        os.environ["PATH"] = os.pathsep.join([str(Path(found).parent),
-                                              os.environ.get("PATH", "")])
+        os.environ["PATH"] = os.pathsep.join([str(Path(found).parent), os.environ.get("PATH", "")])
 
 
 def cache_dir() -> Path:
