@@ -56,7 +56,7 @@ class OnDeviceSampling(BaseModel):
     temperature: Number = 1.0
     dynamic: StrictBool = False
     deterministic: StrictBool = False
-    global_topk: StrictInt = Field(DEFAULT_GLOBAL_TOPK, ge=1, le=1 << 20)
+    global_topk: StrictInt = Field(default=DEFAULT_GLOBAL_TOPK, ge=1, le=1 << 20)
 
 
 # What an nxdi build samples with unless the spec says otherwise (`--on-device-sampling off`
