@@ -582,8 +582,11 @@ class CompletionStream:
                 result.top_logprobs.append(None)
                 continue
             result.token_logprobs.append(lp.logprob)
-            top = {self.model.token_str(t): v for t, v in lp.top}
-            top[text] = lp.logprob  # the chosen token is always listed, as in vLLM
+            # The chosen token is always listed, as in vLLM. Tokens that read the same (bytes
+            # that are no character alone) share a key: it keeps the most likely's value.
+            top: dict[str, float] = {}
+            for t, v in (*lp.top, (token_id, lp.logprob)):
+                top.setdefault(self.model.token_str(t), v)
             result.top_logprobs.append(top)
         return result
 
