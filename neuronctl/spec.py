@@ -32,6 +32,9 @@ Dtype = Literal["auto", "bfloat16", "float16", "float32"]
 Buckets = list[int] | Literal["auto"]
 
 DTYPES = ("bfloat16", "float16", "float32")
+# vLLM's --dtype spellings (vllm/config/model.py ModelDType: half, float) and the short ones.
+DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32",
+                 "bf16": "bfloat16"}  # fmt: skip
 DEFAULT_GLOBAL_TOPK = 256
 
 
@@ -82,6 +85,11 @@ class BuildSpec(BaseModel):
         if isinstance(value, str) and value != "auto":
             return parse_int_list(value, info.field_name or "buckets")
         return value
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _dtype_alias(cls, value: Any) -> Any:
+        return DTYPE_ALIASES.get(value, value) if isinstance(value, str) else value
 
     @field_validator("quantization_dtype", mode="before")
     @classmethod
