@@ -55,9 +55,13 @@ def write_tasks(folder: Path) -> None:
         rows = CHOICES if name == "neuronctl_choice" else PROMPTS
         data = folder / f"{name}.jsonl"
         data.write_text("".join(json.dumps(r) + "\n" for r in rows))
-        task = {"task": name, "dataset_path": "json",
-                "dataset_kwargs": {"data_files": {"test": str(data)}},
-                "test_split": "test", **config}  # fmt: skip
+        task = {
+            "task": name,
+            "dataset_path": "json",
+            "dataset_kwargs": {"data_files": {"test": str(data)}},
+            "test_split": "test",
+            **config,
+        }
         (folder / f"{name}.yaml").write_text(json.dumps(task))  # JSON is YAML
 
 
@@ -74,9 +78,14 @@ def evaluate(tasks_dir: Path, task: str, model: str, args: dict[str, Any], chat:
     from lm_eval.tasks import TaskManager
 
     out = simple_evaluate(
-        model=model, model_args=args, tasks=[task], task_manager=TaskManager(include_path=str(
-            tasks_dir)), log_samples=True, apply_chat_template=chat, batch_size=1,
-    )  # fmt: skip
+        model=model,
+        model_args=args,
+        tasks=[task],
+        task_manager=TaskManager(include_path=str(tasks_dir)),
+        log_samples=True,
+        apply_chat_template=chat,
+        batch_size=1,
+    )
     return sorted(out["samples"][task], key=lambda s: (s["doc_id"], json.dumps(s["arguments"])))
 
 
@@ -85,11 +94,20 @@ def test_lm_eval_through_the_server_equals_lm_eval_on_the_checkpoint(
 ) -> None:
     write_tasks(tmp_path)
     hf = {"pretrained": str(tiny_llama), "dtype": "float32", "device": "cpu"}
-    remote = {"model": "tiny", "tokenizer_backend": "huggingface",
-              "tokenizer": str(compiled_artifact), "max_retries": 1}  # fmt: skip
+    remote = {
+        "model": "tiny",
+        "tokenizer_backend": "huggingface",
+        "tokenizer": str(compiled_artifact),
+        "max_retries": 1,
+    }
 
-    served = evaluate(tmp_path, "neuronctl_choice", "local-completions",
-                      {**remote, "base_url": server.url + "/v1/completions"}, chat=False)  # fmt: skip
+    served = evaluate(
+        tmp_path,
+        "neuronctl_choice",
+        "local-completions",
+        {**remote, "base_url": server.url + "/v1/completions"},
+        chat=False,
+    )
     local = evaluate(tmp_path, "neuronctl_choice", "hf", hf, chat=False)
     ours = [r[0] for s in served for r in s["resps"]]  # one (loglikelihood, is_greedy) a choice
     theirs = [r[0] for s in local for r in s["resps"]]
@@ -98,8 +116,13 @@ def test_lm_eval_through_the_server_equals_lm_eval_on_the_checkpoint(
         assert logprob == pytest.approx(ref_logprob, abs=1e-3)
         assert greedy == ref_greedy
 
-    served = evaluate(tmp_path, "neuronctl_generate", "local-chat-completions",
-                      {**remote, "base_url": server.url + "/v1/chat/completions"}, chat=True)  # fmt: skip
+    served = evaluate(
+        tmp_path,
+        "neuronctl_generate",
+        "local-chat-completions",
+        {**remote, "base_url": server.url + "/v1/chat/completions"},
+        chat=True,
+    )
     local = evaluate(tmp_path, "neuronctl_generate", "hf", hf, chat=True)
     assert [s["resps"] for s in served] == [s["resps"] for s in local]
     assert all(s["resps"][0][0] for s in served)  # something was generated

@@ -32,8 +32,18 @@ FAKE = FakeRunner()  # its logits are a pure function of the history: the refere
 @pytest.fixture(scope="module")
 def fake_server(tiny_llama: Path) -> Iterator[Server]:
     port = free_port()
-    argv = fake_argv(tiny_llama, port, "--batch-size", "4", "--max-queue", "64",
-                     "--step-delay", "0", "--log-level", "info")  # fmt: skip
+    argv = fake_argv(
+        tiny_llama,
+        port,
+        "--batch-size",
+        "4",
+        "--max-queue",
+        "64",
+        "--step-delay",
+        "0",
+        "--log-level",
+        "info",
+    )
     srv = Server(argv, port)
     yield srv
     srv.stop()
@@ -59,10 +69,29 @@ PROMPT = "abc"  # byte tokens, BOS first: ids below the fake vocabulary
 
 
 @pytest.mark.parametrize(
-    "field", ["temperature", "top_p", "n", "stream", "echo", "logprobs", "stop", "seed",
-              "max_tokens", "presence_penalty", "frequency_penalty", "logit_bias", "best_of",
-              "min_p", "min_tokens", "repetition_penalty", "top_k", "model", "user"],
-)  # fmt: skip
+    "field",
+    [
+        "temperature",
+        "top_p",
+        "n",
+        "stream",
+        "echo",
+        "logprobs",
+        "stop",
+        "seed",
+        "max_tokens",
+        "presence_penalty",
+        "frequency_penalty",
+        "logit_bias",
+        "best_of",
+        "min_p",
+        "min_tokens",
+        "repetition_penalty",
+        "top_k",
+        "model",
+        "user",
+    ],
+)
 def test_null_is_the_default_for_every_optional_completion_field(
     fake_server: Server, field: str
 ) -> None:
@@ -70,14 +99,29 @@ def test_null_is_the_default_for_every_optional_completion_field(
     r = post(fake_server, "/v1/completions", {**base, field: None})
     assert r.status_code == 200, r.text
     if field not in ("max_tokens", "temperature"):  # their defaults are 16 and 1
-        assert r.json()["choices"][0]["text"] == post(fake_server, "/v1/completions", base).json()[
-            "choices"][0]["text"]  # fmt: skip
+        assert (
+            r.json()["choices"][0]["text"]
+            == post(fake_server, "/v1/completions", base).json()["choices"][0]["text"]
+        )
 
 
 @pytest.mark.parametrize(
-    "field", ["temperature", "top_p", "n", "stream", "logprobs", "top_logprobs", "max_tokens",
-              "max_completion_tokens", "stream_options", "response_format", "tools", "seed"],
-)  # fmt: skip
+    "field",
+    [
+        "temperature",
+        "top_p",
+        "n",
+        "stream",
+        "logprobs",
+        "top_logprobs",
+        "max_tokens",
+        "max_completion_tokens",
+        "stream_options",
+        "response_format",
+        "tools",
+        "seed",
+    ],
+)
 def test_null_is_the_default_for_every_optional_chat_field(fake_server: Server, field: str) -> None:
     body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, field: None}
     if field in ("max_tokens", "max_completion_tokens"):
@@ -113,7 +157,9 @@ def test_malformed_json_is_400(fake_server: Server) -> None:
 
 
 def test_model_is_optional_and_another_name_is_404(fake_server: Server) -> None:
-    assert post(fake_server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1}).status_code == 200
+    assert (
+        post(fake_server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1}).status_code == 200
+    )
     r = post(fake_server, "/v1/completions", {"model": "x", "prompt": PROMPT, "max_tokens": 1})
     assert r.status_code == 404
 
@@ -126,14 +172,19 @@ def test_a_user_message_without_content_is_refused(client: openai.OpenAI) -> Non
 
 @pytest.mark.parametrize(
     "field, value",
-    [("response_format", {"type": "json_object"}), ("suffix", "x"),
-     ("tools", [{"type": "function", "function": {"name": "f"}}])],
-)  # fmt: skip
+    [
+        ("response_format", {"type": "json_object"}),
+        ("suffix", "x"),
+        ("tools", [{"type": "function", "function": {"name": "f"}}]),
+    ],
+)
 def test_what_is_not_implemented_stays_refused_by_name(
     client: openai.OpenAI, field: str, value: Any
 ) -> None:
     with pytest.raises(openai.BadRequestError) as exc:
-        client.completions.create(model="fake", prompt=PROMPT, max_tokens=2, extra_body={field: value})
+        client.completions.create(
+            model="fake", prompt=PROMPT, max_tokens=2, extra_body={field: value}
+        )
     assert exc.value.body["param"] == field  # type: ignore[index]
 
 
@@ -148,9 +199,13 @@ def test_completion_logprobs_match_log_softmax_of_the_logits(
     client: openai.OpenAI, fake_server: Server
 ) -> None:
     out = client.completions.create(
-        model="fake", prompt=PROMPT, max_tokens=4, temperature=0, logprobs=3,
+        model="fake",
+        prompt=PROMPT,
+        max_tokens=4,
+        temperature=0,
+        logprobs=3,
         extra_body={"ignore_eos": True, "return_token_ids": True},
-    )  # fmt: skip
+    )
     choice = out.choices[0]
     ids, history = choice.model_extra["token_ids"], prompt_ids(fake_server)  # type: ignore[index]
     lp = choice.logprobs
@@ -189,9 +244,14 @@ def test_echo_returns_prompt_logprobs_with_max_tokens_0_and_1(
 
 def test_chat_logprobs_streamed_and_not(client: openai.OpenAI) -> None:
     kwargs: dict[str, Any] = dict(
-        model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=4, temperature=0,
-        logprobs=True, top_logprobs=2, extra_body={"ignore_eos": True},
-    )  # fmt: skip
+        model="fake",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
     whole = client.chat.completions.create(**kwargs)
     content = whole.choices[0].logprobs.content  # type: ignore[union-attr]
     assert content is not None and len(content) == 4
@@ -200,17 +260,30 @@ def test_chat_logprobs_streamed_and_not(client: openai.OpenAI) -> None:
         assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)  # greedy
         assert entry.bytes == list(entry.token.encode())
     chunks = list(client.chat.completions.create(**kwargs, stream=True))
-    streamed = [e for c in chunks if c.choices and c.choices[0].logprobs
-                for e in c.choices[0].logprobs.content or []]  # fmt: skip
+    streamed = [
+        e
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content or []
+    ]
     assert [e.model_dump() for e in streamed] == [e.model_dump() for e in content]
 
 
 def test_streamed_completion_logprobs_equal_the_whole(client: openai.OpenAI) -> None:
-    kwargs: dict[str, Any] = dict(model="fake", prompt=PROMPT, max_tokens=5, temperature=0,
-                                  logprobs=2, extra_body={"ignore_eos": True})  # fmt: skip
+    kwargs: dict[str, Any] = dict(
+        model="fake",
+        prompt=PROMPT,
+        max_tokens=5,
+        temperature=0,
+        logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
     whole = client.completions.create(**kwargs).choices[0].logprobs
-    parts = [c.choices[0].logprobs for c in client.completions.create(**kwargs, stream=True)
-             if c.choices and c.choices[0].logprobs]  # fmt: skip
+    parts = [
+        c.choices[0].logprobs
+        for c in client.completions.create(**kwargs, stream=True)
+        if c.choices and c.choices[0].logprobs
+    ]
     assert [t for p in parts for t in p.token_logprobs] == whole.token_logprobs  # type: ignore[union-attr, misc]
     assert [o for p in parts for o in p.text_offset] == whole.text_offset  # type: ignore[union-attr, misc]
 
@@ -219,22 +292,43 @@ def test_streamed_completion_logprobs_equal_the_whole(client: openai.OpenAI) -> 
 
 
 def test_n_gives_n_different_seeded_choices(client: openai.OpenAI) -> None:
-    out = client.completions.create(model="fake", prompt=PROMPT, max_tokens=6, n=3, seed=5,
-                                    temperature=1.0, extra_body={"ignore_eos": True})  # fmt: skip
+    out = client.completions.create(
+        model="fake",
+        prompt=PROMPT,
+        max_tokens=6,
+        n=3,
+        seed=5,
+        temperature=1.0,
+        extra_body={"ignore_eos": True},
+    )
     assert [c.index for c in out.choices] == [0, 1, 2]
     assert len({c.text for c in out.choices}) == 3
-    again = client.completions.create(model="fake", prompt=PROMPT, max_tokens=6, n=3, seed=5,
-                                      temperature=1.0, extra_body={"ignore_eos": True})  # fmt: skip
+    again = client.completions.create(
+        model="fake",
+        prompt=PROMPT,
+        max_tokens=6,
+        n=3,
+        seed=5,
+        temperature=1.0,
+        extra_body={"ignore_eos": True},
+    )
     assert [c.text for c in again.choices] == [c.text for c in out.choices]
     assert out.usage is not None and out.usage.completion_tokens == 18
-    chat = client.chat.completions.create(model="fake", messages=[{"role": "user", "content": "x"}],
-                                          n=2, max_tokens=3, seed=1)  # fmt: skip
+    chat = client.chat.completions.create(
+        model="fake", messages=[{"role": "user", "content": "x"}], n=2, max_tokens=3, seed=1
+    )
     assert [c.index for c in chat.choices] == [0, 1]
 
 
 def test_best_of_returns_the_most_likely_of_its_sequences(client: openai.OpenAI) -> None:
-    kwargs: dict[str, Any] = dict(model="fake", prompt=PROMPT, max_tokens=4, seed=3,
-                                  temperature=1.0, extra_body={"ignore_eos": True})  # fmt: skip
+    kwargs: dict[str, Any] = dict(
+        model="fake",
+        prompt=PROMPT,
+        max_tokens=4,
+        seed=3,
+        temperature=1.0,
+        extra_body={"ignore_eos": True},
+    )
     every = client.completions.create(**kwargs, n=4, logprobs=0).choices
     best = client.completions.create(**kwargs, n=1, best_of=4).choices
     scores = {c.text: sum(c.logprobs.token_logprobs) for c in every}  # type: ignore[union-attr, arg-type]
@@ -245,19 +339,34 @@ def test_best_of_returns_the_most_likely_of_its_sequences(client: openai.OpenAI)
 def test_logit_bias_forces_a_token_and_min_tokens_holds_off_eos(
     client: openai.OpenAI, fake_server: Server
 ) -> None:
-    out = client.completions.create(model="fake", prompt=PROMPT, max_tokens=3, temperature=0,
-                                    logit_bias={"120": 100})  # fmt: skip
+    out = client.completions.create(
+        model="fake", prompt=PROMPT, max_tokens=3, temperature=0, logit_bias={"120": 100}
+    )
     assert out.choices[0].text == "xxx"  # token 120 is "x" in the byte tokenizer
-    r = post(fake_server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 3,
-                                              "logit_bias": {"100000": 5}})  # fmt: skip
+    r = post(
+        fake_server,
+        "/v1/completions",
+        {"prompt": PROMPT, "max_tokens": 3, "logit_bias": {"100000": 5}},
+    )
     assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
     eos = FAKE_EOS_BIAS = {"257": 100}  # EOS made certain ...
-    stopped = client.completions.create(model="fake", prompt=PROMPT, max_tokens=5, temperature=0,
-                                        logit_bias=eos, extra_body={"return_token_ids": True})  # fmt: skip
+    stopped = client.completions.create(
+        model="fake",
+        prompt=PROMPT,
+        max_tokens=5,
+        temperature=0,
+        logit_bias=eos,
+        extra_body={"return_token_ids": True},
+    )
     assert stopped.choices[0].model_extra["token_ids"] == [257]  # type: ignore[index]
-    held = client.completions.create(model="fake", prompt=PROMPT, max_tokens=5, temperature=0,
-                                     logit_bias=FAKE_EOS_BIAS,
-                                     extra_body={"min_tokens": 3, "return_token_ids": True})  # fmt: skip
+    held = client.completions.create(
+        model="fake",
+        prompt=PROMPT,
+        max_tokens=5,
+        temperature=0,
+        logit_bias=FAKE_EOS_BIAS,
+        extra_body={"min_tokens": 3, "return_token_ids": True},
+    )
     ids = held.choices[0].model_extra["token_ids"]  # type: ignore[index]
     assert 257 not in ids[:3] and ids[3] == 257  # ... but only after min_tokens
 
@@ -271,11 +380,18 @@ def test_penalties_change_greedy_output_as_vllm_defines_them(
     from neuronctl.engine.sampling import SamplingParams, apply_options
 
     history = prompt_ids(fake_server)
-    for field, value in (("frequency_penalty", 2.0), ("presence_penalty", 2.0),
-                         ("repetition_penalty", 3.0)):  # fmt: skip
-        out = client.completions.create(model="fake", prompt=PROMPT, max_tokens=12, temperature=0,
-                                        extra_body={field: value, "return_token_ids": True,
-                                                    "ignore_eos": True})  # fmt: skip
+    for field, value in (
+        ("frequency_penalty", 2.0),
+        ("presence_penalty", 2.0),
+        ("repetition_penalty", 3.0),
+    ):
+        out = client.completions.create(
+            model="fake",
+            prompt=PROMPT,
+            max_tokens=12,
+            temperature=0,
+            extra_body={field: value, "return_token_ids": True, "ignore_eos": True},
+        )
         ids = out.choices[0].model_extra["token_ids"]  # type: ignore[index]
         params = SamplingParams(**{field: value})
         for j, token in enumerate(ids):
@@ -284,8 +400,16 @@ def test_penalties_change_greedy_output_as_vllm_defines_them(
 
 
 def test_min_p_and_top_k_leave_only_the_likely_tokens(client: openai.OpenAI) -> None:
-    out = client.completions.create(model="fake", prompt=PROMPT, max_tokens=1, temperature=1,
-                                    logprobs=0, n=8, seed=0, extra_body={"min_p": 1.0})  # fmt: skip
+    out = client.completions.create(
+        model="fake",
+        prompt=PROMPT,
+        max_tokens=1,
+        temperature=1,
+        logprobs=0,
+        n=8,
+        seed=0,
+        extra_body={"min_p": 1.0},
+    )
     assert len({c.text for c in out.choices}) == 1  # min_p 1: only the most likely survives
     top = max(c.logprobs.token_logprobs[0] for c in out.choices)  # type: ignore[union-attr, index]
     assert math.isclose(out.choices[0].logprobs.token_logprobs[0], top)  # type: ignore[union-attr, index]
@@ -317,26 +441,42 @@ def test_version_ping_tokenize_detokenize_openapi(fake_server: Server) -> None:
 def test_metrics_carry_vllm_names_and_labels(client: openai.OpenAI, fake_server: Server) -> None:
     from prometheus_client.parser import text_string_to_metric_families
 
-    client.completions.create(model="fake", prompt=PROMPT, max_tokens=3, temperature=0,
-                              extra_body={"ignore_eos": True})  # fmt: skip
+    client.completions.create(
+        model="fake", prompt=PROMPT, max_tokens=3, temperature=0, extra_body={"ignore_eos": True}
+    )
     text = httpx.get(fake_server.url + "/metrics").text
-    samples = {(s.name, tuple(sorted(s.labels.items()))): s.value
-               for family in text_string_to_metric_families(text) for s in family.samples}  # fmt: skip
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
     labels = (("engine", "0"), ("model_name", "fake"))
-    for name in ("vllm:num_requests_running", "vllm:num_requests_waiting",
-                 "vllm:kv_cache_usage_perc"):  # fmt: skip
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+    ):
         assert (name, labels) in samples
     assert samples[("vllm:prompt_tokens_total", labels)] >= 4
     assert samples[("vllm:generation_tokens_total", labels)] >= 3
-    for name in ("time_to_first_token_seconds", "e2e_request_latency_seconds",
-                 "inter_token_latency_seconds", "request_queue_time_seconds",
-                 "request_prefill_time_seconds", "request_decode_time_seconds",
-                 "request_prompt_tokens", "request_generation_tokens"):  # fmt: skip
+    for name in (
+        "time_to_first_token_seconds",
+        "e2e_request_latency_seconds",
+        "inter_token_latency_seconds",
+        "request_queue_time_seconds",
+        "request_prefill_time_seconds",
+        "request_decode_time_seconds",
+        "request_prompt_tokens",
+        "request_generation_tokens",
+    ):
         assert samples[(f"vllm:{name}_count", labels)] >= 1
     success = (("engine", "0"), ("finished_reason", "length"), ("model_name", "fake"))
     assert samples[("vllm:request_success_total", success)] >= 1
-    assert not any(n.startswith("neuronctl_") and n not in (
-        "neuronctl_requests_total", "neuronctl_slots_total") for n, _ in samples)
+    assert not any(
+        n.startswith("neuronctl_")
+        and n not in ("neuronctl_requests_total", "neuronctl_slots_total")
+        for n, _ in samples
+    )
 
 
 def test_every_request_gets_an_access_log_line(tiny_llama: Path) -> None:

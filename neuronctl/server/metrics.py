@@ -33,7 +33,8 @@ LABELS = ("model_name", "engine")
 
 def buckets_1_2_5(limit: int) -> list[int]:
     """1, 2, 5, 10, 20, 50, ... up to `limit` (vLLM's build_1_2_5_buckets)."""
-    out, scale = [], 1
+    out: list[int] = []
+    scale = 1
     while True:
         for step in (1, 2, 5):
             if step * scale > limit:

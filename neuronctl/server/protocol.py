@@ -10,6 +10,7 @@ field, unless they hold their neutral value.
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
@@ -165,7 +166,7 @@ class CompletionRequest(_Sampling):
     def sampling(self, max_tokens: int | None) -> SamplingParams:
         params = super().sampling(max_tokens)
         if self.echo and (self.logprobs is not None or max_tokens == 0):
-            return _replace(params, prompt_logprobs=self.logprobs or 0)
+            return replace(params, prompt_logprobs=self.logprobs or 0)
         return params
 
     @property
@@ -192,12 +193,6 @@ class CompletionRequest(_Sampling):
 
     def prompt_chars(self) -> int:
         return sum(len(p) for p in self.prompts() if isinstance(p, str))
-
-
-def _replace(params: SamplingParams, **changes: Any) -> SamplingParams:
-    from dataclasses import replace
-
-    return replace(params, **changes)
 
 
 class ContentPart(_Strict):
