@@ -485,3 +485,26 @@ def test_every_request_gets_an_access_log_line(tiny_llama: Path) -> None:
     post(srv, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1})
     srv.stop()
     assert '"POST /v1/completions HTTP/1.1" 200' in srv.log()
+
+
+@pytest.mark.parametrize("max_tokens", [0, 3])
+def test_a_streamed_echo_opens_with_the_prompt_and_its_logprobs(
+    client: openai.OpenAI, max_tokens: int
+) -> None:
+    kwargs: dict[str, Any] = dict(
+        model="fake",
+        prompt=PROMPT,
+        max_tokens=max_tokens,
+        temperature=0,
+        logprobs=1,
+        echo=True,
+        extra_body={"ignore_eos": True},
+    )
+    whole = client.completions.create(**kwargs).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(**kwargs, stream=True) if c.choices]
+    assert chunks[0].text == PROMPT
+    assert "".join(c.text for c in chunks) == whole.text
+    lps = [c.logprobs for c in chunks if c.logprobs]
+    assert lps[0].token_logprobs[0] is None  # type: ignore[index]
+    for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [x for lp in lps for x in getattr(lp, field)] == getattr(whole.logprobs, field)

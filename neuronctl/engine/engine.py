@@ -295,14 +295,23 @@ class Engine:
         elif len(request.output_ids) >= request.max_tokens:
             reason = "length"
         if reason is None:
-            self._send(request, Event(request.request_id, token, delta, now, logprob=pick.logprob))
+            event = Event(request.request_id, token, delta, now, logprob=pick.logprob,
+                          prompt_logprobs=self._scored_prompt(request))  # fmt: skip
+            self._send(request, event)
             return
         with self._cond:
             self.scheduler.release(request)
         delta += request.text.flush()
         output = request.output(reason)
-        event = Event(request.request_id, token, delta, now, reason, output, logprob=pick.logprob)
+        event = Event(request.request_id, token, delta, now, reason, output, logprob=pick.logprob,
+                      prompt_logprobs=self._scored_prompt(request))  # fmt: skip
         self._send(request, event)
+
+    def _scored_prompt(self, request: Request) -> list[Any] | None:
+        """The prompt's logprobs, on the first token's event (a stream sends them first)."""
+        if request.params.prompt_logprobs is None or len(request.output_ids) != 1:
+            return None
+        return list(request.prompt_logprobs)
 
     def _finish(self, request: Request, reason: FinishReason, error: str | None = None) -> None:
         with self._cond:

@@ -54,6 +54,8 @@ class Event:
     output: RequestOutput | None = None  # set on the last event
     error: str | None = None
     logprob: TokenLogprob | None = None  # the token's, when the request asked for logprobs
+    # On a request's first token event, when it asked for its prompt's logprobs (echo).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(frozen=True)

@@ -168,8 +168,6 @@ def create_app(
         texts = body.prompts()
         check_chars(body.prompt_chars(), "prompt")
         prompts = [await _encode(model.encode, p) if isinstance(p, str) else p for p in texts]
-        if body.echo and body.logprobs is not None and body.stream:
-            raise RequestError("echo with logprobs cannot be streamed", param="echo")
         if per_prompt > body.choices_per_prompt and params.logprobs is None:
             params = replace(params, logprobs=0)  # best_of ranks by cumulative logprob
         run = Run(engine, jobs(prompts, params, per_prompt), metrics, prompts)
@@ -620,6 +618,9 @@ class CompletionStream:
                 yield self._chunk([first]).model_dump_json()
         completion = 0
         async for index, event in self.run.events():
+            echoed = self._echo_with_logprobs(index, event)
+            if echoed is not None:
+                yield self._chunk([echoed]).model_dump_json()
             if event.token_id is not None:
                 completion += 1
             if event.finish_reason == "error":
@@ -636,11 +637,24 @@ class CompletionStream:
         if self.chat:
             delta = Delta(role="assistant", content="")
             return ChatChunkChoice(index=index, delta=delta, finish_reason=None)
-        if self.echo is not None:
-            text = self._echoed(index)
-            self.offsets[index] = len(text)
-            return CompletionChoice(index=index, text=text, finish_reason=None)
+        if self.echo is not None and not self.logprobs:
+            return CompletionChoice(index=index, text=self._echoed(index), finish_reason=None)
         return None
+
+    def _echo_with_logprobs(self, index: int, event: Event) -> CompletionChoice | None:
+        """An echo with logprobs opens with the prompt once its logprobs are known: on the
+        choice's first event (its first token, or its end with max_tokens 0)."""
+        if self.echo is None or not self.logprobs or index in self.offsets:
+            return None
+        scored = event.prompt_logprobs
+        if scored is None and event.output is not None:
+            scored = event.output.prompt_logprobs
+        ids = self.run.prompts[index // self.per_prompt]
+        legacy = self._legacy(list(zip(ids, scored or [None] * len(ids), strict=True)), 0)
+        self.offsets[index] = sum(len(t) for t in legacy.tokens)
+        return CompletionChoice(
+            index=index, text=self._echoed(index), finish_reason=None, logprobs=legacy
+        )
 
     def _delta(self, index: int, event: Event) -> Any:
         ids = None
