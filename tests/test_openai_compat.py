@@ -508,3 +508,20 @@ def test_a_streamed_echo_opens_with_the_prompt_and_its_logprobs(
     assert lps[0].token_logprobs[0] is None  # type: ignore[index]
     for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
         assert [x for lp in lps for x in getattr(lp, field)] == getattr(whole.logprobs, field)
+
+
+@pytest.mark.parametrize(
+    "model, revision, name",
+    [
+        ("HuggingFaceTB/SmolLM2-135M", "0123abcd", "HuggingFaceTB/SmolLM2-135M"),
+        ("/data/hf/hub/models--Qwen--Qwen2.5-0.5B/snapshots/abc123", None, "Qwen/Qwen2.5-0.5B"),
+        ("./checkpoints/my-llama/", None, "my-llama"),
+        (None, None, None),
+    ],
+)
+def test_the_default_served_name_is_the_hub_id_not_the_path_as_typed(
+    model: str | None, revision: str | None, name: str | None
+) -> None:
+    from neuronctl.engine.loader import served_name
+
+    assert served_name(model, revision) == name
