@@ -360,3 +360,22 @@ def test_the_engine_scores_prompt_tokens_through_decode_steps() -> None:
         assert len(only.prompt_logprobs or []) == len(prompt)
     finally:
         engine.stop()
+
+
+def test_min_tokens_also_holds_off_stop_strings_as_vllm() -> None:
+    """vLLM's incremental detokenizer checks stop strings only once len(output) > min_tokens
+    (vllm/v1/engine/detokenizer.py, IncrementalDetokenizer.update)."""
+    from neuronctl.engine.engine import Engine
+    from tests.fake_runner import EOS_ID, FakeRunner, byte_decoder
+
+    engine = Engine(FakeRunner(batch_size=1), byte_decoder, eos_ids=[EOS_ID]).start()
+    try:
+        greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        text = engine.generate([[1, 2]], greedy)[0].text
+        stop = text[1]  # the second character would stop the output at once
+        early = engine.generate([[1, 2]], replace(greedy, stop=(stop,)))[0]
+        assert early.text == text[: text.index(stop)] and early.finish_reason == "stop"
+        held = engine.generate([[1, 2]], replace(greedy, stop=(stop,), min_tokens=3))[0]
+        assert held.text.startswith(text[:3]) and len(held.token_ids) >= 3
+    finally:
+        engine.stop()

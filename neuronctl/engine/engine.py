@@ -288,7 +288,9 @@ class Engine:
         request.output_ids.append(token)
         now = time.perf_counter()
         request.token_times.append(now)
-        delta, hit_stop = request.text.update(token)
+        # vLLM looks for stop strings only past min_tokens (its detokenizer's check).
+        past_min = len(request.output_ids) > request.params.min_tokens
+        delta, hit_stop = request.text.update(token, check_stop=past_min)
         reason: FinishReason | None = None
         if hit_stop or (token in self.eos_ids and not request.params.ignore_eos):
             reason = "stop"
