@@ -525,3 +525,13 @@ def test_the_default_served_name_is_the_hub_id_not_the_path_as_typed(
     from neuronctl.engine.loader import served_name
 
     assert served_name(model, revision) == name
+
+
+def test_logprob_counts_over_20_are_refused_by_name(fake_server: Server) -> None:
+    chat = {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}
+    r = post(fake_server, "/v1/chat/completions", chat)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+    r = post(fake_server, "/v1/chat/completions", {**chat, "logprobs": None, "top_logprobs": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+    r = post(fake_server, "/v1/completions", {"prompt": PROMPT, "logprobs": 21})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"

@@ -16,7 +16,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 from neuronctl.engine.errors import RequestError
-from neuronctl.engine.sampling import SamplingParams
+from neuronctl.engine.sampling import MAX_LOGPROBS, SamplingParams
 
 
 class _Strict(BaseModel):
@@ -227,6 +227,8 @@ class ChatRequest(_Sampling):
     def logprobs_k(self) -> int | None:
         if self.top_logprobs is not None and not self.logprobs:
             raise RequestError("top_logprobs needs logprobs=true", param="top_logprobs")
+        if not 0 <= _or(self.top_logprobs, 0) <= MAX_LOGPROBS:
+            raise RequestError(f"top_logprobs must be in [0, {MAX_LOGPROBS}]", param="top_logprobs")
         return _or(self.top_logprobs, 0) if self.logprobs else None
 
     def check_messages(self) -> None:
