@@ -535,3 +535,14 @@ def test_logprob_counts_over_20_are_refused_by_name(fake_server: Server) -> None
     assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
     r = post(fake_server, "/v1/completions", {"prompt": PROMPT, "logprobs": 21})
     assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+
+
+def test_tokenize_keeps_the_prompt_character_limit(tiny_llama: Path) -> None:
+    port = free_port()
+    srv = Server(fake_argv(tiny_llama, port, "--max-prompt-chars", "10"), port)
+    try:
+        r = post(srv, "/tokenize", {"prompt": "y" * 11})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+        assert post(srv, "/tokenize", {"prompt": "y" * 10}).json()["count"] >= 10
+    finally:
+        srv.stop()

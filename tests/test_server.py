@@ -186,6 +186,9 @@ def test_requests_without_the_key_are_rejected(server: Server) -> None:
     assert r.status_code == 401
     assert r.json()["error"]["type"] == "authentication_error"
     assert httpx.get(server.url + "/health").status_code == 200  # health needs no key
+    # /tokenize runs the tokenizer: it takes the key too (vLLM leaves it open)
+    assert httpx.post(server.url + "/tokenize", json={"prompt": "x"}).status_code == 401
+    assert httpx.get(server.url + "/version").status_code == 200
 
 
 def test_malformed_requests_get_openai_error_json(server: Server, client: openai.OpenAI) -> None:

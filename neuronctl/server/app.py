@@ -192,7 +192,7 @@ def create_app(
         return typed(await stream.whole(request))
 
     app.include_router(v1)
-    add_vllm_routes(app, model, check_model, max_model_len or engine.runner.seq_len)
+    add_vllm_routes(app, model, check_model, check_chars, max_model_len or engine.runner.seq_len)
 
     @app.get("/health")
     async def health() -> JSONResponse:
@@ -218,7 +218,11 @@ def create_app(
 
 
 def add_vllm_routes(
-    app: FastAPI, model: TextModel, check_model: Callable[[str | None], None], max_model_len: int
+    app: FastAPI,
+    model: TextModel,
+    check_model: Callable[[str | None], None],
+    check_chars: Callable[[int, str], None],
+    max_model_len: int,
 ) -> None:
     """vLLM's /version, /tokenize and /detokenize, with its request and response shapes."""
 
@@ -233,8 +237,10 @@ def add_vllm_routes(
             raise RequestError("send either prompt or messages", param="prompt")
         if body.messages is not None:
             messages = [m.as_template_message() for m in body.messages]
+            check_chars(sum(len(m["content"]) for m in messages), "messages")
             ids = await run_in_threadpool(model.encode_chat, messages)
         else:
+            check_chars(len(body.prompt or ""), "prompt")
             special = body.add_special_tokens is not False
             ids = await run_in_threadpool(model.tokenize, body.prompt or "", special)
         strs = [model.token_str(t) for t in ids] if body.return_token_strs else None
@@ -307,6 +313,12 @@ def install_error_handlers(app: FastAPI) -> None:
         return error_response(exc.status_code, str(exc.detail))
 
 
+def guarded(path: str) -> bool:
+    """The paths that run the model or its tokenizer: the API key and size limits apply
+    (vLLM leaves /tokenize open; here it costs tokenizer time, so it takes the key too)."""
+    return path.startswith("/v1") or path in ("/tokenize", "/detokenize")
+
+
 class Guard:
     """ASGI middleware, before any body is read: draining (503), the API key on /v1 (401), the
     body size (413, from Content-Length or while it streams in). Counts every request for
@@ -331,7 +343,7 @@ class Guard:
             return
         path = scope["path"]
         endpoint = path if path in ENDPOINTS else "other"
-        refusal = self._refusal(scope) if path.startswith("/v1") else None
+        refusal = self._refusal(scope) if guarded(path) else None
         if refusal is not None:
             self.metrics.count_request(endpoint, refusal.status_code)
             await refusal(scope, receive, send)
