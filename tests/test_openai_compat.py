@@ -546,3 +546,19 @@ def test_tokenize_keeps_the_prompt_character_limit(tiny_llama: Path) -> None:
         assert post(srv, "/tokenize", {"prompt": "y" * 10}).json()["count"] >= 10
     finally:
         srv.stop()
+
+
+def test_the_openai_client_sending_nulls_gets_the_defaults(client: openai.OpenAI) -> None:
+    """The client sends an explicit None as JSON null (NotGiven is what leaves a field out)."""
+    out = client.completions.create(
+        model="fake", prompt=PROMPT, max_tokens=2, temperature=None, top_p=None, n=None,
+        stream=None, echo=None, logprobs=None, best_of=None, stop=None, seed=None,
+        presence_penalty=None, frequency_penalty=None, logit_bias=None, user=None,
+    )  # fmt: skip
+    assert len(out.choices) == 1 and out.choices[0].logprobs is None
+    chat = client.chat.completions.create(
+        model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+        temperature=None, top_p=None, n=None, stream=None, logprobs=None, top_logprobs=None,
+        response_format=None, seed=None, stop=None, presence_penalty=None,
+    )  # fmt: skip
+    assert len(chat.choices) == 1 and chat.choices[0].logprobs is None
