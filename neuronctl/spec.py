@@ -42,6 +42,9 @@ MAX_SEQ_LEN = 1 << 24
 Buckets = list[Annotated[StrictInt, Field(le=MAX_SEQ_LEN)]] | Literal["auto"]
 
 DTYPES = ("bfloat16", "float16", "float32")
+# vLLM's --dtype spellings (vllm/config/model.py ModelDType: half, float) and the short ones.
+DTYPE_ALIASES = {"half": "float16", "fp16": "float16", "float": "float32", "fp32": "float32",
+                 "bf16": "bfloat16"}  # fmt: skip
 DEFAULT_GLOBAL_TOPK = 256
 
 
@@ -107,6 +110,11 @@ class BuildSpec(BaseModel):
         if value is False or (isinstance(value, str) and value.strip().lower() in SAMPLING_OFF):
             return None
         return value
+
+    @field_validator("dtype", mode="before")
+    @classmethod
+    def _dtype_alias(cls, value: Any) -> Any:
+        return DTYPE_ALIASES.get(value, value) if isinstance(value, str) else value
 
     @field_validator("quantization_dtype", mode="before")
     @classmethod

@@ -209,6 +209,15 @@ class FakeTextModel:
     def encode_chat(self, messages: list[dict]) -> list[int]:
         return self.tokenizer.encode_chat(messages)
 
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens) if text else []
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids)
+
+    def token_str(self, token_id: int) -> str:
+        return self.tokenizer.token_str(token_id)
+
 
 def main(argv: Sequence[str]) -> None:
     import sys
@@ -232,6 +241,7 @@ def main(argv: Sequence[str]) -> None:
     parser.add_argument("--max-body-bytes", type=int, default=8 * 1024 * 1024)
     parser.add_argument("--max-prompt-chars", type=int)
     parser.add_argument("--host", default="127.0.0.1")
+    parser.add_argument("--log-level", default="warning")
     args = parser.parse_args(argv)
     runner = FakeRunner(args.batch_size, args.seq_len, step_delay=args.step_delay)
     engine = Engine(runner, byte_decoder, eos_ids=[EOS_ID], max_queue=args.max_queue)
@@ -243,7 +253,7 @@ def main(argv: Sequence[str]) -> None:
         port=args.port,
         api_key=args.api_key,
         max_model_len=args.seq_len,
-        log_level="warning",
+        log_level=args.log_level,
         limits=Limits(args.max_body_bytes, args.max_prompt_chars),
         on_ready=lambda: print("serving on", args.port, file=sys.stderr, flush=True),
     )

@@ -1,14 +1,33 @@
 from __future__ import annotations
 
+import math
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 import pytest
 import torch
 
 from neuronctl.engine.errors import RequestError
-from neuronctl.engine.sampling import SamplingParams, make_generator, resolve, sample, sample_rows
+from neuronctl.engine.sampling import (
+    SamplingParams,
+    apply_options,
+    make_generator,
+    resolve,
+    sample,
+    sample_rows,
+    sample_step,
+    token_logprobs,
+)
 from neuronctl.engine.text import TextStream, WindowDecoder
 from neuronctl.engine.tokenizer import EngineTokenizer
+
+
+@dataclass
+class _State:  # sampling.RowState
+    params: SamplingParams
+    generator: torch.Generator
+    prompt_ids: list[int]
+    output_ids: list[int]
 
 
 def test_temperature_zero_is_greedy_like_top_k_one() -> None:
@@ -233,3 +252,130 @@ def test_a_row_that_cannot_be_sampled_fails_alone() -> None:
 def test_resolve_refuses_mistyped_fields_as_request_errors(params: SamplingParams) -> None:
     with pytest.raises(RequestError):
         resolve(params)
+
+
+# -- vLLM's per-request options -------------------------------------------------------------
+
+
+def test_token_logprobs_are_log_softmax_of_the_raw_logits() -> None:
+    logits = torch.randn(3, 50, generator=make_generator(0)) * 4
+    found = token_logprobs(logits, [7, 0, 49], [0, 2, 5])
+    ref = torch.log_softmax(logits, -1)
+    for row, lp in enumerate(found):
+        assert lp.logprob == pytest.approx(ref[row, lp.token_id].item(), abs=1e-6)
+        values, ids = torch.topk(ref[row], len(lp.top)) if lp.top else (torch.zeros(0), [])
+        assert [t for t, _ in lp.top] == list(ids.tolist() if lp.top else [])
+        assert [v for _, v in lp.top] == pytest.approx(values.tolist(), abs=1e-6)
+    assert [len(lp.top) for lp in found] == [0, 2, 5]
+
+
+def test_logprobs_are_of_the_raw_logits_even_when_options_change_the_pick() -> None:
+    """vLLM's default logprobs_mode is raw_logprobs: what the model said, not the penalised
+    distribution (vllm/config/model.py, LogprobsMode)."""
+    logits = torch.tensor([[5.0, 1.0, 0.0, -1.0]])
+    params = resolve(SamplingParams(temperature=0, logit_bias=((3, 100.0),), logprobs=1))
+    state = _State(params, make_generator(0), [0], [])
+    [pick] = sample_step(logits, [0], [state])
+    assert not isinstance(pick, Exception) and pick.token_id == 3
+    assert pick.logprob is not None
+    assert pick.logprob.logprob == pytest.approx(torch.log_softmax(logits[0], -1)[3].item())
+    assert pick.logprob.top[0][0] == 0  # the model's own favourite heads the list
+
+
+def test_penalties_follow_vllm() -> None:
+    """vllm/model_executor/layers/utils.py apply_penalties: repetition over prompt and output
+    tokens (positive logits divided, negative multiplied), then frequency x count and presence
+    once, over output tokens only."""
+    row = torch.tensor([2.0, -2.0, 1.0, 3.0, 0.5])
+    p = SamplingParams(repetition_penalty=2.0, frequency_penalty=0.5, presence_penalty=0.25)
+    out = apply_options(row, p, prompt_ids=[0], output_ids=[1, 3, 3])
+    assert out.tolist() == pytest.approx([1.0, -4.0 - 0.75, 1.0, 1.5 - 1.25, 0.5])
+    assert row.tolist() == [2.0, -2.0, 1.0, 3.0, 0.5]  # the caller's logits are untouched
+
+
+def test_min_tokens_masks_eos_until_reached_and_logit_bias_adds() -> None:
+    row = torch.tensor([0.0, 9.0, 1.0])
+    p = SamplingParams(min_tokens=2, logit_bias=((2, 0.5),))
+    early = apply_options(row, p, [0], [2], eos_ids={1})
+    assert early[1] == -math.inf and early[2] == 1.5
+    assert apply_options(row, p, [0], [2, 2], eos_ids={1})[1] == 9.0
+
+
+def test_min_p_drops_tokens_below_its_share_of_the_top() -> None:
+    logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
+    p = resolve(SamplingParams(temperature=1.0, min_p=0.4, seed=0))
+    gen = make_generator(0)
+    assert {sample(logits, p, gen) for _ in range(300)} == {0, 1}  # 0.15 < 0.4 x 0.5
+
+
+@pytest.mark.parametrize(
+    "params, field",
+    [
+        (SamplingParams(presence_penalty=2.5), "presence_penalty"),
+        (SamplingParams(frequency_penalty=-3), "frequency_penalty"),
+        (SamplingParams(repetition_penalty=0), "repetition_penalty"),
+        (SamplingParams(min_p=1.5), "min_p"),
+        (SamplingParams(min_tokens=5, max_tokens=2), "min_tokens"),
+        (SamplingParams(logprobs=21), "logprobs"),
+        (SamplingParams(logit_bias=((1, math.inf),)), "logit_bias"),
+        (SamplingParams(max_tokens=0, prompt_logprobs=None), "max_tokens"),
+    ],
+)
+def test_out_of_range_options_name_the_field(params: SamplingParams, field: str) -> None:
+    with pytest.raises(RequestError) as exc:
+        resolve(params)
+    assert exc.value.param == field
+
+
+def test_prompt_logprobs_allow_max_tokens_zero() -> None:
+    assert resolve(SamplingParams(max_tokens=0, prompt_logprobs=0)).max_tokens == 0
+
+
+def test_the_engine_scores_prompt_tokens_through_decode_steps() -> None:
+    """Echo: each prompt token's logprob under the logits of the tokens before it, although
+    the runner's context encoding returns the last position's logits only; its neighbour in
+    the batch gets the same tokens as alone."""
+    from neuronctl.engine.engine import Engine
+    from tests.fake_runner import EOS_ID, FakeRunner, byte_decoder
+
+    runner = FakeRunner(batch_size=2, seq_len=64)
+    engine = Engine(runner, byte_decoder, eos_ids=[EOS_ID]).start()
+    try:
+        prompt, other = [5, 9, 77, 100, 3], [1, 2, 3]
+        echo = SamplingParams(temperature=0, max_tokens=2, prompt_logprobs=1, logprobs=0)
+        plain = SamplingParams(temperature=0, max_tokens=6)
+        scored, neighbour = engine.generate([prompt, other], [echo, plain])
+        assert neighbour.token_ids == engine.generate([other], plain)[0].token_ids
+        assert scored.token_ids == engine.generate([prompt], replace(echo, prompt_logprobs=None))[
+            0].token_ids  # fmt: skip
+        assert scored.prompt_logprobs is not None and scored.prompt_logprobs[0] is None
+        for i in range(1, len(prompt)):
+            lp = scored.prompt_logprobs[i]
+            ref = torch.log_softmax(runner.logits_for(prompt[:i]), -1)
+            assert lp is not None and lp.token_id == prompt[i]
+            assert lp.logprob == pytest.approx(ref[prompt[i]].item(), abs=1e-6)
+            assert lp.top[0] == (int(ref.argmax()), pytest.approx(ref.max().item(), abs=1e-6))
+        only = engine.generate([prompt], SamplingParams(max_tokens=0, prompt_logprobs=0))[0]
+        assert only.token_ids == [] and only.finish_reason == "length"
+        assert len(only.prompt_logprobs or []) == len(prompt)
+    finally:
+        engine.stop()
+
+
+def test_min_tokens_also_holds_off_stop_strings_as_vllm() -> None:
+    """vLLM's incremental detokenizer checks stop strings only once len(output) > min_tokens
+    (vllm/v1/engine/detokenizer.py, IncrementalDetokenizer.update)."""
+    from neuronctl.engine.engine import Engine
+    from tests.fake_runner import EOS_ID, FakeRunner, byte_decoder
+
+    engine = Engine(FakeRunner(batch_size=1), byte_decoder, eos_ids=[EOS_ID]).start()
+    try:
+        greedy = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+        text = engine.generate([[1, 2]], greedy)[0].text
+        stop = text[1]  # the second character would stop the output at once
+        early = engine.generate([[1, 2]], replace(greedy, stop=(stop,)))[0]
+        assert early.text == text[: text.index(stop)] and early.finish_reason == "stop"
+        held = engine.generate([[1, 2]], replace(greedy, stop=(stop,), min_tokens=3))[0]
+        assert held.text.startswith(text[:3]) and len(held.token_ids) >= 3
+    finally:
+        engine.stop()

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from neuronctl.errors import SpecError
-from neuronctl.spec import ModelShape, auto_buckets, finalize, resolve_spec
+from neuronctl.spec import BuildSpec, ModelShape, auto_buckets, finalize, resolve_spec
 
 SHAPE = ModelShape(num_attention_heads=8, num_key_value_heads=2, max_position_embeddings=4096)
 
@@ -193,3 +193,15 @@ def test_a_new_spec_field_touches_only_spec_py(tmp_path: Path) -> None:
     assert out["1.0"] != out["2.0"]  # the graph key covers it
     assert out["read_back"] == 2.0  # the typed manifest carries it
     assert out["checks"]["spec.rope_scaling"] is False  # validate compares it
+
+
+@pytest.mark.parametrize(
+    "given, dtype",
+    [("half", "float16"), ("fp16", "float16"), ("float", "float32"), ("bf16", "bfloat16"),
+     ("float32", "float32"), ("bfloat16", "bfloat16"), ("auto", "auto")],
+)  # fmt: skip
+def test_vllm_dtype_spellings_name_the_same_spec(given: str, dtype: str) -> None:
+    """vLLM's --dtype takes auto, half, float16, bfloat16, float, float32 (vllm/config/model.py
+    ModelDType); an alias is the same spec, so the same keys and artifact."""
+    assert BuildSpec(dtype=given).dtype == dtype  # type: ignore[arg-type]
+    assert BuildSpec(dtype=given) == BuildSpec(dtype=dtype)  # type: ignore[arg-type]

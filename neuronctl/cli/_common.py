@@ -99,7 +99,11 @@ SPEC_OPTIONS: dict[str, tuple[Any, Any]] = {
         int | None,
         _opt("--max-context-length", "Longest prompt (default: seq len)."),
     ),
-    "dtype": (str | None, _opt("--dtype", "bfloat16 | float16 | float32 | auto (default auto).")),
+    "dtype": (
+        str | None,
+        _opt("--dtype", "bfloat16 | float16 | float32 | auto (default auto; vLLM's half and "
+                        "float, and bf16, fp16 accepted)."),
+    ),
     "context_buckets": (
         str | None,
         _opt("--context-buckets", "Context-encoding buckets, e.g. 64,128, or auto."),

@@ -91,8 +91,9 @@ def serve_command(
     allow_unsigned: AllowUnsignedOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
-    """Serve an artifact over the OpenAI API: /v1/models, /v1/completions,
-    /v1/chat/completions (streaming with stream=true), /health, /metrics.
+    """Serve an artifact over the OpenAI API, as vLLM's server does: /v1/models,
+    /v1/completions, /v1/chat/completions (streaming with stream=true), /health, /ping,
+    /version, /tokenize, /detokenize, /metrics (vllm:* names), /docs.
 
     serve never compiles unless --compile-if-missing is given: a missing or non-reusable
     artifact exits 1 with the reasons. SIGTERM stops accepting, finishes in-flight requests

@@ -25,9 +25,11 @@ from neuronctl.engine.errors import EngineDeadError, EngineStoppedError, Request
 from neuronctl.engine.request import Event, FinishReason, Request, RequestOutput, Sink
 from neuronctl.engine.sampling import (
     DEFAULT_GLOBAL_TOPK,
+    Pick,
     SamplingParams,
     resolve,
-    sample_rows,
+    sample_step,
+    token_logprobs,
 )
 from neuronctl.engine.scheduler import Scheduler, SchedulerOutput
 from neuronctl.engine.text import NewDecoder
@@ -173,6 +175,7 @@ class Engine:
         bad = [t for t in prompt_ids if not 0 <= t < self.runner.vocab_size]
         if bad:
             raise RequestError(f"token id {bad[0]} is outside the vocabulary", param="prompt")
+        self._check_bias(params)
         max_tokens = params.max_tokens if params.max_tokens is not None else seq_len - n
         if n + max_tokens > seq_len:
             raise RequestError(
@@ -182,13 +185,22 @@ class Engine:
                 hint=f"use max_tokens <= {seq_len - n}",
                 code="context_length_exceeded",
             )
-        if max_tokens < 1:
+        if max_tokens < 1 and params.max_tokens != 0:  # 0 only as asked (prompt logprobs)
             raise RequestError(
                 f"the prompt ({n} tokens) leaves no room to generate in sequence length {seq_len}",
                 param="prompt",
                 code="context_length_exceeded",
             )
         return max_tokens
+
+    def _check_bias(self, params: SamplingParams) -> None:
+        bad = [t for t, _ in params.logit_bias if not 0 <= t < self.runner.vocab_size]
+        if bad:
+            raise RequestError(
+                f"logit_bias names token id {bad[0]}, outside the vocabulary "
+                f"(0..{self.runner.vocab_size - 1})",
+                param="logit_bias",
+            )
 
     # -- the engine thread --------------------------------------------------------------------
 
@@ -230,7 +242,7 @@ class Engine:
         if self._prefill_batch is not None and len(requests) > 1:
             slots = [r.slot for r in requests]
             try:
-                logits = self._prefill_batch(slots, [r.prompt_ids for r in requests])
+                logits = self._prefill_batch(slots, [r.prefill_ids() for r in requests])
             except Exception:  # one bad prompt must not fail its neighbours: one at a time
                 logger.warning(
                     "batched prefill of %d prompts failed; encoding them one at a time",
@@ -245,7 +257,7 @@ class Engine:
 
     def _prefill_one(self, request: Request) -> Any:
         assert request.slot is not None
-        return self.runner.prefill(request.slot, request.prompt_ids).unsqueeze(0)
+        return self.runner.prefill(request.slot, request.prefill_ids()).unsqueeze(0)
 
     def _decode(self, running: list[Request]) -> None:
         batch = self.scheduler.batch_size
@@ -254,7 +266,7 @@ class Engine:
         for r in running:
             slot = r.slot
             assert slot is not None
-            tokens[slot], positions[slot] = r.output_ids[-1], r.next_position
+            tokens[slot], positions[slot] = r.next_input()
             rows.append(slot)
         self._run(running, lambda: self.runner.decode(tokens, positions), rows)
         self.steps += 1
@@ -268,33 +280,69 @@ class Engine:
             for r in requests:
                 self._finish(r, "error", f"{type(exc).__name__}: {exc}")
             return
-        picked = sample_rows(
-            logits, rows, [r.params for r in requests], [r.generator for r in requests]
-        )
-        for r, token in zip(requests, picked, strict=True):
-            if isinstance(token, Exception):
-                self._finish(r, "error", f"sampling failed: {type(token).__name__}: {token}")
+        requests, rows = self._score_prompts(logits, requests, rows)
+        picked = sample_step(logits, rows, requests, self.eos_ids)
+        for r, pick in zip(requests, picked, strict=True):
+            if isinstance(pick, Exception):
+                self._finish(r, "error", f"sampling failed: {type(pick).__name__}: {pick}")
             else:
-                self._append(r, token)
+                self._append(r, pick)
 
-    def _append(self, request: Request, token: int) -> None:
+    def _score_prompts(
+        self, logits: Any, requests: list[Request], rows: list[int]
+    ) -> tuple[list[Request], list[int]]:
+        """Record the prompt logprobs of the rows that predict a prompt token (one batched
+        log_softmax); finish those whose prompt was all they asked for (max_tokens 0).
+        Returns the requests and rows left to sample."""
+        scoring = [i for i, r in enumerate(requests) if r.scoring_prompt]
+        if scoring:
+            found = token_logprobs(
+                logits[[rows[i] for i in scoring]],
+                [requests[i].prompt_ids[requests[i].fed] for i in scoring],
+                [requests[i].params.prompt_logprobs or 0 for i in scoring],
+            )
+            for i, logprob in zip(scoring, found, strict=True):
+                requests[i].prompt_logprobs.append(logprob)
+        keep = [i for i, r in enumerate(requests) if not r.scoring_prompt]
+        done = [i for i in keep if requests[i].max_tokens == 0]
+        for i in done:
+            self._finish(requests[i], "length")
+        keep = [i for i in keep if requests[i].max_tokens > 0]
+        return [requests[i] for i in keep], [rows[i] for i in keep]
+
+    def _append(self, request: Request, pick: Pick) -> None:
+        token = pick.token_id
+        if pick.logprob is not None:
+            request.logprobs.append(pick.logprob)
         request.output_ids.append(token)
         now = time.perf_counter()
         request.token_times.append(now)
-        delta, hit_stop = request.text.update(token)
+        # vLLM looks for stop strings only past min_tokens (its detokenizer's check).
+        past_min = len(request.output_ids) > request.params.min_tokens
+        delta, hit_stop = request.text.update(token, check_stop=past_min)
         reason: FinishReason | None = None
         if hit_stop or (token in self.eos_ids and not request.params.ignore_eos):
             reason = "stop"
         elif len(request.output_ids) >= request.max_tokens:
             reason = "length"
         if reason is None:
-            self._send(request, Event(request.request_id, token, delta, now))
+            event = Event(request.request_id, token, delta, now, logprob=pick.logprob,
+                          prompt_logprobs=self._scored_prompt(request))  # fmt: skip
+            self._send(request, event)
             return
         with self._cond:
             self.scheduler.release(request)
         delta += request.text.flush()
         output = request.output(reason)
-        self._send(request, Event(request.request_id, token, delta, now, reason, output))
+        event = Event(request.request_id, token, delta, now, reason, output, logprob=pick.logprob,
+                      prompt_logprobs=self._scored_prompt(request))  # fmt: skip
+        self._send(request, event)
+
+    def _scored_prompt(self, request: Request) -> list[Any] | None:
+        """The prompt's logprobs, on the first token's event (a stream sends them first)."""
+        if request.params.prompt_logprobs is None or len(request.output_ids) != 1:
+            return None
+        return list(request.prompt_logprobs)
 
     def _finish(self, request: Request, reason: FinishReason, error: str | None = None) -> None:
         with self._cond:

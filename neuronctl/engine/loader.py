@@ -44,8 +44,12 @@ class LoadedArtifact:
 
     @property
     def model_name(self) -> str:
-        """The default served model name: what the user compiled (a Hub id or a path)."""
-        return self.manifest.source.model or self.path.name
+        """The default served model name: the Hub id the artifact was compiled from (for a
+        local checkpoint, its Hub id when it is a Hub cache snapshot, else its folder's name;
+        never the path as typed, which clients cannot know)."""
+        return served_name(self.manifest.source.model, self.manifest.source.revision) or (
+            self.path.name
+        )
 
     def encode(self, text: str) -> list[int]:
         if not text:  # a BOS alone is no prompt (docs/runtime.md: empty prompts are refused)
@@ -54,6 +58,27 @@ class LoadedArtifact:
 
     def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
         return self.tokenizer.encode_chat(messages)
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens) if text else []
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids)
+
+    def token_str(self, token_id: int) -> str:
+        return self.tokenizer.token_str(token_id)
+
+
+def served_name(model: str | None, revision: str | None) -> str | None:
+    """A Hub id as compiled; for a local path, the Hub id of a cache snapshot
+    (.../models--ORG--NAME/snapshots/SHA) or the folder's name."""
+    if not model or revision:
+        return model
+    parts = Path(model).parts
+    for i, part in enumerate(parts[:-1]):
+        if part.startswith("models--") and parts[i + 1] == "snapshots":
+            return part.removeprefix("models--").replace("--", "/")
+    return Path(model).name or model
 
 
 def resolve_artifact_path(

@@ -14,7 +14,7 @@ from typing import Any, Literal
 
 import torch
 
-from neuronctl.engine.sampling import SamplingParams, make_generator
+from neuronctl.engine.sampling import SamplingParams, TokenLogprob, make_generator
 from neuronctl.engine.text import TextStream, TokenDecoder
 
 # "stop": EOS or a stop string; "length": max_tokens or the end of the sequence;
@@ -53,6 +53,9 @@ class Event:
     finish_reason: FinishReason | None = None
     output: RequestOutput | None = None  # set on the last event
     error: str | None = None
+    logprob: TokenLogprob | None = None  # the token's, when the request asked for logprobs
+    # On a request's first token event, when it asked for its prompt's logprobs (echo).
+    prompt_logprobs: list[TokenLogprob | None] | None = None
 
 
 @dataclass(frozen=True)
@@ -65,6 +68,13 @@ class RequestOutput:
     timings: Timings
     token_times: list[float]  # wall time at which each output token was produced
     error: str | None = None
+    logprobs: list[TokenLogprob] | None = None  # one per output token, when asked for
+    # One per prompt token, when asked for (echo); the first has no context: None.
+    prompt_logprobs: list[TokenLogprob | None] | None = None
+
+    @property
+    def cumulative_logprob(self) -> float:
+        return sum(lp.logprob for lp in self.logprobs or ())
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -106,6 +116,9 @@ class Request:
     ended: bool = False  # its last event (the one with a finish reason) was sent
     generator: torch.Generator = field(init=False)
     text: TextStream = field(init=False)
+    fed: int = 0  # prompt tokens written to the KV cache so far
+    logprobs: list[TokenLogprob] = field(default_factory=list)
+    prompt_logprobs: list[TokenLogprob | None] = field(default_factory=list)
 
     def __post_init__(self) -> None:
         assert self.params.seed is not None, "params must be resolved"
@@ -116,6 +129,32 @@ class Request:
     def next_position(self) -> int:
         """Where the last sampled token is written by the next decode step."""
         return len(self.prompt_ids) + len(self.output_ids) - 1
+
+    # Prompt logprobs (echo) need the logits at every prompt position, and a context-encoding
+    # graph returns only the last one's. So such a request context-encodes its first token
+    # alone and feeds the rest through the batch's decode steps, one a step, each step's row
+    # scoring the next prompt token: no other graph, on every backend, and its neighbours'
+    # steps are shared, not added to.
+
+    def prefill_ids(self) -> list[int]:
+        """The tokens its context encoding writes (and counts them as fed)."""
+        ids = self.prompt_ids[:1] if self.params.prompt_logprobs is not None else self.prompt_ids
+        self.fed = len(ids)
+        if self.params.prompt_logprobs is not None:
+            self.prompt_logprobs = [None]
+        return ids
+
+    def next_input(self) -> tuple[int, int]:
+        """(token, position) the next decode step writes into this request's slot."""
+        if self.fed < len(self.prompt_ids):
+            self.fed += 1
+            return self.prompt_ids[self.fed - 1], self.fed - 1
+        return self.output_ids[-1], self.next_position
+
+    @property
+    def scoring_prompt(self) -> bool:
+        """Whether the latest logits predict a prompt token (scored, not sampled)."""
+        return self.fed < len(self.prompt_ids)
 
     def output(self, reason: FinishReason, error: str | None = None) -> RequestOutput:
         first = self.token_times[0] if self.token_times else None
@@ -129,4 +168,8 @@ class Request:
             timings=Timings(self.arrival, self.scheduled, first, end),
             token_times=list(self.token_times),
             error=error,
+            logprobs=list(self.logprobs) if self.params.logprobs is not None else None,
+            prompt_logprobs=(
+                list(self.prompt_logprobs) if self.params.prompt_logprobs is not None else None
+            ),
         )

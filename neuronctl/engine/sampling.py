@@ -3,14 +3,20 @@
 The rules follow NxD Inference's on-device sampling (seed 002): temperature 0 means greedy
 (the same as top_k 1); top_k -1 (or 0, "disabled") is capped at the artifact's global top_k
 (256 by default); a top_k above that cap is refused rather than silently lowered.
+
+vLLM's per-request options run on top, only for the rows that ask for them (`sample_step`):
+logit_bias and min_tokens, then the repetition / frequency / presence penalties on the logits,
+then temperature, min_p, top-k and top-p on the probabilities. Logprobs are `log_softmax` of the
+raw logits (vLLM's default `raw_logprobs`), one batched call over the rows that want them.
 """
 
 from __future__ import annotations
 
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass, field, replace
+from typing import Protocol
 
 import torch
 
@@ -39,10 +45,31 @@ class SamplingParams:
     max_tokens: int | None = None  # None: up to the end of the sequence
     stop: tuple[str, ...] = field(default_factory=tuple)
     ignore_eos: bool = False
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    min_p: float = 0.0
+    min_tokens: int = 0  # EOS is masked until this many tokens were generated
+    logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
+    logprobs: int | None = None  # None: none; k: the sampled token's logprob and the top k
+    prompt_logprobs: int | None = None  # None: none; k: each prompt token's and the top k
 
     @property
     def greedy(self) -> bool:
         return self.temperature == 0 or self.top_k == 1
+
+    @property
+    def processed(self) -> bool:
+        """Whether the logits change before sampling (a row without this costs nothing)."""
+        return bool(
+            self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
+            or self.min_tokens or self.logit_bias
+        )  # fmt: skip
+
+    @property
+    def plain(self) -> bool:
+        """Greedy with nothing else asked: one batched argmax decides the row."""
+        return self.greedy and not self.processed and self.logprobs is None
 
 
 def resolve(params: SamplingParams, global_topk: int = DEFAULT_GLOBAL_TOPK) -> SamplingParams:
@@ -59,8 +86,9 @@ def resolve(params: SamplingParams, global_topk: int = DEFAULT_GLOBAL_TOPK) -> S
             param="top_k",
             hint=f"use top_k <= {global_topk}, or -1 for {global_topk}",
         )
-    if params.max_tokens is not None and params.max_tokens < 1:
+    if params.max_tokens is not None and params.max_tokens < _least_max_tokens(params):
         raise RequestError("max_tokens must be >= 1", param="max_tokens")
+    _check_options(params)
     stop = tuple(s for s in params.stop if s)
     _check_stop(stop)
     top_k = global_topk if params.top_k in (-1, 0) else params.top_k
@@ -82,6 +110,40 @@ def _check_stop(stop: tuple[str, ...]) -> None:
             f"the stop strings have {chars} characters in all; at most {MAX_STOP_CHARS}",
             param="stop",
         )
+
+MAX_LOGPROBS = 20  # vLLM's default --max-logprobs, and OpenAI's top_logprobs limit
+
+
+def _least_max_tokens(params: SamplingParams) -> int:
+    """0 only when the prompt's logprobs are the answer (echo, as lm-eval asks for them)."""
+    return 0 if params.prompt_logprobs is not None else 1
+
+
+def _check_options(params: SamplingParams) -> None:
+    for name in ("presence_penalty", "frequency_penalty"):
+        value = getattr(params, name)
+        if not -2 <= value <= 2:
+            raise RequestError(f"{name} must be in [-2, 2], not {value}", param=name)
+    if not (math.isfinite(params.repetition_penalty) and params.repetition_penalty > 0):
+        raise RequestError(
+            f"repetition_penalty must be > 0, not {params.repetition_penalty}",
+            param="repetition_penalty",
+        )
+    if not 0 <= params.min_p <= 1:
+        raise RequestError(f"min_p must be in [0, 1], not {params.min_p}", param="min_p")
+    if params.min_tokens < 0 or (
+        params.max_tokens is not None and params.min_tokens > params.max_tokens
+    ):
+        raise RequestError(
+            f"min_tokens must be in [0, max_tokens], not {params.min_tokens}", param="min_tokens"
+        )
+    for name in ("logprobs", "prompt_logprobs"):
+        k = getattr(params, name)
+        if k is not None and not 0 <= k <= MAX_LOGPROBS:
+            raise RequestError(f"{name} must be in [0, {MAX_LOGPROBS}], not {k}", param=name)
+    for token, bias in params.logit_bias:
+        if not math.isfinite(bias):
+            raise RequestError(f"logit_bias for token {token} is not finite", "logit_bias")
 
 
 def _check_values(params: SamplingParams) -> None:
@@ -105,7 +167,12 @@ def _is_int(value: object) -> bool:
 
 def _check_types(params: SamplingParams) -> None:
     """Callers that skip the HTTP schema (generate --jsonl) can hand over any JSON value."""
-    numbers: dict[str, object] = {"temperature": params.temperature, "top_p": params.top_p}
+    numbers: dict[str, object] = {
+        "temperature": params.temperature, "top_p": params.top_p, "min_p": params.min_p,
+        "presence_penalty": params.presence_penalty,
+        "frequency_penalty": params.frequency_penalty,
+        "repetition_penalty": params.repetition_penalty,
+    }  # fmt: skip
     for name, value in numbers.items():
         if not (_is_int(value) or isinstance(value, float)):
             raise RequestError(f"{name} must be a number, not {value!r}", param=name)
@@ -113,6 +180,9 @@ def _check_types(params: SamplingParams) -> None:
         "top_k": params.top_k,
         "seed": params.seed,
         "max_tokens": params.max_tokens,
+        "min_tokens": params.min_tokens,
+        "logprobs": params.logprobs,
+        "prompt_logprobs": params.prompt_logprobs,
     }
     for name, value in integers.items():
         if value is not None and not _is_int(value):
@@ -151,6 +221,9 @@ def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -
     values, indices = torch.topk(logits.float(), min(params.top_k, logits.numel()))
     # values are sorted: subtracting the largest keeps every exponent <= 0 (no overflow).
     probs = torch.softmax((values - values[0]) / params.temperature, dim=-1)
+    if params.min_p > 0:  # relative to the most likely token, which is probs[0]
+        probs = torch.where(probs >= params.min_p * probs[0], probs, torch.zeros_like(probs))
+        probs = probs / probs.sum()
     if params.top_p < 1.0:
         # Keep the smallest prefix whose mass reaches top_p (the first token always stays).
         # The comparison runs in the logits' float32, where a top_p below ~1e-45 is 0: the
@@ -169,22 +242,144 @@ def sample_rows(
     params: Sequence[SamplingParams],
     gens: Sequence[torch.Generator],
 ) -> list[int | Exception]:
-    """One token per listed row of [batch, vocab] logits, or the exception that row raised.
+    """One token per listed row of [batch, vocab] logits, or the exception that row raised
+    (`sample_step` for rows with no history: no penalties, no min_tokens, no logprobs)."""
+    states = [_Bare(p, g) for p, g in zip(params, gens, strict=True)]
+    picks = sample_step(logits, rows, states)
+    return [p if isinstance(p, Exception) else p.token_id for p in picks]
 
-    Greedy rows (the common case) cost one argmax over the rows that are greedy; only the
-    sampled rows pay for top-k and a draw. A row that fails never fails the others."""
-    out: list[int | Exception] = [0] * len(rows)
-    greedy = [i for i, p in enumerate(params) if p.greedy]
-    if len(greedy) == len(rows) and list(rows) == list(range(logits.shape[0])):
-        return list(argmax_rows(logits))  # the whole batch, no gather
-    if greedy:
-        picked = argmax_rows(logits[[rows[i] for i in greedy]])
-        for i, token in zip(greedy, picked, strict=True):
-            out[i] = token
-    for i, p in enumerate(params):
-        if not p.greedy:
+
+@dataclass(frozen=True)
+class TokenLogprob:
+    """A token's logprob under the raw logits, and the `top` most likely tokens' (k of them,
+    most likely first). `log_softmax` of the same logits, in float32."""
+
+    token_id: int
+    logprob: float
+    top: tuple[tuple[int, float], ...] = ()
+
+
+@dataclass(frozen=True)
+class Pick:
+    token_id: int
+    logprob: TokenLogprob | None = None  # when the request asked for logprobs
+
+
+class RowState(Protocol):
+    """What sampling needs to know about one row's request (engine.request.Request)."""
+
+    @property
+    def params(self) -> SamplingParams: ...
+    @property
+    def generator(self) -> torch.Generator: ...
+    @property
+    def prompt_ids(self) -> Sequence[int]: ...
+    @property
+    def output_ids(self) -> Sequence[int]: ...
+
+
+@dataclass(frozen=True)
+class _Bare:
+    params: SamplingParams
+    generator: torch.Generator
+    prompt_ids: Sequence[int] = ()
+    output_ids: Sequence[int] = ()
+
+
+def sample_step(
+    logits: torch.Tensor,
+    rows: Sequence[int],
+    states: Sequence[RowState],
+    eos_ids: Collection[int] = (),
+) -> list[Pick | Exception]:
+    """One token per listed row of [batch, vocab] logits (row `rows[i]` for `states[i]`), or
+    the exception that row raised; a row that fails never fails the others.
+
+    Plain greedy rows (the common case) cost one argmax over those rows; only rows that ask
+    for more pay for it: options (penalties, bias, min_tokens) one row at a time, logprobs in
+    one batched log_softmax over the rows that want them."""
+    if all(s.params.plain for s in states) and list(rows) == list(range(logits.shape[0])):
+        return [Pick(t) for t in argmax_rows(logits)]  # the whole batch, no gather
+    out: list[Pick | Exception] = [Pick(0)] * len(rows)
+    plain = [i for i, s in enumerate(states) if s.params.plain]
+    if plain:
+        picked = argmax_rows(logits[[rows[i] for i in plain]])
+        for i, token in zip(plain, picked, strict=True):
+            out[i] = Pick(token)
+    for i, state in enumerate(states):
+        if not state.params.plain:
             try:
-                out[i] = sample(logits[rows[i]], p, gens[i])
+                out[i] = Pick(_pick(logits[rows[i]], state, eos_ids))
             except Exception as exc:  # e.g. NaN logits in this row: only this request fails
                 out[i] = exc
+    _add_logprobs(logits, rows, states, out)
     return out
+
+
+def _pick(row: torch.Tensor, state: RowState, eos_ids: Collection[int]) -> int:
+    params = state.params
+    if params.processed:
+        row = apply_options(row, params, state.prompt_ids, state.output_ids, eos_ids)
+    if params.greedy:
+        return argmax_rows(row.unsqueeze(0))[0]
+    return sample(row, params, state.generator)
+
+
+def apply_options(
+    row: torch.Tensor,
+    params: SamplingParams,
+    prompt_ids: Sequence[int],
+    output_ids: Sequence[int],
+    eos_ids: Collection[int] = (),
+) -> torch.Tensor:
+    """vLLM's logits processors on one [vocab] row, in its order: logit_bias, min_tokens
+    (EOS masked), then repetition (prompt and output tokens), frequency and presence (output
+    tokens) penalties. Returns a new float32 row."""
+    row = row.float().clone()
+    if params.logit_bias:
+        ids, bias = zip(*params.logit_bias, strict=True)
+        row[list(ids)] += torch.tensor(bias)
+    if len(output_ids) < params.min_tokens and eos_ids:
+        row[list(eos_ids)] = -math.inf
+    if params.repetition_penalty != 1:
+        seen = torch.tensor(sorted({*prompt_ids, *output_ids}), dtype=torch.long)
+        values = row[seen]
+        p = params.repetition_penalty
+        row[seen] = torch.where(values > 0, values / p, values * p)
+    if output_ids and (params.frequency_penalty or params.presence_penalty):
+        counts = torch.bincount(torch.tensor(output_ids), minlength=row.numel()).float()
+        row -= params.frequency_penalty * counts + params.presence_penalty * (counts > 0)
+    return row
+
+
+def _add_logprobs(
+    logits: torch.Tensor, rows: Sequence[int], states: Sequence[RowState], out: list
+) -> None:
+    want = [i for i, s in enumerate(states)
+            if s.params.logprobs is not None and isinstance(out[i], Pick)]  # fmt: skip
+    if not want:
+        return
+    found = token_logprobs(
+        logits[[rows[i] for i in want]],
+        [out[i].token_id for i in want],
+        [states[i].params.logprobs or 0 for i in want],
+    )
+    for i, logprob in zip(want, found, strict=True):
+        out[i] = Pick(out[i].token_id, logprob)
+
+
+def token_logprobs(
+    logits: torch.Tensor, token_ids: Sequence[int], ks: Sequence[int]
+) -> list[TokenLogprob]:
+    """For row j of [rows, vocab] logits: log_softmax's value at token_ids[j] and its top
+    ks[j] entries. One batched log_softmax; the top-k is taken once for the largest k."""
+    logp = torch.log_softmax(logits.float(), dim=-1)
+    picked = logp.gather(1, torch.tensor(token_ids, dtype=torch.long).unsqueeze(1))[:, 0]
+    k = max(ks, default=0)
+    top_values, top_ids = torch.topk(logp, k, dim=-1) if k else (logp[:, :0], logp[:, :0])
+    values, ids, picked_list = top_values.tolist(), top_ids.long().tolist(), picked.tolist()
+    return [
+        TokenLogprob(token_ids[j], picked_list[j],
+                     tuple(zip(ids[j][:ks[j]], values[j][:ks[j]], strict=True)))
+        for j in range(len(token_ids))
+    ]  # fmt: skip

@@ -61,9 +61,13 @@ class TextStream:
         """The text so far (the stop string excluded once found)."""
         return "".join(self._final) + self._pending
 
-    def update(self, token_id: int) -> tuple[str, bool]:
-        """Add one token; return (new text safe to emit, whether a stop string ended it)."""
+    def update(self, token_id: int, check_stop: bool = True) -> tuple[str, bool]:
+        """Add one token; return (new text safe to emit, whether a stop string ended it).
+        Without `check_stop` (within min_tokens, as vLLM) stop strings are not looked for."""
         pending = self._pending + self.decoder(token_id)
+        if not check_stop:
+            self._pending = ""
+            return self._emit(pending), False
         # Emitted text never ends in a stop string's prefix, so a stop string can only begin
         # in the held-back text: searching `pending` alone is enough.
         cut = self._stop_at(pending)

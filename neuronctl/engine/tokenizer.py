@@ -69,6 +69,10 @@ class EngineTokenizer:
         text = str(self._tok.decode(list(token_ids), skip_special_tokens=True))
         return _clean_up(text) if self._cleanup else text
 
+    def token_str(self, token_id: int) -> str:
+        """One token's text as logprobs report it (special tokens spelled out)."""
+        return str(self._tok.decode([token_id], skip_special_tokens=False))
+
     def new_decoder(self) -> TokenDecoder:
         if self._cleanup:  # the clean-up looks across tokens: decode a window instead
             return WindowDecoder(self.decode)
@@ -171,6 +175,9 @@ class TransformersTokenizer(EngineTokenizer):
 
     def decode(self, token_ids: Sequence[int]) -> str:
         return str(self._tok.decode(list(token_ids), skip_special_tokens=True))
+
+    def token_str(self, token_id: int) -> str:
+        return str(self._tok.decode([token_id], skip_special_tokens=False))
 
     def new_decoder(self) -> TokenDecoder:
         return WindowDecoder(self.decode)

@@ -1,23 +1,32 @@
 """The OpenAI request and response bodies of this server, typed, and its error JSON.
 
-Unknown fields are ignored (clients send many optional ones); fields that would change the
-result and are not implemented (n > 1, logprobs, echo, logit_bias, penalties, response_format,
-tools, ...) are refused with a 400 naming the field, unless they hold their neutral value.
+Requests are read as vLLM reads them: `null` is the field's default, `model` may be left out,
+unknown fields are ignored. Types are strict (`"stream": "yes"` and `"max_tokens": true` are
+400s, not coerced). Fields that would change the result and are not implemented (suffix,
+response_format json_object, tools, guided decoding, ...) are refused with a 400 naming the
+field, unless they hold their neutral value.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
+from dataclasses import replace
 from typing import Any, ClassVar, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 from neuronctl.engine.errors import RequestError
-from neuronctl.engine.sampling import SamplingParams
+from neuronctl.engine.sampling import MAX_LOGPROBS, SamplingParams
 
 
-class StreamOptions(BaseModel):
-    include_usage: bool = False
+class _Strict(BaseModel):
+    # strict: no "yes" for true, no true for 1, no "0.5" for 0.5 (vLLM's pydantic models
+    # are lax; clients that send those mean something else, so they get a 400 naming it).
+    model_config = ConfigDict(extra="allow", strict=True)
+
+
+class StreamOptions(_Strict):
+    include_usage: bool | None = None
 
 
 def _neutral(*values: Any) -> Callable[[Any], bool]:
@@ -26,18 +35,7 @@ def _neutral(*values: Any) -> Callable[[Any], bool]:
 
 # Result-changing fields this server does not implement, and the values that change nothing.
 UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
-    "n": _neutral(1),
-    "best_of": _neutral(None, 1),
-    "logprobs": _neutral(None, False, 0),
-    "top_logprobs": _neutral(None, 0),
-    "echo": _neutral(None, False),
     "suffix": _neutral(None, ""),
-    "logit_bias": _neutral(None, {}),
-    "presence_penalty": _neutral(None, 0),
-    "frequency_penalty": _neutral(None, 0),
-    "repetition_penalty": _neutral(None, 1),
-    "min_p": _neutral(None, 0),
-    "min_tokens": _neutral(None, 0),
     "response_format": lambda v: v is None or (isinstance(v, dict) and v.get("type") == "text"),
     "tools": _neutral(None, []),
     "tool_choice": _neutral(None, "none"),
@@ -51,38 +49,79 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "prediction": _neutral(None),
     "audio": _neutral(None),
     "modalities": lambda v: v is None or v == ["text"],
+    "use_beam_search": _neutral(None, False),
+    "prompt_logprobs": _neutral(None),
 }
 
 
-class _Sampling(BaseModel):
-    model_config = ConfigDict(extra="allow")
+def _or(value: Any, default: Any) -> Any:
+    return default if value is None else value
 
-    model: str
-    max_tokens: int | None = Field(None, ge=1)
-    temperature: float = Field(1.0, ge=0)
-    top_p: float = Field(1.0, gt=0, le=1)
-    top_k: int = -1  # extra parameter, as in vLLM
-    n: int = 1
-    stream: bool = False
+
+class _Sampling(_Strict):
+    model: str | None = None
+    max_tokens: int | None = Field(None, ge=0)
+    temperature: float | None = Field(None, ge=0)
+    top_p: float | None = Field(None, gt=0, le=1)
+    top_k: int | None = None  # extra parameter, as in vLLM
+    min_p: float | None = None
+    n: int | None = Field(None, ge=1)
+    stream: bool | None = None
     stream_options: StreamOptions | None = None
     stop: str | list[str] | None = None
     seed: int | None = None
-    ignore_eos: bool = False
-    return_token_ids: bool = False  # extra, as in vLLM: output token ids in each choice
-    logprobs: Any = None
+    ignore_eos: bool | None = None
+    return_token_ids: bool | None = None  # extra, as in vLLM: output token ids in each choice
+    presence_penalty: float | None = None
+    frequency_penalty: float | None = None
+    repetition_penalty: float | None = None
+    min_tokens: int | None = None
+    logit_bias: dict[str, float] | None = None
 
     def sampling(self, max_tokens: int | None) -> SamplingParams:
+        """The engine's parameters for one choice (`choice_params` varies the seed)."""
         self.refuse_unsupported()
         stop = [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
         return SamplingParams(
-            temperature=self.temperature,
-            top_k=self.top_k,
-            top_p=self.top_p,
+            temperature=_or(self.temperature, 1.0),
+            top_k=_or(self.top_k, -1),
+            top_p=_or(self.top_p, 1.0),
+            min_p=_or(self.min_p, 0.0),
             seed=self.seed,
             max_tokens=max_tokens,
             stop=tuple(stop),
-            ignore_eos=self.ignore_eos,
+            ignore_eos=_or(self.ignore_eos, False),
+            presence_penalty=_or(self.presence_penalty, 0.0),
+            frequency_penalty=_or(self.frequency_penalty, 0.0),
+            repetition_penalty=_or(self.repetition_penalty, 1.0),
+            min_tokens=_or(self.min_tokens, 0),
+            logit_bias=self._bias(),
+            logprobs=self.logprobs_k(),
         )
+
+    def _bias(self) -> tuple[tuple[int, float], ...]:
+        out = []
+        for key, value in (self.logit_bias or {}).items():
+            try:
+                token = int(key)
+            except ValueError:
+                raise RequestError(
+                    f"logit_bias keys are token ids, not {key!r}", param="logit_bias"
+                ) from None
+            out.append((token, max(-100.0, min(100.0, value))))  # OpenAI's range, clamped as vLLM
+        return tuple(out)
+
+    def logprobs_k(self) -> int | None:
+        """How many top logprobs each output token reports; None: no logprobs."""
+        raise NotImplementedError
+
+    @property
+    def choices_per_prompt(self) -> int:
+        return _or(self.n, 1)
+
+    @property
+    def streaming(self) -> bool:
+        return bool(self.stream)
 
     def refuse_unsupported(self) -> None:
         given = {**(self.model_extra or {}), **{k: getattr(self, k) for k in self.model_fields_set}}
@@ -93,16 +132,52 @@ class _Sampling(BaseModel):
                     param=name,
                     hint=f"leave {name} out; its value would change the result",
                 )
+        if self.stream_options is not None and not self.stream:
+            raise RequestError(
+                "stream_options is only allowed with stream=true", param="stream_options"
+            )
 
     @property
     def include_usage(self) -> bool:
         return bool(self.stream_options and self.stream_options.include_usage)
 
+    @property
+    def return_ids(self) -> bool:
+        return bool(self.return_token_ids)
+
 
 class CompletionRequest(_Sampling):
     prompt: str | list[str] | list[int] | list[list[int]]
-    max_tokens: int | None = Field(16, ge=1)  # OpenAI's default for completions
-    echo: bool = False
+    echo: bool | None = None
+    logprobs: int | None = None
+    best_of: int | None = Field(None, ge=1)
+
+    @property
+    def max_new_tokens(self) -> int:
+        """OpenAI's default for completions is 16; 0 only with echo (the prompt is the answer)."""
+        tokens = _or(self.max_tokens, 16)
+        if tokens == 0 and not self.echo:
+            raise RequestError("max_tokens must be >= 1 (0 only with echo)", param="max_tokens")
+        return int(tokens)
+
+    def logprobs_k(self) -> int | None:
+        return self.logprobs
+
+    def sampling(self, max_tokens: int | None) -> SamplingParams:
+        params = super().sampling(max_tokens)
+        if self.echo and (self.logprobs is not None or max_tokens == 0):
+            return replace(params, prompt_logprobs=self.logprobs or 0)
+        return params
+
+    @property
+    def sequences_per_prompt(self) -> int:
+        """best_of: how many are generated per prompt, of which the n best are returned."""
+        n, best_of = self.choices_per_prompt, _or(self.best_of, self.choices_per_prompt)
+        if best_of < n:
+            raise RequestError(f"best_of ({best_of}) must be >= n ({n})", param="best_of")
+        if best_of > n and self.stream:
+            raise RequestError("best_of > n cannot be streamed", param="best_of")
+        return int(best_of)
 
     def prompts(self) -> list[str | list[int]]:
         p = self.prompt
@@ -120,16 +195,12 @@ class CompletionRequest(_Sampling):
         return sum(len(p) for p in self.prompts() if isinstance(p, str))
 
 
-class ContentPart(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
+class ContentPart(_Strict):
     type: Literal["text"]
     text: str
 
 
-class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="allow")
-
+class ChatMessage(_Strict):
     role: Literal["system", "user", "assistant", "developer", "tool"]
     content: str | list[ContentPart] | None = None
 
@@ -144,12 +215,58 @@ class ChatMessage(BaseModel):
 class ChatRequest(_Sampling):
     messages: list[ChatMessage] = Field(min_length=1)
     max_completion_tokens: int | None = Field(None, ge=1)
+    logprobs: bool | None = None
+    top_logprobs: int | None = None
 
     def max_new_tokens(self) -> int | None:
-        return self.max_completion_tokens or self.max_tokens
+        tokens = _or(self.max_completion_tokens, self.max_tokens)
+        if tokens == 0:
+            raise RequestError("max_tokens must be >= 1", param="max_tokens")
+        return tokens  # type: ignore[no-any-return]
+
+    def logprobs_k(self) -> int | None:
+        if self.top_logprobs is not None and not self.logprobs:
+            raise RequestError("top_logprobs needs logprobs=true", param="top_logprobs")
+        if not 0 <= _or(self.top_logprobs, 0) <= MAX_LOGPROBS:
+            raise RequestError(f"top_logprobs must be in [0, {MAX_LOGPROBS}]", param="top_logprobs")
+        return _or(self.top_logprobs, 0) if self.logprobs else None
+
+    def check_messages(self) -> None:
+        """A message that says nothing would generate from the template alone."""
+        for i, message in enumerate(self.messages):
+            if message.role in ("user", "system", "developer") and message.content is None:
+                raise RequestError(
+                    f"messages[{i}] ({message.role}) has no content", param=f"messages.{i}.content"
+                )
 
     def prompt_chars(self) -> int:
         return sum(len(m.as_template_message()["content"]) for m in self.messages)
+
+
+class TokenizeRequest(_Strict):
+    """vLLM's /tokenize: a `prompt`, or chat `messages` through the template."""
+
+    model: str | None = None
+    prompt: str | None = None
+    messages: list[ChatMessage] | None = None
+    add_special_tokens: bool | None = None
+    return_token_strs: bool | None = None
+
+
+class TokenizeResponse(BaseModel):
+    count: int
+    max_model_len: int
+    tokens: list[int]
+    token_strs: list[str] | None = None
+
+
+class DetokenizeRequest(_Strict):
+    model: str | None = None
+    tokens: list[int]
+
+
+class DetokenizeResponse(BaseModel):
+    prompt: str
 
 
 # -- responses ----------------------------------------------------------------------------------
@@ -178,12 +295,36 @@ class Usage(_Out):
 FinishReason = Literal["stop", "length", "abort", "error"] | None
 
 
+class CompletionLogprobs(_Out):
+    """The legacy completions shape: parallel lists, one entry per token; an echoed prompt's
+    first token has no logprob (null)."""
+
+    text_offset: list[int] = Field(default_factory=list)
+    token_logprobs: list[float | None] = Field(default_factory=list)
+    tokens: list[str] = Field(default_factory=list)
+    top_logprobs: list[dict[str, float] | None] = Field(default_factory=list)
+
+
+class TopLogprob(_Out):
+    token: str
+    logprob: float
+    bytes: list[int]
+
+
+class ChatTokenLogprob(TopLogprob):
+    top_logprobs: list[TopLogprob]
+
+
+class ChatLogprobs(_Out):
+    content: list[ChatTokenLogprob]
+
+
 class CompletionChoice(_Out):
     omit_if_none = ("token_ids",)
     index: int
     text: str
     finish_reason: FinishReason
-    logprobs: None = None
+    logprobs: CompletionLogprobs | None = None
     token_ids: list[int] | None = None  # extra, as vLLM's return_token_ids
 
 
@@ -207,7 +348,7 @@ class ChatChoice(_Out):
     index: int
     message: AssistantMessage
     finish_reason: FinishReason
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     token_ids: list[int] | None = None
 
 
@@ -231,7 +372,7 @@ class ChatChunkChoice(_Out):
     index: int
     delta: Delta
     finish_reason: FinishReason
-    logprobs: None = None
+    logprobs: ChatLogprobs | None = None
     token_ids: list[int] | None = None
 
 

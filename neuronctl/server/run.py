@@ -101,7 +101,7 @@ def run_server(
         app,
         log_level=log_level,
         timeout_graceful_shutdown=DRAIN_SECONDS,
-        access_log=False,
+        access_log=True,  # one line per request at the default level, as vLLM's server
     )
     server = _DrainingServer(config, app, engine)
     # uvicorn re-raises the signal that stopped it once it is done; with this handler in place

@@ -1,0 +1,564 @@
+"""The request schema, fields, endpoints and metric names a vLLM user relies on, through the
+official openai client against `tests.fake_runner`'s server (fast: no compiled model).
+
+Shapes follow vLLM's own source (vllm-project/vllm): vllm/entrypoints/openai/protocol.py
+(CompletionLogProbs: text_offset, token_logprobs, tokens, top_logprobs;
+TokenizeCompletionRequest / TokenizeChatRequest / TokenizeResponse: count, max_model_len,
+tokens, token_strs; DetokenizeRequest: tokens -> prompt), and vllm/v1/metrics/loggers.py
+(PrometheusStatLogger: labels model_name and engine, vllm:num_requests_running,
+vllm:num_requests_waiting, vllm:prompt_tokens, vllm:generation_tokens, vllm:request_success with
+finished_reason, vllm:time_to_first_token_seconds, vllm:inter_token_latency_seconds,
+vllm:e2e_request_latency_seconds, ...).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import httpx
+import openai
+import pytest
+import torch
+
+from tests.fake_runner import FakeRunner
+from tests.test_server import Server, fake_argv, free_port
+
+FAKE = FakeRunner()  # its logits are a pure function of the history: the reference
+
+
+@pytest.fixture(scope="module")
+def fake_server(tiny_llama: Path) -> Iterator[Server]:
+    port = free_port()
+    argv = fake_argv(
+        tiny_llama,
+        port,
+        "--batch-size",
+        "4",
+        "--max-queue",
+        "64",
+        "--step-delay",
+        "0",
+        "--log-level",
+        "info",
+    )
+    srv = Server(argv, port)
+    yield srv
+    srv.stop()
+
+
+@pytest.fixture
+def client(fake_server: Server) -> openai.OpenAI:
+    return openai.OpenAI(base_url=fake_server.url + "/v1", api_key="none", max_retries=0)
+
+
+def post(server: Server, path: str, body: dict[str, Any]) -> httpx.Response:
+    return httpx.post(server.url + path, json=body, timeout=30)
+
+
+def reference(history: list[int]) -> torch.Tensor:
+    return torch.log_softmax(FAKE.logits_for(history), -1)
+
+
+PROMPT = "abc"  # byte tokens, BOS first: ids below the fake vocabulary
+
+
+# -- the schema ---------------------------------------------------------------------------
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        "temperature",
+        "top_p",
+        "n",
+        "stream",
+        "echo",
+        "logprobs",
+        "stop",
+        "seed",
+        "max_tokens",
+        "presence_penalty",
+        "frequency_penalty",
+        "logit_bias",
+        "best_of",
+        "min_p",
+        "min_tokens",
+        "repetition_penalty",
+        "top_k",
+        "model",
+        "user",
+    ],
+)
+def test_null_is_the_default_for_every_optional_completion_field(
+    fake_server: Server, field: str
+) -> None:
+    base = {"prompt": PROMPT, "max_tokens": 3, "temperature": 0, "ignore_eos": True}
+    r = post(fake_server, "/v1/completions", {**base, field: None})
+    assert r.status_code == 200, r.text
+    if field not in ("max_tokens", "temperature"):  # their defaults are 16 and 1
+        assert (
+            r.json()["choices"][0]["text"]
+            == post(fake_server, "/v1/completions", base).json()["choices"][0]["text"]
+        )
+
+
+@pytest.mark.parametrize(
+    "field",
+    [
+        "temperature",
+        "top_p",
+        "n",
+        "stream",
+        "logprobs",
+        "top_logprobs",
+        "max_tokens",
+        "max_completion_tokens",
+        "stream_options",
+        "response_format",
+        "tools",
+        "seed",
+    ],
+)
+def test_null_is_the_default_for_every_optional_chat_field(fake_server: Server, field: str) -> None:
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 2, field: None}
+    if field in ("max_tokens", "max_completion_tokens"):
+        body["max_completion_tokens" if field == "max_tokens" else "max_tokens"] = 2
+    r = post(fake_server, "/v1/chat/completions", body)
+    assert r.status_code == 200, r.text
+
+
+@pytest.mark.parametrize(
+    "body, param",
+    [
+        ({"stream": "yes"}, "stream"),
+        ({"max_tokens": True}, "max_tokens"),
+        ({"temperature": "0.5"}, "temperature"),
+        ({"echo": 1}, "echo"),
+        ({"n": 1.5}, "n"),
+        ({"logprobs": True}, "logprobs"),  # completions take a count, not a flag
+        ({"prompt": None}, "prompt"),
+    ],
+)
+def test_mistyped_fields_are_400_with_an_openai_error_body(
+    fake_server: Server, body: dict[str, Any], param: str
+) -> None:
+    r = post(fake_server, "/v1/completions", {"prompt": PROMPT, **body})
+    assert r.status_code == 400, r.text
+    error = r.json()["error"]
+    assert error["type"] == "invalid_request_error" and error["param"] == param
+
+
+def test_malformed_json_is_400(fake_server: Server) -> None:
+    r = httpx.post(fake_server.url + "/v1/completions", content=b"{not json")
+    assert r.status_code == 400 and r.json()["error"]["type"] == "invalid_request_error"
+
+
+def test_model_is_optional_and_another_name_is_404(fake_server: Server) -> None:
+    assert (
+        post(fake_server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1}).status_code == 200
+    )
+    r = post(fake_server, "/v1/completions", {"model": "x", "prompt": PROMPT, "max_tokens": 1})
+    assert r.status_code == 404
+
+
+def test_a_user_message_without_content_is_refused(client: openai.OpenAI) -> None:
+    with pytest.raises(openai.BadRequestError, match="no content") as exc:
+        client.chat.completions.create(model="fake", messages=[{"role": "user"}], max_tokens=2)  # type: ignore[typeddict-item]
+    assert exc.value.body["param"] == "messages.0.content"  # type: ignore[index]
+
+
+@pytest.mark.parametrize(
+    "field, value",
+    [
+        ("response_format", {"type": "json_object"}),
+        ("suffix", "x"),
+        ("tools", [{"type": "function", "function": {"name": "f"}}]),
+    ],
+)
+def test_what_is_not_implemented_stays_refused_by_name(
+    client: openai.OpenAI, field: str, value: Any
+) -> None:
+    with pytest.raises(openai.BadRequestError) as exc:
+        client.completions.create(
+            model="fake", prompt=PROMPT, max_tokens=2, extra_body={field: value}
+        )
+    assert exc.value.body["param"] == field  # type: ignore[index]
+
+
+# -- logprobs ------------------------------------------------------------------------------
+
+
+def prompt_ids(server: Server, text: str = PROMPT) -> list[int]:
+    return list(post(server, "/tokenize", {"prompt": text}).json()["tokens"])
+
+
+def test_completion_logprobs_match_log_softmax_of_the_logits(
+    client: openai.OpenAI, fake_server: Server
+) -> None:
+    out = client.completions.create(
+        model="fake",
+        prompt=PROMPT,
+        max_tokens=4,
+        temperature=0,
+        logprobs=3,
+        extra_body={"ignore_eos": True, "return_token_ids": True},
+    )
+    choice = out.choices[0]
+    ids, history = choice.model_extra["token_ids"], prompt_ids(fake_server)  # type: ignore[index]
+    lp = choice.logprobs
+    assert lp is not None and len(lp.token_logprobs) == 4  # type: ignore[arg-type]
+    for j, token in enumerate(ids):
+        ref = reference(history + ids[:j])
+        assert lp.token_logprobs[j] == pytest.approx(ref[token].item(), abs=1e-5)  # type: ignore[index]
+        top = lp.top_logprobs[j]  # type: ignore[index]
+        # keyed by token text (bytes that are no character share one key, as in vLLM)
+        assert max(top.values()) == pytest.approx(ref.max().item(), abs=1e-5)
+        allowed = [*torch.topk(ref, 3).values.tolist(), ref[token].item()]
+        assert all(min(abs(v - a) for a in allowed) < 1e-5 for v in top.values())
+    assert lp.text_offset == [0, *[sum(len(t) for t in lp.tokens[:j]) for j in range(1, 4)]]  # type: ignore[index]
+
+
+def test_echo_returns_prompt_logprobs_with_max_tokens_0_and_1(
+    client: openai.OpenAI, fake_server: Server
+) -> None:
+    """lm-eval's loglikelihood request: echo, logprobs 1, max_tokens 1, temperature 0."""
+    history = prompt_ids(fake_server)
+    for max_tokens in (0, 1):
+        out = client.completions.create(
+            model="fake", prompt=PROMPT, max_tokens=max_tokens, temperature=0, logprobs=1, echo=True
+        )
+        lp = out.choices[0].logprobs
+        assert lp is not None and lp.token_logprobs is not None
+        assert len(lp.token_logprobs) == len(history) + max_tokens
+        assert lp.token_logprobs[0] is None and lp.top_logprobs[0] is None  # type: ignore[index]
+        for i in range(1, len(history)):
+            ref = reference(history[:i])
+            assert lp.token_logprobs[i] == pytest.approx(ref[history[i]].item(), abs=1e-5)
+            assert max(lp.top_logprobs[i].values()) == pytest.approx(ref.max().item(), abs=1e-5)  # type: ignore[index]
+        assert out.choices[0].text.startswith(PROMPT)
+        assert out.usage is not None and out.usage.completion_tokens == max_tokens
+
+
+def test_chat_logprobs_streamed_and_not(client: openai.OpenAI) -> None:
+    kwargs: dict[str, Any] = dict(
+        model="fake",
+        messages=[{"role": "user", "content": "hi"}],
+        max_tokens=4,
+        temperature=0,
+        logprobs=True,
+        top_logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    whole = client.chat.completions.create(**kwargs)
+    content = whole.choices[0].logprobs.content  # type: ignore[union-attr]
+    assert content is not None and len(content) == 4
+    for entry in content:
+        assert len(entry.top_logprobs) == 2
+        assert entry.top_logprobs[0].logprob == pytest.approx(entry.logprob)  # greedy
+        assert entry.bytes == list(entry.token.encode())
+    chunks = list(client.chat.completions.create(**kwargs, stream=True))
+    streamed = [
+        e
+        for c in chunks
+        if c.choices and c.choices[0].logprobs
+        for e in c.choices[0].logprobs.content or []
+    ]
+    assert [e.model_dump() for e in streamed] == [e.model_dump() for e in content]
+
+
+def test_streamed_completion_logprobs_equal_the_whole(client: openai.OpenAI) -> None:
+    kwargs: dict[str, Any] = dict(
+        model="fake",
+        prompt=PROMPT,
+        max_tokens=5,
+        temperature=0,
+        logprobs=2,
+        extra_body={"ignore_eos": True},
+    )
+    whole = client.completions.create(**kwargs).choices[0].logprobs
+    parts = [
+        c.choices[0].logprobs
+        for c in client.completions.create(**kwargs, stream=True)
+        if c.choices and c.choices[0].logprobs
+    ]
+    assert [t for p in parts for t in p.token_logprobs] == whole.token_logprobs  # type: ignore[union-attr, misc]
+    assert [o for p in parts for o in p.text_offset] == whole.text_offset  # type: ignore[union-attr, misc]
+
+
+# -- n, best_of, penalties, min_p, min_tokens, logit_bias -----------------------------------
+
+
+def test_n_gives_n_different_seeded_choices(client: openai.OpenAI) -> None:
+    out = client.completions.create(
+        model="fake",
+        prompt=PROMPT,
+        max_tokens=6,
+        n=3,
+        seed=5,
+        temperature=1.0,
+        extra_body={"ignore_eos": True},
+    )
+    assert [c.index for c in out.choices] == [0, 1, 2]
+    assert len({c.text for c in out.choices}) == 3
+    again = client.completions.create(
+        model="fake",
+        prompt=PROMPT,
+        max_tokens=6,
+        n=3,
+        seed=5,
+        temperature=1.0,
+        extra_body={"ignore_eos": True},
+    )
+    assert [c.text for c in again.choices] == [c.text for c in out.choices]
+    assert out.usage is not None and out.usage.completion_tokens == 18
+    chat = client.chat.completions.create(
+        model="fake", messages=[{"role": "user", "content": "x"}], n=2, max_tokens=3, seed=1
+    )
+    assert [c.index for c in chat.choices] == [0, 1]
+
+
+def test_best_of_returns_the_most_likely_of_its_sequences(client: openai.OpenAI) -> None:
+    kwargs: dict[str, Any] = dict(
+        model="fake",
+        prompt=PROMPT,
+        max_tokens=4,
+        seed=3,
+        temperature=1.0,
+        extra_body={"ignore_eos": True},
+    )
+    every = client.completions.create(**kwargs, n=4, logprobs=0).choices
+    best = client.completions.create(**kwargs, n=1, best_of=4).choices
+    scores = {c.text: sum(c.logprobs.token_logprobs) for c in every}  # type: ignore[union-attr, arg-type]
+    assert len(best) == 1 and best[0].text == max(scores, key=scores.__getitem__)
+    assert best[0].logprobs is None  # computed to rank, reported only when asked for
+
+
+def test_logit_bias_forces_a_token_and_min_tokens_holds_off_eos(
+    client: openai.OpenAI, fake_server: Server
+) -> None:
+    out = client.completions.create(
+        model="fake", prompt=PROMPT, max_tokens=3, temperature=0, logit_bias={"120": 100}
+    )
+    assert out.choices[0].text == "xxx"  # token 120 is "x" in the byte tokenizer
+    r = post(
+        fake_server,
+        "/v1/completions",
+        {"prompt": PROMPT, "max_tokens": 3, "logit_bias": {"100000": 5}},
+    )
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logit_bias"
+    eos = FAKE_EOS_BIAS = {"257": 100}  # EOS made certain ...
+    stopped = client.completions.create(
+        model="fake",
+        prompt=PROMPT,
+        max_tokens=5,
+        temperature=0,
+        logit_bias=eos,
+        extra_body={"return_token_ids": True},
+    )
+    assert stopped.choices[0].model_extra["token_ids"] == [257]  # type: ignore[index]
+    held = client.completions.create(
+        model="fake",
+        prompt=PROMPT,
+        max_tokens=5,
+        temperature=0,
+        logit_bias=FAKE_EOS_BIAS,
+        extra_body={"min_tokens": 3, "return_token_ids": True},
+    )
+    ids = held.choices[0].model_extra["token_ids"]  # type: ignore[index]
+    assert 257 not in ids[:3] and ids[3] == 257  # ... but only after min_tokens
+
+
+def test_penalties_change_greedy_output_as_vllm_defines_them(
+    client: openai.OpenAI, fake_server: Server
+) -> None:
+    """Greedy with a penalty = argmax of the penalised logits (vllm/model_executor/layers/
+    utils.py apply_penalties: repetition divides positive / multiplies negative logits of seen
+    tokens; frequency subtracts count x f, presence subtracts p once)."""
+    from neuronctl.engine.sampling import SamplingParams, apply_options
+
+    history = prompt_ids(fake_server)
+    for field, value in (
+        ("frequency_penalty", 2.0),
+        ("presence_penalty", 2.0),
+        ("repetition_penalty", 3.0),
+    ):
+        out = client.completions.create(
+            model="fake",
+            prompt=PROMPT,
+            max_tokens=12,
+            temperature=0,
+            extra_body={field: value, "return_token_ids": True, "ignore_eos": True},
+        )
+        ids = out.choices[0].model_extra["token_ids"]  # type: ignore[index]
+        params = SamplingParams(**{field: value})
+        for j, token in enumerate(ids):
+            row = apply_options(FAKE.logits_for(history + ids[:j]), params, history, ids[:j])
+            assert token == int(row.argmax())
+
+
+def test_min_p_and_top_k_leave_only_the_likely_tokens(client: openai.OpenAI) -> None:
+    out = client.completions.create(
+        model="fake",
+        prompt=PROMPT,
+        max_tokens=1,
+        temperature=1,
+        logprobs=0,
+        n=8,
+        seed=0,
+        extra_body={"min_p": 1.0},
+    )
+    assert len({c.text for c in out.choices}) == 1  # min_p 1: only the most likely survives
+    top = max(c.logprobs.token_logprobs[0] for c in out.choices)  # type: ignore[union-attr, index]
+    assert math.isclose(out.choices[0].logprobs.token_logprobs[0], top)  # type: ignore[union-attr, index]
+
+
+# -- endpoints -----------------------------------------------------------------------------
+
+
+def test_version_ping_tokenize_detokenize_openapi(fake_server: Server) -> None:
+    url = fake_server.url
+    assert httpx.get(url + "/version").json()["version"]
+    assert httpx.get(url + "/ping").status_code == 200
+    assert httpx.post(url + "/ping").status_code == 200
+    tok = post(fake_server, "/tokenize", {"prompt": "hi", "return_token_strs": True}).json()
+    assert set(tok) == {"count", "max_model_len", "tokens", "token_strs"}
+    assert tok["count"] == len(tok["tokens"]) and tok["max_model_len"] == 128
+    assert tok["token_strs"][-2:] == ["h", "i"]
+    bare = post(fake_server, "/tokenize", {"prompt": "hi", "add_special_tokens": False}).json()
+    assert bare["tokens"] == tok["tokens"][-2:]
+    chat = post(fake_server, "/tokenize", {"messages": [{"role": "user", "content": "hi"}]}).json()
+    assert chat["count"] > 2
+    assert post(fake_server, "/detokenize", {"tokens": bare["tokens"]}).json() == {"prompt": "hi"}
+    assert post(fake_server, "/tokenize", {"model": "other", "prompt": "x"}).status_code == 404
+    spec = httpx.get(url + "/openapi.json").json()
+    assert {"/v1/completions", "/v1/chat/completions", "/tokenize"} <= set(spec["paths"])
+    assert httpx.get(url + "/docs").status_code == 200
+
+
+def test_metrics_carry_vllm_names_and_labels(client: openai.OpenAI, fake_server: Server) -> None:
+    from prometheus_client.parser import text_string_to_metric_families
+
+    client.completions.create(
+        model="fake", prompt=PROMPT, max_tokens=3, temperature=0, extra_body={"ignore_eos": True}
+    )
+    text = httpx.get(fake_server.url + "/metrics").text
+    samples = {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+    labels = (("engine", "0"), ("model_name", "fake"))
+    for name in (
+        "vllm:num_requests_running",
+        "vllm:num_requests_waiting",
+        "vllm:kv_cache_usage_perc",
+    ):
+        assert (name, labels) in samples
+    assert samples[("vllm:prompt_tokens_total", labels)] >= 4
+    assert samples[("vllm:generation_tokens_total", labels)] >= 3
+    for name in (
+        "time_to_first_token_seconds",
+        "e2e_request_latency_seconds",
+        "inter_token_latency_seconds",
+        "request_queue_time_seconds",
+        "request_prefill_time_seconds",
+        "request_decode_time_seconds",
+        "request_prompt_tokens",
+        "request_generation_tokens",
+    ):
+        assert samples[(f"vllm:{name}_count", labels)] >= 1
+    success = (("engine", "0"), ("finished_reason", "length"), ("model_name", "fake"))
+    assert samples[("vllm:request_success_total", success)] >= 1
+    assert not any(
+        n.startswith("neuronctl_")
+        and n not in ("neuronctl_requests_total", "neuronctl_slots_total")
+        for n, _ in samples
+    )
+
+
+def test_every_request_gets_an_access_log_line(tiny_llama: Path) -> None:
+    port = free_port()
+    srv = Server(fake_argv(tiny_llama, port, "--log-level", "info", "--step-delay", "0"), port)
+    post(srv, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1})
+    srv.stop()
+    assert '"POST /v1/completions HTTP/1.1" 200' in srv.log()
+
+
+@pytest.mark.parametrize("max_tokens", [0, 3])
+def test_a_streamed_echo_opens_with_the_prompt_and_its_logprobs(
+    client: openai.OpenAI, max_tokens: int
+) -> None:
+    kwargs: dict[str, Any] = dict(
+        model="fake",
+        prompt=PROMPT,
+        max_tokens=max_tokens,
+        temperature=0,
+        logprobs=1,
+        echo=True,
+        extra_body={"ignore_eos": True},
+    )
+    whole = client.completions.create(**kwargs).choices[0]
+    chunks = [c.choices[0] for c in client.completions.create(**kwargs, stream=True) if c.choices]
+    assert chunks[0].text == PROMPT
+    assert "".join(c.text for c in chunks) == whole.text
+    lps = [c.logprobs for c in chunks if c.logprobs]
+    assert lps[0].token_logprobs[0] is None  # type: ignore[index]
+    for field in ("tokens", "token_logprobs", "top_logprobs", "text_offset"):
+        assert [x for lp in lps for x in getattr(lp, field)] == getattr(whole.logprobs, field)
+
+
+@pytest.mark.parametrize(
+    "model, revision, name",
+    [
+        ("HuggingFaceTB/SmolLM2-135M", "0123abcd", "HuggingFaceTB/SmolLM2-135M"),
+        ("/data/hf/hub/models--Qwen--Qwen2.5-0.5B/snapshots/abc123", None, "Qwen/Qwen2.5-0.5B"),
+        ("./checkpoints/my-llama/", None, "my-llama"),
+        (None, None, None),
+    ],
+)
+def test_the_default_served_name_is_the_hub_id_not_the_path_as_typed(
+    model: str | None, revision: str | None, name: str | None
+) -> None:
+    from neuronctl.engine.loader import served_name
+
+    assert served_name(model, revision) == name
+
+
+def test_logprob_counts_over_20_are_refused_by_name(fake_server: Server) -> None:
+    chat = {"messages": [{"role": "user", "content": "x"}], "logprobs": True, "top_logprobs": 21}
+    r = post(fake_server, "/v1/chat/completions", chat)
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+    r = post(fake_server, "/v1/chat/completions", {**chat, "logprobs": None, "top_logprobs": 2})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "top_logprobs"
+    r = post(fake_server, "/v1/completions", {"prompt": PROMPT, "logprobs": 21})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
+
+
+def test_tokenize_keeps_the_prompt_character_limit(tiny_llama: Path) -> None:
+    port = free_port()
+    srv = Server(fake_argv(tiny_llama, port, "--max-prompt-chars", "10"), port)
+    try:
+        r = post(srv, "/tokenize", {"prompt": "y" * 11})
+        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+        assert post(srv, "/tokenize", {"prompt": "y" * 10}).json()["count"] >= 10
+    finally:
+        srv.stop()
+
+
+def test_the_openai_client_sending_nulls_gets_the_defaults(client: openai.OpenAI) -> None:
+    """The client sends an explicit None as JSON null (NotGiven is what leaves a field out)."""
+    out = client.completions.create(
+        model="fake", prompt=PROMPT, max_tokens=2, temperature=None, top_p=None, n=None,
+        stream=None, echo=None, logprobs=None, best_of=None, stop=None, seed=None,
+        presence_penalty=None, frequency_penalty=None, logit_bias=None, user=None,
+    )  # fmt: skip
+    assert len(out.choices) == 1 and out.choices[0].logprobs is None
+    chat = client.chat.completions.create(
+        model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=2,
+        temperature=None, top_p=None, n=None, stream=None, logprobs=None, top_logprobs=None,
+        response_format=None, seed=None, stop=None, presence_penalty=None,
+    )  # fmt: skip
+    assert len(chat.choices) == 1 and chat.choices[0].logprobs is None
