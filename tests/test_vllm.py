@@ -859,6 +859,34 @@ def test_dry_run_for_a_named_target_works_on_a_build_host(  # type: ignore[no-un
     assert code == 2 and "only applies to --engine vllm" in err
 
 
+def test_generate_dry_run_for_a_named_target_works_on_a_build_host(  # type: ignore[no-untyped-def]
+    neuron_standins, tiny_llama, tmp_path, capsys, monkeypatch
+) -> None:
+    """generate takes serve's path: on a host without NeuronCores the launch for a named vLLM
+    prints, the serving host's checks are skipped and said so once, and a bad --vllm-target
+    is a usage error before the artifact is looked at (here: one that does not exist)."""
+    import neuronctl.doctor as doctor
+    from tests.test_nxdi import compile_nxdi
+
+    _build, outcome = compile_nxdi(tiny_llama, tmp_path / "store", tp_degree=2)
+    monkeypatch.setattr(doctor, "neuron_cores", lambda: (0, "no /dev/neuron*"))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # the kept prompts file
+    args = ["generate", "--engine", "vllm", "-p", "hi", "--artifacts", str(outcome.path)]
+    code, out, err = run_cli([*args, "--dry-run", "--vllm-target", C41], capsys, monkeypatch)
+    assert code == 0, err
+    assert err.count("skipping the checks of the serving host") == 1
+    assert "NeuronCores" not in err.replace("(Neuron SDK versions, NeuronCores", "")
+    assert "vLLM generation C" in err and "neuronctl.vllm generate" in out
+    code, _, err = run_cli(
+        ["generate", "--engine", "vllm", "-p", "hi", "--artifacts", str(tmp_path / "none"),
+         "--dry-run", "--vllm-target", "plugn@0.4.1"], capsys, monkeypatch
+    )  # fmt: skip
+    assert code == 2 and "unknown vLLM target 'plugn@0.4.1'" in err
+    code, _, err = run_cli([*args, "--vllm-target", C41], capsys, monkeypatch)
+    # A real run still needs the cores; the nxdi backend's check says so, once.
+    assert code == 1 and err.count("NeuronCores") == 1
+
+
 def test_vllm_dirname_is_stable_and_names_the_model_path(  # type: ignore[no-untyped-def]
     neuron_standins, tiny_llama, tmp_path
 ) -> None:

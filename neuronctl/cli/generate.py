@@ -200,8 +200,7 @@ def _generate_vllm(
     json_out: bool,
     policy: TrustPolicy,
 ) -> None:
-
-    from neuronctl.cli.serve import print_launch, print_plan
+    from neuronctl.cli.serve import named_target, print_launch, print_plan
     from neuronctl.engine.loader import vouch_for
     from neuronctl.store.manifest import read_manifest
     from neuronctl.target import artifact_to_run
@@ -209,13 +208,14 @@ def _generate_vllm(
 
     if any(p.messages is not None for p in prompts):
         raise UsageError("--engine vllm takes plain prompts (no --chat / messages)")
-    run = artifact_to_run(artifacts, dry_run=dry_run, policy=policy)
+    named, serving_host = named_target(vllm_target, dry_run)
+    run = artifact_to_run(artifacts, dry_run=dry_run, policy=policy, serving_host=serving_host)
     if run.path is None:  # --dry-run with a URL not pulled yet: nothing is fetched
         print_plan(run.plan(), json_out)
         return
     path = run.path
     manifest = read_manifest(path)
-    target = cli_target(manifest, vllm_target)
+    target = cli_target(manifest, named)
     say_vouch(vouch_for(path, policy))
     sampling = {
         "temperature": params.temperature,

@@ -123,18 +123,8 @@ def serve_command(
         raise UsageError("--vllm-target only applies to --engine vllm")
     from neuronctl.store.signing import TrustPolicy
     from neuronctl.target import artifact_to_run
-    from neuronctl.vllm import parse_target
 
-    # A named target is read first: a typo is a usage error, whatever the artifact's state.
-    launch_for = parse_target(vllm_target) if vllm_target else None
-    # Printing the launch for a named vLLM: this host need not be the one that serves it.
-    serving_host = not (dry_run and launch_for is not None)
-    if not serving_host:
-        err_console.print(
-            "dry run for --vllm-target: skipping the checks of the serving host (Neuron SDK "
-            "versions, NeuronCores, NEURON_CC_FLAGS); run without --dry-run there",
-            soft_wrap=True,
-        )
+    launch_for, serving_host = named_target(vllm_target, dry_run)
     policy = TrustPolicy.load(trust_key, allow_unsigned)
     target = artifact_to_run(
         artifacts,
@@ -165,6 +155,23 @@ def serve_command(
         path, host, port, api_key, served_model_name, max_queue, dry_run, json_out, log_level,
         limits, policy,
     )  # fmt: skip
+
+
+def named_target(vllm_target: str | None, dry_run: bool) -> tuple[VllmTarget | None, bool]:
+    """The vLLM named by --vllm-target, and whether this host is the one that serves it. The
+    name is read first: a typo is a usage error, whatever the artifact's state. A dry run for
+    a named vLLM only prints its launch, so this host need not be the serving host."""
+    from neuronctl.vllm import parse_target
+
+    target = parse_target(vllm_target) if vllm_target else None
+    serving_host = not (dry_run and target is not None)
+    if not serving_host:
+        err_console.print(
+            "dry run for --vllm-target: skipping the checks of the serving host (Neuron SDK "
+            "versions, NeuronCores, NEURON_CC_FLAGS); run without --dry-run there",
+            soft_wrap=True,
+        )
+    return target, serving_host
 
 
 def _serve_vllm(
