@@ -336,6 +336,25 @@ def test_best_of_returns_the_most_likely_of_its_sequences(client: openai.OpenAI)
     assert best[0].logprobs is None  # computed to rank, reported only when asked for
 
 
+def test_n_and_best_of_are_capped_at_the_servers_slots(client: openai.OpenAI) -> None:
+    """One request's sequences per prompt fit the artifact's batch (4 here): more would queue
+    behind each other in the places other clients share. vLLM's only bound is
+    VLLM_MAX_N_SEQUENCES (vllm-project/vllm, vllm/sampling_params.py, _verify_num_sequences:
+    "must be at most {max_n}", default 16384), sized for GPU batches of hundreds."""
+    chat = dict(model="fake", messages=[{"role": "user", "content": "x"}], max_tokens=1)
+    for call, kwargs, param in [
+        (client.completions.create, dict(model="fake", prompt=PROMPT, n=5), "n"),
+        (client.completions.create, dict(model="fake", prompt=PROMPT, best_of=5), "best_of"),
+        (client.completions.create, dict(model="fake", prompt=PROMPT, n=2, best_of=9), "best_of"),
+        (client.chat.completions.create, dict(chat, n=5), "n"),
+    ]:
+        with pytest.raises(openai.BadRequestError) as caught:
+            call(**kwargs)  # type: ignore[operator]
+        error = caught.value.body  # the client unwraps {"error": ...}
+        assert error["param"] == param and "at most 4" in error["message"], error  # type: ignore[index]
+    assert len(client.completions.create(model="fake", prompt=PROMPT, max_tokens=1, n=4).choices) == 4
+
+
 def test_logit_bias_forces_a_token_and_min_tokens_holds_off_eos(
     client: openai.OpenAI, fake_server: Server
 ) -> None:
@@ -406,7 +425,7 @@ def test_min_p_and_top_k_leave_only_the_likely_tokens(client: openai.OpenAI) -> 
         max_tokens=1,
         temperature=1,
         logprobs=0,
-        n=8,
+        n=4,  # the server's slots: at most this many per prompt
         seed=0,
         extra_body={"min_p": 1.0},
     )

@@ -164,7 +164,7 @@ def create_app(
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
         params = body.sampling(body.max_new_tokens)
-        per_prompt = body.sequences_per_prompt
+        per_prompt = body.sequences_within(engine.runner.batch_size)
         texts = body.prompts()
         check_chars(body.prompt_chars(), "prompt")
         prompts = [await _encode(model.encode, p) if isinstance(p, str) else p for p in texts]
@@ -182,10 +182,11 @@ def create_app(
         check_model(body.model)
         body.check_messages()
         params = body.sampling(body.max_new_tokens())
+        per_prompt = body.sequences_within(engine.runner.batch_size)
         check_chars(body.prompt_chars(), "messages")
         messages = [m.as_template_message() for m in body.messages]
         prompt = await run_in_threadpool(model.encode_chat, messages)
-        run = Run(engine, jobs([prompt], params, body.choices_per_prompt), metrics, [prompt])
+        run = Run(engine, jobs([prompt], params, per_prompt), metrics, [prompt])
         stream = CompletionStream(run, served_model_name, body, model)
         if body.streaming:
             return sse(stream.chunks())

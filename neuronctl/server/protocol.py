@@ -120,6 +120,25 @@ class _Sampling(_Strict):
         return _or(self.n, 1)
 
     @property
+    def sequences_per_prompt(self) -> int:
+        """How many sequences are generated per prompt: n (completions: best_of)."""
+        return self.choices_per_prompt
+
+    def sequences_within(self, slots: int) -> int:
+        """sequences_per_prompt, at most the engine's slots: a request's own sequences never
+        queue behind each other, holding the waiting places other clients share."""
+        per_prompt = self.sequences_per_prompt
+        if per_prompt > slots:
+            name = "n" if self.choices_per_prompt > slots else "best_of"
+            raise RequestError(
+                f"{name}={per_prompt}: this server generates at most {slots} sequences per "
+                "prompt (the artifact's batch size)",
+                param=name,
+                hint="send several requests, or serve an artifact compiled with a larger batch",
+            )
+        return per_prompt
+
+    @property
     def streaming(self) -> bool:
         return bool(self.stream)
 
