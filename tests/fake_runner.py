@@ -13,9 +13,12 @@ import hashlib
 import threading
 import time
 from collections.abc import Callable, Sequence
+from pathlib import Path
 from typing import Any
 
 import torch
+
+from neuronctl.engine.tokenizer import EngineTokenizer, TokenizedText
 
 EOS_ID = 257  # tests/helpers.py's byte-level tokenizer: <s>=256, </s>=257, <pad>=258
 BYTE_TOKENS = 256
@@ -193,30 +196,11 @@ def byte_decoder() -> Callable[[int], str]:
     return lambda t: chr(t) if t < BYTE_TOKENS else ""
 
 
-class FakeTextModel:
+class FakeTextModel(TokenizedText):
     """The TextModel the server needs, over a tokenizer directory (e.g. a tiny checkpoint)."""
 
     def __init__(self, tokenizer_dir: str) -> None:
-        from pathlib import Path
-
-        from neuronctl.engine.tokenizer import EngineTokenizer
-
         self.tokenizer = EngineTokenizer.load(Path(tokenizer_dir))
-
-    def encode(self, text: str) -> list[int]:
-        return self.tokenizer.encode(text)
-
-    def encode_chat(self, messages: list[dict]) -> list[int]:
-        return self.tokenizer.encode_chat(messages)
-
-    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens) if text else []
-
-    def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids)
-
-    def token_str(self, token_id: int) -> str:
-        return self.tokenizer.token_str(token_id)
 
 
 def main(argv: Sequence[str]) -> None:

@@ -105,6 +105,21 @@ def _perturb_norms(model: Any, seed: int) -> None:
                 param.add_(torch.randn(param.shape, generator=gen).to(param.dtype) * 0.1)
 
 
+def fine_tuned_copy(checkpoint: Path, out: Path) -> Path:
+    """A copy of `checkpoint` at `out` whose first tensor differs: new weights, the same
+    architecture and spec, so a compile of it may reuse the original's graphs."""
+    import shutil
+
+    from safetensors.torch import load_file, save_file
+
+    shutil.copytree(checkpoint, out)
+    tensors = load_file(str(out / "model.safetensors"))
+    name = next(iter(tensors))
+    tensors[name] = tensors[name] + 1
+    save_file(tensors, str(out / "model.safetensors"), metadata={"format": "pt"})
+    return out
+
+
 def read_config(path: Path) -> dict[str, Any]:
     return json.loads((path / "config.json").read_text())
 

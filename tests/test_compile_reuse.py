@@ -11,6 +11,7 @@ from neuronctl.build import compile_model, resolve_build
 from neuronctl.store.local import Store
 from neuronctl.store.manifest import Manifest, Source, read_manifest
 from tests.conftest import TINY_SPEC
+from tests.helpers import fine_tuned_copy
 
 
 def _compile(model: Path, store: Path):  # type: ignore[no-untyped-def]
@@ -57,14 +58,7 @@ def test_a_damaged_graph_donor_is_not_copied_into_a_new_artifact(
     raw[len(raw) // 2] ^= 0xFF
     graph.write_bytes(bytes(raw))
 
-    tuned = tmp_path / "tuned"
-    shutil.copytree(tiny_llama, tuned)
-    from safetensors.torch import load_file, save_file
-
-    tensors = load_file(str(tuned / "model.safetensors"))
-    name = next(iter(tensors))
-    tensors[name] = tensors[name] + 1
-    save_file(tensors, str(tuned / "model.safetensors"), metadata={"format": "pt"})
+    tuned = fine_tuned_copy(tiny_llama, tmp_path / "tuned")
 
     out = _compile(tuned, store)
     assert out.path != donor
@@ -110,8 +104,6 @@ def test_removing_an_artifact_survives_a_concurrent_publish(tmp_path: Path) -> N
         Store._private = original  # type: ignore[method-assign]
     assert fired and not victim.exists()
     assert (store.path("b" * 20) / "manifest.json").is_file()
-
-
 
 
 def _copied_store(compiled_artifact: Path, tmp_path: Path) -> tuple[Path, Path]:

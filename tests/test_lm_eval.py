@@ -101,14 +101,15 @@ def test_lm_eval_through_the_server_equals_lm_eval_on_the_checkpoint(
         "max_retries": 1,
     }
 
-    served = evaluate(
-        tmp_path,
-        "neuronctl_choice",
-        "local-completions",
-        {**remote, "base_url": server.url + "/v1/completions"},
-        chat=False,
+    def served_and_local(task: str, model: str, endpoint: str, chat: bool) -> tuple[Any, Any]:
+        """The task through neuronctl's server, and through lm-eval's own hf model."""
+        args = {**remote, "base_url": server.url + endpoint}
+        served = evaluate(tmp_path, task, model, args, chat=chat)
+        return served, evaluate(tmp_path, task, "hf", hf, chat=chat)
+
+    served, local = served_and_local(
+        "neuronctl_choice", "local-completions", "/v1/completions", chat=False
     )
-    local = evaluate(tmp_path, "neuronctl_choice", "hf", hf, chat=False)
     ours = [r[0] for s in served for r in s["resps"]]  # one (loglikelihood, is_greedy) a choice
     theirs = [r[0] for s in local for r in s["resps"]]
     assert len(ours) == len(theirs) == sum(len(c["choices"]) for c in CHOICES)
@@ -116,13 +117,8 @@ def test_lm_eval_through_the_server_equals_lm_eval_on_the_checkpoint(
         assert logprob == pytest.approx(ref_logprob, abs=1e-3)
         assert greedy == ref_greedy
 
-    served = evaluate(
-        tmp_path,
-        "neuronctl_generate",
-        "local-chat-completions",
-        {**remote, "base_url": server.url + "/v1/chat/completions"},
-        chat=True,
+    served, local = served_and_local(
+        "neuronctl_generate", "local-chat-completions", "/v1/chat/completions", chat=True
     )
-    local = evaluate(tmp_path, "neuronctl_generate", "hf", hf, chat=True)
     assert [s["resps"] for s in served] == [s["resps"] for s in local]
     assert all(s["resps"][0][0] for s in served)  # something was generated

@@ -65,6 +65,12 @@ def reference(history: list[int]) -> torch.Tensor:
 PROMPT = "abc"  # byte tokens, BOS first: ids below the fake vocabulary
 
 
+def completion(**fields: Any) -> dict[str, Any]:
+    """A completions request to the fake model on PROMPT that runs to max_tokens (EOS
+    ignored), with `fields`."""
+    return {"model": "fake", "prompt": PROMPT, "extra_body": {"ignore_eos": True}, **fields}
+
+
 # -- the schema ---------------------------------------------------------------------------
 
 
@@ -270,14 +276,7 @@ def test_chat_logprobs_streamed_and_not(client: openai.OpenAI) -> None:
 
 
 def test_streamed_completion_logprobs_equal_the_whole(client: openai.OpenAI) -> None:
-    kwargs: dict[str, Any] = dict(
-        model="fake",
-        prompt=PROMPT,
-        max_tokens=5,
-        temperature=0,
-        logprobs=2,
-        extra_body={"ignore_eos": True},
-    )
+    kwargs = completion(max_tokens=5, temperature=0, logprobs=2)
     whole = client.completions.create(**kwargs).choices[0].logprobs
     parts = [
         c.choices[0].logprobs
@@ -292,26 +291,11 @@ def test_streamed_completion_logprobs_equal_the_whole(client: openai.OpenAI) -> 
 
 
 def test_n_gives_n_different_seeded_choices(client: openai.OpenAI) -> None:
-    out = client.completions.create(
-        model="fake",
-        prompt=PROMPT,
-        max_tokens=6,
-        n=3,
-        seed=5,
-        temperature=1.0,
-        extra_body={"ignore_eos": True},
-    )
+    kwargs = completion(max_tokens=6, n=3, seed=5, temperature=1.0)
+    out = client.completions.create(**kwargs)
     assert [c.index for c in out.choices] == [0, 1, 2]
     assert len({c.text for c in out.choices}) == 3
-    again = client.completions.create(
-        model="fake",
-        prompt=PROMPT,
-        max_tokens=6,
-        n=3,
-        seed=5,
-        temperature=1.0,
-        extra_body={"ignore_eos": True},
-    )
+    again = client.completions.create(**kwargs)
     assert [c.text for c in again.choices] == [c.text for c in out.choices]
     assert out.usage is not None and out.usage.completion_tokens == 18
     chat = client.chat.completions.create(
@@ -321,14 +305,7 @@ def test_n_gives_n_different_seeded_choices(client: openai.OpenAI) -> None:
 
 
 def test_best_of_returns_the_most_likely_of_its_sequences(client: openai.OpenAI) -> None:
-    kwargs: dict[str, Any] = dict(
-        model="fake",
-        prompt=PROMPT,
-        max_tokens=4,
-        seed=3,
-        temperature=1.0,
-        extra_body={"ignore_eos": True},
-    )
+    kwargs = completion(max_tokens=4, seed=3, temperature=1.0)
     every = client.completions.create(**kwargs, n=4, logprobs=0).choices
     best = client.completions.create(**kwargs, n=1, best_of=4).choices
     scores = {c.text: sum(c.logprobs.token_logprobs) for c in every}  # type: ignore[union-attr, arg-type]
@@ -352,7 +329,8 @@ def test_n_and_best_of_are_capped_at_the_servers_slots(client: openai.OpenAI) ->
             call(**kwargs)  # type: ignore[operator]
         error = caught.value.body  # the client unwraps {"error": ...}
         assert error["param"] == param and "at most 4" in error["message"], error  # type: ignore[index]
-    assert len(client.completions.create(model="fake", prompt=PROMPT, max_tokens=1, n=4).choices) == 4
+    most = client.completions.create(model="fake", prompt=PROMPT, max_tokens=1, n=4)
+    assert len(most.choices) == 4
 
 
 def test_logit_bias_forces_a_token_and_min_tokens_holds_off_eos(
@@ -510,15 +488,7 @@ def test_every_request_gets_an_access_log_line(tiny_llama: Path) -> None:
 def test_a_streamed_echo_opens_with_the_prompt_and_its_logprobs(
     client: openai.OpenAI, max_tokens: int
 ) -> None:
-    kwargs: dict[str, Any] = dict(
-        model="fake",
-        prompt=PROMPT,
-        max_tokens=max_tokens,
-        temperature=0,
-        logprobs=1,
-        echo=True,
-        extra_body={"ignore_eos": True},
-    )
+    kwargs = completion(max_tokens=max_tokens, temperature=0, logprobs=1, echo=True)
     whole = client.completions.create(**kwargs).choices[0]
     chunks = [c.choices[0] for c in client.completions.create(**kwargs, stream=True) if c.choices]
     assert chunks[0].text == PROMPT

@@ -13,6 +13,7 @@ import subprocess
 import sys
 import time
 import zipfile
+from collections.abc import Callable
 from pathlib import Path
 
 import psutil
@@ -117,26 +118,38 @@ def poison_graph(pt2: Path, marker: Path) -> None:
             archive.writestr(info, payload if poisoned else data)
 
 
-@pytest.fixture()
-def poisoned_artifact(compiled_artifact: Path, tmp_path: Path) -> tuple[Path, Path]:
-    """A copy of the tiny artifact whose graphs carry the payload, with its manifest
-    re-recorded the way an attacker would (so every sha256 matches)."""
+def tampered_copy(
+    compiled_artifact: Path, tmp_path: Path, tamper: Callable[[Path, Path], None]
+) -> tuple[Path, Path]:
+    """A copy of the tiny artifact whose graphs `tamper` gave a payload that touches the
+    marker, with its manifest re-recorded the way an attacker would (so every sha256 matches):
+    (artifact, marker)."""
     artifact = tmp_path / "store" / "neuron-compiled-artifacts" / compiled_artifact.name
     shutil.copytree(compiled_artifact, artifact)
     marker = tmp_path / "pwned"
     for rel in read_manifest(artifact).graphs:
-        poison_graph(artifact / rel, marker)
+        tamper(artifact / rel, marker)
     write_manifest(artifact, record_files(artifact, read_manifest(artifact)))
     return artifact, marker
+
+
+def load_with_torch(artifact: Path) -> None:
+    """torch.export.load of the first graph, in a child process, errors ignored."""
+    graph = artifact / read_manifest(artifact).graphs[0]
+    code = f"import torch\ntry:\n    torch.export.load({str(graph)!r})\nexcept Exception:\n    pass"
+    subprocess.run([sys.executable, "-c", code], check=True, timeout=300, capture_output=True)
+
+
+@pytest.fixture()
+def poisoned_artifact(compiled_artifact: Path, tmp_path: Path) -> tuple[Path, Path]:
+    return tampered_copy(compiled_artifact, tmp_path, poison_graph)
 
 
 def test_the_payload_is_live_when_torch_loads_it_directly(
     poisoned_artifact: tuple[Path, Path],
 ) -> None:
     artifact, marker = poisoned_artifact
-    graph = artifact / read_manifest(artifact).graphs[0]
-    code = f"import torch\ntry:\n    torch.export.load({str(graph)!r})\nexcept Exception:\n    pass"
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=300, capture_output=True)
+    load_with_torch(artifact)
     assert marker.exists()  # so the refusals below are refusals of a real exploit
 
 
@@ -235,22 +248,14 @@ def case_swap_graph(pt2: Path, marker: Path) -> None:
 
 @pytest.fixture()
 def case_swapped_artifact(compiled_artifact: Path, tmp_path: Path) -> tuple[Path, Path]:
-    artifact = tmp_path / "store" / "neuron-compiled-artifacts" / compiled_artifact.name
-    shutil.copytree(compiled_artifact, artifact)
-    marker = tmp_path / "pwned"
-    for rel in read_manifest(artifact).graphs:
-        case_swap_graph(artifact / rel, marker)
-    write_manifest(artifact, record_files(artifact, read_manifest(artifact)))
-    return artifact, marker
+    return tampered_copy(compiled_artifact, tmp_path, case_swap_graph)
 
 
 def test_the_case_swapped_payload_is_live_in_torch(
     case_swapped_artifact: tuple[Path, Path],
 ) -> None:
     artifact, marker = case_swapped_artifact
-    graph = artifact / read_manifest(artifact).graphs[0]
-    code = f"import torch\ntry:\n    torch.export.load({str(graph)!r})\nexcept Exception:\n    pass"
-    subprocess.run([sys.executable, "-c", code], check=True, timeout=300, capture_output=True)
+    load_with_torch(artifact)
     assert marker.exists()  # so the refusal below is the refusal of a real exploit
 
 

@@ -30,7 +30,7 @@ from neuronctl.store.signing import (
     key_id,
     sign,
 )
-from tests.helpers import cli
+from tests.helpers import cli, fine_tuned_copy
 from tests.test_remote import (  # noqa: F401  (fixtures)
     SIGNER,
     TRUST,
@@ -465,10 +465,6 @@ def test_revoking_a_key_stops_graphs_reused_from_its_artifact(
 ) -> None:
     """A local compile that reused a pulled artifact's graphs kept loading them as "built on
     this host" after the signer's key was removed."""
-    import shutil
-
-    from safetensors.torch import load_file, save_file
-
     from neuronctl.build import compile_model, resolve_build
     from tests.conftest import TINY_SPEC
 
@@ -476,12 +472,7 @@ def test_revoking_a_key_stops_graphs_reused_from_its_artifact(
     remote.push(compiled_artifact, signer=SIGNER)
     store = Store(tmp_path / "host")
     remote.pull(compiled_artifact.name, store, policy=TRUST)
-    tuned = tmp_path / "tuned"
-    shutil.copytree(tiny_llama, tuned)
-    tensors = load_file(str(tuned / "model.safetensors"))
-    name = next(iter(tensors))
-    tensors[name] = tensors[name] + 1
-    save_file(tensors, str(tuned / "model.safetensors"), metadata={"format": "pt"})
+    tuned = fine_tuned_copy(tiny_llama, tmp_path / "tuned")
 
     out = compile_model(resolve_build(str(tuned), TINY_SPEC, store_dir=store.root), jobs=1)
     assert out.graphs_reused

@@ -11,14 +11,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from neuronctl.backends import get_backend
 from neuronctl.backends.base import Runner
 from neuronctl.engine.engine import Engine
-from neuronctl.engine.errors import RequestError
 from neuronctl.engine.sampling import DEFAULT_GLOBAL_TOPK
-from neuronctl.engine.tokenizer import EngineTokenizer
+from neuronctl.engine.tokenizer import EngineTokenizer, TokenizedText
 from neuronctl.errors import NotFoundError, UsageError
 from neuronctl.store.lease import Lease
 from neuronctl.store.lease import hold as hold_lease
@@ -32,7 +31,7 @@ __all__ = ["LoadedArtifact", "NotReusableError", "check_reusable", "open_artifac
 
 
 @dataclass
-class LoadedArtifact:
+class LoadedArtifact(TokenizedText):
     path: Path
     manifest: Manifest
     runner: Runner
@@ -50,23 +49,6 @@ class LoadedArtifact:
         return served_name(self.manifest.source.model, self.manifest.source.revision) or (
             self.path.name
         )
-
-    def encode(self, text: str) -> list[int]:
-        if not text:  # a BOS alone is no prompt (docs/runtime.md: empty prompts are refused)
-            raise RequestError("the prompt is empty", param="prompt")
-        return self.tokenizer.encode(text)
-
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        return self.tokenizer.encode_chat(messages)
-
-    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        return self.tokenizer.encode(text, add_special_tokens) if text else []
-
-    def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids)
-
-    def token_str(self, token_id: int) -> str:
-        return self.tokenizer.token_str(token_id)
 
 
 def served_name(model: str | None, revision: str | None) -> str | None:

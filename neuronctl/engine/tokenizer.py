@@ -19,6 +19,7 @@ from functools import cached_property
 from pathlib import Path
 from typing import Any
 
+from neuronctl.engine.errors import RequestError
 from neuronctl.engine.text import TokenDecoder, WindowDecoder
 from neuronctl.errors import NotFoundError, UsageError
 
@@ -113,6 +114,30 @@ class EngineTokenizer:
             elif not wanted and has:
                 ids = ids[1:] if at_start else ids[:-1]
         return ids
+
+
+class TokenizedText:
+    """The text side the server needs (server.app.TextModel), over `self.tokenizer`: shared by
+    a loaded artifact and the tests' fake model, so both refuse and count text alike."""
+
+    tokenizer: EngineTokenizer
+
+    def encode(self, text: str) -> list[int]:
+        if not text:  # a BOS alone is no prompt (docs/runtime.md: empty prompts are refused)
+            raise RequestError("the prompt is empty", param="prompt")
+        return self.tokenizer.encode(text)
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+        return self.tokenizer.encode_chat(messages)
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.tokenizer.encode(text, add_special_tokens) if text else []
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids)
+
+    def token_str(self, token_id: int) -> str:
+        return self.tokenizer.token_str(token_id)
 
 
 class StreamDecoder:
