@@ -23,7 +23,6 @@ from __future__ import annotations
 
 import mmap
 import os
-import platform
 import shutil
 from functools import cache
 from pathlib import Path
@@ -39,12 +38,6 @@ from neuronctl.store.local import user_cache_store
 
 ROWS, CHUNK = 4, 16  # the blocked layout: [N/ROWS, K/CHUNK, ROWS, CHUNK]
 LIBRARY_DIR = "kernels"
-
-
-def usable(cpu_flags: str) -> bool:
-    """The kernel's instructions exist on this CPU (x86-64 with AVX2 and FMA)."""
-    flags = set(cpu_flags.split())
-    return platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma"} <= flags
 
 
 def fits(shape: tuple[int, ...]) -> bool:
