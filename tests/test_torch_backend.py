@@ -286,3 +286,41 @@ def test_a_host_without_a_compiler_still_runs_the_isa_it_has(
     amx = {**built_for, "cpu_isa": "avx512 avx512_vnni amx_tile"}
     check = backend.isa_check(manifest.model_copy(update={"backend_versions": amx}), here)
     assert not check.ok and "recompile here" in check.reason
+
+
+@pytest.mark.parametrize(
+    "tp,quantized,tied,layout",
+    [(1, False, False, "plain"), (2, False, True, "blocked"), (4, False, True, "packed"),
+     (2, True, False, "blocked"), (4, True, True, "plain")],
+)
+def test_weights_load_into_their_graph_form_as_the_checkpoint_assembled_whole(
+    tmp_path: Path, tp: int, quantized: bool, tied: bool, layout: str
+) -> None:
+    # The loader reads each graph tensor's parts straight into their place (weights.py); the
+    # reference reassembles the whole checkpoint first, then fuses and blocks (graph_weights).
+    # tp 4 with 2 KV heads replicates k/v per head ("kv" splits); o/down split on dim 1.
+    from types import SimpleNamespace
+
+    from neuronctl.backends.torch.quantize import QuantizedCheckpoint
+    from neuronctl.backends.torch.weights import load_graph_weights
+    from neuronctl.checkpoints import open_checkpoint
+    from neuronctl.sharding import load_full_tensors, shard_checkpoint
+
+    ckpt = open_checkpoint(str(make_checkpoint(tmp_path / "ckpt", "qwen2",
+                                               tie_word_embeddings=tied)), None)
+    if quantized:
+        spec = SimpleNamespace(quantization_type="per_channel_symmetric")
+        ckpt = QuantizedCheckpoint.wrap(ckpt, spec)  # type: ignore[arg-type]
+    shard_checkpoint(ckpt, tp, torch.bfloat16, tmp_path / "weights")
+    args = modeling.args_from_config(ckpt.config)
+    packed, blocked = layout == "packed", layout == "blocked"
+    got = load_graph_weights(tmp_path / "weights", args, torch.bfloat16, quantized, packed,
+                             blocked)
+    full = load_full_tensors(tmp_path / "weights")
+    full = {n: t if t.dtype == torch.int8 else t.to(
+        torch.bfloat16) for n, t in full.items()}
+    want = modeling.graph_weights(full, args, packed, quantized, blocked)
+    assert list(got) == list(want)
+    for name in want:
+        assert got[name].dtype == want[name].dtype, name
+        assert torch.equal(got[name], want[name]), name
