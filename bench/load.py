@@ -60,15 +60,29 @@ def measure(artifact: Path, layout: str) -> dict[str, Any]:
                             batch_size=8, quantized=quantized, blocked=layout == "blocked")
     seconds = time.perf_counter() - start
     after = memory()
-    # Code pages of torch's libraries that the first matmul-free ops touch stay mapped and
-    # count in RSS: not the weights' memory. A shard's mapped pages are unmapped by now.
-    libraries = max(0, after["RssFile"] - before["RssFile"])
+    # Code pages of torch's libraries that loading touches first stay mapped and count in
+    # RSS: not the weights' memory. Shard pages a loader keeps mapped are the weights'.
+    libraries = max(0, after["RssFile"] - before["RssFile"]
+                    - mapped_rss((artifact / "weights").resolve()))
     peak = after["VmHWM"] - before["VmRSS"] - libraries
     held = sum(t.nbytes for t in weights.values() if not t.is_mkldnn)
     return {"layout": layout, "weights_mb": round(weights_bytes / 2**20, 1),
             "held_mb": round(held / 2**20, 1), "load_s": round(seconds, 2),
             "libraries_mb": round(libraries / 2**20, 1),
             "peak_over_weights": round(peak / weights_bytes, 3)}
+
+
+def mapped_rss(directory: Path) -> int:
+    """Resident bytes of this process's mappings of files under `directory` (/proc/self/smaps):
+    weights a loader left mapped, which RssFile counts beside the libraries' code."""
+    total, inside = 0, False
+    for line in Path("/proc/self/smaps").read_text().splitlines():
+        head = line.split()
+        if head and "-" in head[0] and len(head) >= 5:  # a mapping's first line
+            inside = len(head) >= 6 and head[5].startswith(str(directory))
+        elif inside and head and head[0] == "Rss:":
+            total += int(head[1]) * 1024
+    return total
 
 
 def compile_artifact(ckpt: Path, store: Path, tp: int, quantized: bool) -> Path:
@@ -99,7 +113,15 @@ def main() -> None:
 
     ckpt = make_checkpoint(opts.work / "smollm2-135m-shape")
     cases = [(1, False)] if opts.quick else [(1, False), (3, False), (1, True)]
-    layouts = [lay for lay in LAYOUTS if lay != "blocked" or kernel_runs_on(_cpu_flags())]
+    import torch
+
+    from neuronctl.backends.torch import modeling
+
+    # The layouts this host's graphs can take: blocked where the kernel runs, packed where
+    # oneDNN packs bf16 (a CPU with bf16 units).
+    layouts = [lay for lay in LAYOUTS if (lay != "blocked" or kernel_runs_on(_cpu_flags()))
+               and (lay != "packed" or modeling.can_pack(torch.bfloat16))]
+    print(json.dumps({"layouts": layouts}), flush=True)
     worst = 0.0
     for tp, quantized in cases:
         artifact = compile_artifact(ckpt, opts.work / "store", tp, quantized)

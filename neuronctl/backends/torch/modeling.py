@@ -319,19 +319,38 @@ def graph_weights(
     return out
 
 
+def graph_layout(
+    args: ModelArgs, dtype: torch.dtype, packed: bool = False, quantized: bool = False,
+    blocked: bool = False,
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The shape and dtype of every tensor graph_weights makes, in its order, computed from
+    the config (no tensors: the loader allocates each weight in its place from this).
+
+    int8 weights stay int8 and their scales are bf16 (quantize); the rest is in `dtype`."""
+    shapes: dict[str, tuple[int, ...]] = dict(expected_shapes(args))
+    dtypes = {name: dtype for name in shapes}
+    if quantized:
+        for name in quantized_names(args):
+            dtypes[name] = torch.int8
+            shapes[scale_name(name)], dtypes[scale_name(name)] = (shapes[name][0],), torch.bfloat16
+    out = {}
+    for name, parts in graph_sources(args, quantized, packed, blocked).items():
+        first = shapes[parts[0]]
+        shape = (sum(shapes[part][0] for part in parts), *first[1:])
+        if blocked and is_matrix(name):
+            shape = (shape[0] // kernel.ROWS, shape[1] // kernel.CHUNK, kernel.ROWS, kernel.CHUNK)
+        out[name] = (shape, dtypes[parts[0]])
+    return out
+
+
 def graph_shapes(
     args: ModelArgs, dtype: torch.dtype, packed: bool = False, quantized: bool = False,
     blocked: bool = False,
 ) -> dict[str, Tensor]:
     """Meta tensors with the shapes, dtypes and order of graph_weights (for tracing)."""
-    meta = {n: torch.empty(s, dtype=dtype, device="meta")
-            for n, s in expected_shapes(args).items()}
-    if quantized:
-        for name in quantized_names(args):
-            rows = meta[name].shape[0]
-            meta[name] = torch.empty(meta[name].shape, dtype=torch.int8, device="meta")
-            meta[scale_name(name)] = torch.empty(rows, dtype=torch.bfloat16, device="meta")
-    return graph_weights(meta, args, packed, quantized, blocked)
+    return {name: torch.empty(shape, dtype=dt, device="meta")
+            for name, (shape, dt) in graph_layout(args, dtype, packed, quantized,
+                                                 blocked).items()}
 
 
 def is_matrix(name: str) -> bool:

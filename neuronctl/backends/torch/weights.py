@@ -119,23 +119,23 @@ def load_graph_weights(
     `packed` only adds the tied head's plain table as `lm_head.weight`; the runner packs.
     """
     sources = modeling.graph_sources(args, quantized, packed, blocked)
-    layout = modeling.graph_shapes(args, dtype, packed, quantized, blocked)
+    layout = modeling.graph_layout(args, dtype, packed, quantized, blocked)
     shards = Shards(weights_dir)
     try:
         for parts in sources.values():
             for part in parts:
                 shards.info(part)  # every part exists before anything is allocated
-        matrices = {name: (tuple(meta.shape), meta.dtype) for name, meta in layout.items()
+        matrices = {name: layout[name] for name in layout
                     if blocked and modeling.is_matrix(name)}
         weights = kernel.huge_page_tensors(matrices) if matrices else {}
-        for name, meta in layout.items():
+        for name, (shape, dt) in layout.items():
             if name in matrices:
-                plain = torch.empty(kernel.unblocked_shape(tuple(meta.shape)), dtype=meta.dtype)
+                plain = torch.empty(kernel.unblocked_shape(shape), dtype=dt)
                 _read_rows(shards, sources[name], plain)
                 kernel.block(plain, out=weights[name])
                 del plain
             else:
-                weights[name] = torch.empty(tuple(meta.shape), dtype=meta.dtype)
+                weights[name] = torch.empty(shape, dtype=dt)
                 _read_rows(shards, sources[name], weights[name])
     finally:
         shards.close()
