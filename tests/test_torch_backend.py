@@ -294,12 +294,18 @@ def test_a_host_without_a_compiler_still_runs_the_isa_it_has(
      (2, True, False, "blocked"), (4, True, True, "plain")],
 )
 def test_weights_load_into_their_graph_form_as_the_checkpoint_assembled_whole(
-    tmp_path: Path, tp: int, quantized: bool, tied: bool, layout: str
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tp: int, quantized: bool, tied: bool,
+    layout: str
 ) -> None:
     # The loader reads each graph tensor's parts straight into their place (weights.py); the
     # reference reassembles the whole checkpoint first, then fuses and blocks (graph_weights).
     # tp 4 with 2 KV heads replicates k/v per head ("kv" splits); o/down split on dim 1.
+    # Blocked matrices go 4 rows a band here, so bands cross every part and piece boundary.
     from types import SimpleNamespace
+
+    from neuronctl.backends.torch import weights as loader
+
+    monkeypatch.setattr(loader, "BAND_BYTES", 1)
 
     from neuronctl.backends.torch.quantize import QuantizedCheckpoint
     from neuronctl.backends.torch.weights import load_graph_weights

@@ -13,6 +13,7 @@ peak (bench/load.py).
 from __future__ import annotations
 
 import json
+import math
 import os
 import struct
 from pathlib import Path
@@ -26,6 +27,8 @@ from neuronctl.errors import CheckpointError
 from neuronctl.sharding import META_SPLITS, shard_name
 
 RECOMPILE = "recompile the artifact"
+# A blocked matrix is read and blocked this many bytes of rows at a time (one scratch buffer).
+BAND_BYTES = 4 << 20
 
 
 class Shard:
@@ -40,18 +43,21 @@ class Shard:
         self.offsets = {name: 8 + header_len + int(entry["data_offsets"][0])
                         for name, entry in header.items() if name != "__metadata__"}
 
-    def read_into(self, name: str, out: Tensor) -> None:
+    def read_rows(self, name: str, start: int, out: Tensor) -> None:
+        """Rows start.. of the stored tensor `name` (as many as `out` has) into `out`."""
         info = self.infos[name]
-        if tuple(out.shape) != info.shape:
+        if (tuple(out.shape[1:]) != info.shape[1:] or start + out.shape[0] > info.shape[0]
+                or not info.shape):
             raise CheckpointError(f"{self.path}: {name} has shape {list(info.shape)}, the "
                                   f"graphs take {list(out.shape)}", RECOMPILE)
         if out.dtype != info.dtype or not out.is_contiguous():
-            staged = torch.empty(info.shape, dtype=info.dtype)
-            self.read_into(name, staged)
+            staged = torch.empty(tuple(out.shape), dtype=info.dtype)
+            self.read_rows(name, start, staged)
             out.copy_(staged)
             return
+        row_bytes = math.prod(info.shape[1:]) * info.dtype.itemsize
         view = out.reshape(-1).view(torch.uint8).numpy().data
-        done, offset = 0, self.offsets[name]
+        done, offset = 0, self.offsets[name] + start * row_bytes
         while done < len(view):
             got = os.preadv(self.fd, [view[done:]], offset + done)
             if got <= 0:
@@ -92,18 +98,27 @@ class Shards:
         shape[dim] *= {"replicate": 1, "kv": kv_heads}.get(kind, self.tp)
         return TensorInfo(piece.dtype, tuple(shape))
 
-    def read_into(self, name: str, out: Tensor) -> None:
-        """The whole tensor `name` into `out` (its shape; any dtype, converted)."""
+    def read_rows(self, name: str, start: int, out: Tensor) -> None:
+        """Rows start.. of the whole tensor `name` (as many as `out` has; any dtype,
+        converted) into `out`, from the pieces that hold them."""
         kind, dim, kv_heads = self.splits[name]
         if kind == "replicate":
-            self.shards[0].read_into(name, out)
+            self.shards[0].read_rows(name, start, out)
             return
         # "kv": head h lives on ranks h*tp//kv onwards; "split": even pieces, rank order.
         ranks = ([h * self.tp // kv_heads for h in range(kv_heads)] if kind == "kv"
                  else list(range(self.tp)))
-        size = out.shape[dim] // len(ranks)
+        if dim != 0:  # every piece holds every row, a slice of the columns
+            size = out.shape[dim] // len(ranks)
+            for i, rank in enumerate(ranks):
+                self.shards[rank].read_rows(name, start, out.narrow(dim, i * size, size))
+            return
+        size = self.info(name).shape[0] // len(ranks)  # rows per piece
+        end = start + out.shape[0]
         for i, rank in enumerate(ranks):
-            self.shards[rank].read_into(name, out.narrow(dim, i * size, size))
+            lo, hi = max(start, i * size), min(end, (i + 1) * size)
+            if lo < hi:
+                self.shards[rank].read_rows(name, lo - i * size, out.narrow(0, lo - start, hi - lo))
 
     def close(self) -> None:
         for shard in self.shards:
@@ -128,27 +143,42 @@ def load_graph_weights(
         matrices = {name: layout[name] for name in layout
                     if blocked and modeling.is_matrix(name)}
         weights = kernel.huge_page_tensors(matrices) if matrices else {}
+        widest = max((kernel.ROWS * kernel.unblocked_shape(shape)[1] * dt.itemsize
+                      for shape, dt in matrices.values()), default=0)
+        scratch = torch.empty(max(BAND_BYTES, widest) if matrices else 0, dtype=torch.uint8)
         for name, (shape, dt) in layout.items():
             if name in matrices:
-                plain = torch.empty(kernel.unblocked_shape(shape), dtype=dt)
-                _read_rows(shards, sources[name], plain)
-                kernel.block(plain, out=weights[name])
-                del plain
+                _read_blocked(shards, sources[name], weights[name], scratch)
             else:
                 weights[name] = torch.empty(shape, dtype=dt)
-                _read_rows(shards, sources[name], weights[name])
+                _read_rows(shards, sources[name], 0, weights[name])
     finally:
         shards.close()
     return {name: weights[name] for name in layout}
 
 
-def _read_rows(shards: Shards, parts: list[str], out: Tensor) -> None:
-    """Parts concatenated along dim 0 into `out`, each read into its row range."""
-    row = 0
+def _read_blocked(shards: Shards, parts: list[str], out: Tensor, scratch: Tensor) -> None:
+    """A matrix into its blocked place, a band of rows at a time through `scratch` (so the
+    plain form never exists whole: a tied head is a fifth of a small model)."""
+    n, k = kernel.unblocked_shape(tuple(out.shape))
+    step = max(kernel.ROWS, scratch.numel() // (k * out.dtype.itemsize)
+               // kernel.ROWS * kernel.ROWS)
+    for row in range(0, n, step):
+        rows = min(step, n - row)
+        band = scratch[:rows * k * out.dtype.itemsize].view(out.dtype).view(rows, k)
+        _read_rows(shards, parts, row, band)
+        kernel.block(band, out=out[row // kernel.ROWS:(row + rows) // kernel.ROWS])
+
+
+def _read_rows(shards: Shards, parts: list[str], start: int, out: Tensor) -> None:
+    """Rows start.. of the parts concatenated along dim 0, into `out`."""
+    row, end = 0, start + out.shape[0]
     for part in parts:
-        rows = shards.info(part).shape[0] if len(parts) > 1 else out.shape[0]
-        shards.read_into(part, out.narrow(0, row, rows))
+        rows = shards.info(part).shape[0]
+        lo, hi = max(start, row), min(end, row + rows)
+        if lo < hi:
+            shards.read_rows(part, lo - row, out.narrow(0, lo - start, hi - lo))
         row += rows
-    if row != out.shape[0]:
+    if row < end:
         raise CheckpointError(f"{shards.dir}: {parts} make {row} rows, the graphs take "
-                              f"{out.shape[0]}", RECOMPILE)
+                              f"{end}", RECOMPILE)
