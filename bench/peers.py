@@ -321,7 +321,11 @@ class Worker:
                 self.proc.stdin.close()
         except BrokenPipeError:
             pass
-        self.proc.wait(timeout=60)
+        try:
+            self.proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:  # a system whose threads outlive its input
+            self.proc.kill()
+            self.proc.wait()
 
 
 def configurations(spec: dict[str, Any]) -> list[dict[str, Any]]:
