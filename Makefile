@@ -29,6 +29,7 @@ lint:
 bench:
 	$(PYTHON) bench/peers.py
 	$(PYTHON) bench/kernel.py
+	$(PYTHON) bench/load.py
 	$(PYTHON) bench/shard.py
 	$(PYTHON) bench/decode.py
 	$(PYTHON) bench/validate.py

@@ -102,7 +102,7 @@ def resolve_build(
     spec = finalize(spec, checkpoint.shape())
     backend = get_backend(spec.backend)
     backend.check(spec, checkpoint.config)
-    versions = backend.versions()
+    versions = backend.versions(spec)
     digest = checkpoint.digest(rehash)
     keys = compute_keys(
         spec,

@@ -358,7 +358,7 @@ def check_hashes(root: Path, manifest: Manifest, progress: Progress | None = Non
 def check_versions(manifest: Manifest) -> list[Check]:
     try:
         backend = _backend(manifest.backend)
-        current = backend.versions()
+        current = backend.versions(manifest.spec)
     except NeuronctlError as exc:
         return [Check("versions", False, str(exc))]
     except ImportError as exc:

@@ -15,7 +15,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from neuronctl.backends.torch import _cpu_flags, kernel, modeling
+from neuronctl.backends.torch import _cpu_flags, kernel, kernel_runs_on, modeling
 from neuronctl.backends.torch.graphs import (
     CONTEXT,
     TOKEN_GEN,
@@ -29,7 +29,7 @@ from neuronctl.errors import CheckpointError, NotFoundError
 from tests.helpers import make_checkpoint, read_config
 
 pytestmark = [
-    pytest.mark.skipif(not kernel.usable(_cpu_flags()),
+    pytest.mark.skipif(not kernel_runs_on(_cpu_flags()),
                        reason="the kernel needs an x86-64 CPU with AVX2 and FMA"),
     pytest.mark.skipif(not any(shutil.which(c) for c in ("c++", "g++", "clang++")),
                        reason="building the kernel needs a C++ compiler"),

@@ -159,3 +159,85 @@ def test_keys_need_a_finalized_spec() -> None:
     spec, _ = resolve_spec({}, None, {})
     with pytest.raises(ValueError, match="finalized"):
         compute_keys(spec, CONFIG, VERSIONS, DIGEST)
+
+
+# Two host classes the torch backend meets, as /proc/cpuinfo spells their flags (the
+# relevant ones). x86 capabilities as aten reads them: aten/src/ATen/cpu/Utils.cpp in
+# pytorch/pytorch (is_avx512_supported needs avx512 f, vl, bw and dq).
+EPYC_FLAGS = "sse4_2 avx f16c fma avx2 bmi2"
+XEON_FLAGS = (EPYC_FLAGS + " avx512f avx512dq avx512bw avx512vl avx512_vnni avx512_bf16"
+              " amx_bf16 amx_tile amx_int8")
+
+
+@pytest.fixture
+def cpu_class(monkeypatch: pytest.MonkeyPatch):
+    """Simulate a host: its CPU flags (the ISA and half units derive from them)."""
+    import neuronctl.backends.torch as torch_backend
+
+    def use(flags: str, machine: str = "x86_64") -> None:
+        monkeypatch.setattr(torch_backend, "_cpu_flags", lambda: flags)
+        monkeypatch.setattr(torch_backend.platform, "machine", lambda: machine)
+        torch_backend.cpu_isa.cache_clear()
+
+    yield use
+    torch_backend.cpu_isa.cache_clear()
+
+
+def torch_keys(
+    cpu_class, flags: str, machine: str = "x86_64", **spec: Any
+) -> tuple[dict[str, str], str]:
+    from neuronctl.backends.torch import TorchBackend
+
+    cpu_class(flags, machine)
+    finalized = finalize(resolve_spec({**BASE, **spec}, None, {})[0], SHAPE)
+    versions = TorchBackend().versions(finalized)
+    return versions, compute_keys(finalized, CONFIG, versions, DIGEST).graph
+
+
+@pytest.mark.parametrize(
+    "spec",
+    [
+        {"compiler": "export", "dtype": "bfloat16"},  # export: no ISA; bf16 on both
+        {"compiler": "export", "dtype": "float32"},
+        {"compiler": "export", "dtype": "bfloat16", "quantized": True},
+    ],
+)
+def test_graph_key_is_equal_across_cpu_classes_where_the_graph_is(cpu_class, spec) -> None:
+    # An exported program is ISA-independent: only a half dtype's compute (units) could differ.
+    epyc, epyc_key = torch_keys(cpu_class, EPYC_FLAGS, **spec)
+    xeon, xeon_key = torch_keys(cpu_class, XEON_FLAGS, **spec)
+    if spec["dtype"] == "bfloat16" and not spec.get("quantized"):
+        # bf16 computes natively on the Xeon, in float32 on the EPYC: a different graph.
+        assert (epyc["cpu_half_units"], xeon["cpu_half_units"]) == ("none", "bf16")
+        assert epyc_key != xeon_key
+        return
+    assert epyc == xeon and epyc_key == xeon_key
+    assert not {"cpu_isa", "cpu_half_units", "kernel"} & set(epyc)
+    assert torch_keys(cpu_class, "fp asimd asimdhp bf16", "aarch64", **spec)[1] == epyc_key
+
+
+def test_inductor_keys_hold_the_isa_and_the_kernel_only_where_used(cpu_class) -> None:
+    epyc, epyc_key = torch_keys(cpu_class, EPYC_FLAGS, compiler="inductor", dtype="float32")
+    xeon, xeon_key = torch_keys(cpu_class, XEON_FLAGS, compiler="inductor", dtype="float32")
+    assert epyc["cpu_isa"] == "avx2" and xeon["cpu_isa"] == "avx512 avx512_vnni amx_tile"
+    assert epyc_key != xeon_key
+    assert "kernel" in epyc and "kernel" in xeon  # float32 compute: the kernel may be called
+    assert "cpu_half_units" not in epyc  # float32 computes in float32 everywhere
+    # bf16 native on the Xeon: the graphs call oneDNN, never neuronctl's kernel.
+    native, _ = torch_keys(cpu_class, XEON_FLAGS, compiler="inductor", dtype="bfloat16")
+    assert "kernel" not in native and native["cpu_half_units"] == "bf16"
+    # A CPU without AVX2+FMA never runs the kernel.
+    old, _ = torch_keys(cpu_class, "sse4_2 avx", compiler="inductor", dtype="float32")
+    assert old["cpu_isa"] == "none" and "kernel" not in old
+
+
+def test_the_isa_in_a_key_does_not_depend_on_a_compiler(cpu_class, monkeypatch) -> None:
+    # Inductor's own pick compiles probes, and answers "none" where no g++ is installed: a CI
+    # runner's `plan` would key differently from the builder on the same CPU.
+    import neuronctl.backends.torch as torch_backend
+
+    monkeypatch.setattr(torch_backend, "_detect_isa", lambda: "none")  # inductor, no g++
+    with_gxx, key = torch_keys(cpu_class, EPYC_FLAGS, compiler="inductor", dtype="float32")
+    assert with_gxx["cpu_isa"] == "avx2"
+    monkeypatch.setenv("PATH", "")
+    assert torch_keys(cpu_class, EPYC_FLAGS, compiler="inductor", dtype="float32")[1] == key

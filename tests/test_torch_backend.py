@@ -10,7 +10,7 @@ import pytest
 import torch
 
 from neuronctl.backends import get_backend
-from neuronctl.backends.torch import TorchBackend, modeling
+from neuronctl.backends.torch import TorchBackend, cpu_isa, modeling
 from neuronctl.backends.torch.graphs import TOKEN_GEN, GraphJob, build_graph
 from neuronctl.build import compile_model, resolve_build
 from neuronctl.errors import BuildError, CheckpointError, SpecError, UsageError
@@ -172,10 +172,13 @@ def test_runner_refuses_prompts_and_positions_beyond_its_buckets(
 
 def test_manifest_records_versions_and_host_checks_pass_here(compiled_artifact: Path) -> None:
     manifest = read_manifest(compiled_artifact)
-    versions = TorchBackend().versions()
+    versions = TorchBackend().versions(manifest.spec)
     assert manifest.backend_versions == versions
     assert versions["torch"] == torch.__version__
-    assert manifest.host["cpu_isa"] == versions["cpu_isa"]
+    # An exported float32 program depends on no ISA, units or kernel; the host facts say
+    # where it was built.
+    assert set(versions) == {"torch", "modeling"}
+    assert manifest.host["cpu_isa"] == cpu_isa()
     assert all(check.ok for check in TorchBackend().host_checks(manifest))
     config = json.loads((compiled_artifact / "neuron_config.json").read_text())
     assert config["graphs"]["token_generation_128"] == "graphs/token_generation_128.pt2"
@@ -232,15 +235,17 @@ def test_an_artifact_computing_in_bf16_needs_bf16_units(
     assert all(c.ok for c in TorchBackend().host_checks(emulated))
 
 
-def test_cpu_isa_is_cached_across_processes(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+def test_cpu_isa_off_x86_is_cached_across_processes(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
+    # Off x86 inductor's pick imports torch; on x86 the ISA comes from the CPU flags.
     import neuronctl.backends.torch as backend
 
     backend.cpu_isa.cache_clear()
+    monkeypatch.setattr(backend, "is_x86", lambda: False)
     probes = []
-    monkeypatch.setattr(backend, "_detect_isa", lambda: probes.append(1) or "avx2")
-    assert backend.cpu_isa() == "avx2"
+    monkeypatch.setattr(backend, "_detect_isa", lambda: probes.append(1) or "asimd")
+    assert backend.cpu_isa() == "asimd"
     backend.cpu_isa.cache_clear()  # a new process: only the on-disk cache is left
-    assert backend.cpu_isa() == "avx2" and len(probes) == 1
+    assert backend.cpu_isa() == "asimd" and len(probes) == 1
     backend.cpu_isa.cache_clear()
 
 
@@ -267,12 +272,12 @@ def test_a_host_without_a_compiler_still_runs_the_isa_it_has(
 ) -> None:
     # Without a C++ compiler inductor's probes answer "none" (cpu_isa, supported_isas), but
     # serving compiled code needs the instructions, not a compiler: judged from the CPU.
-    from torch._inductor import cpu_vec_isa
-
     import neuronctl.backends.torch as backend
 
     monkeypatch.setattr(backend, "supported_isas", lambda: {"none"})
-    monkeypatch.setattr(cpu_vec_isa, "x86_isa_checker", lambda: ["avx2", "avx512"])
+    monkeypatch.setattr(backend, "is_x86", lambda: True)
+    monkeypatch.setattr(backend, "_cpu_flags",
+                        lambda: "fma avx2 avx512f avx512vl avx512bw avx512dq")
     manifest = read_manifest(compiled_artifact)
     built_for = {**manifest.backend_versions, "cpu_isa": "avx2"}
     here = {**manifest.backend_versions, "cpu_isa": "none"}
@@ -281,3 +286,47 @@ def test_a_host_without_a_compiler_still_runs_the_isa_it_has(
     amx = {**built_for, "cpu_isa": "avx512 avx512_vnni amx_tile"}
     check = backend.isa_check(manifest.model_copy(update={"backend_versions": amx}), here)
     assert not check.ok and "recompile here" in check.reason
+
+
+@pytest.mark.parametrize(
+    "tp,quantized,tied,layout",
+    [(1, False, False, "plain"), (2, False, True, "blocked"), (4, False, True, "packed"),
+     (2, True, False, "blocked"), (4, True, True, "plain")],
+)
+def test_weights_load_into_their_graph_form_as_the_checkpoint_assembled_whole(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tp: int, quantized: bool, tied: bool,
+    layout: str
+) -> None:
+    # The loader reads each graph tensor's parts straight into their place (weights.py); the
+    # reference reassembles the whole checkpoint first, then fuses and blocks (graph_weights).
+    # tp 4 with 2 KV heads replicates k/v per head ("kv" splits); o/down split on dim 1.
+    # Blocked matrices go 4 rows a band here, so bands cross every part and piece boundary.
+    from types import SimpleNamespace
+
+    from neuronctl.backends.torch import weights as loader
+
+    monkeypatch.setattr(loader, "BAND_BYTES", 1)
+
+    from neuronctl.backends.torch.quantize import QuantizedCheckpoint
+    from neuronctl.backends.torch.weights import load_graph_weights
+    from neuronctl.checkpoints import open_checkpoint
+    from neuronctl.sharding import load_full_tensors, shard_checkpoint
+
+    ckpt = open_checkpoint(str(make_checkpoint(tmp_path / "ckpt", "qwen2",
+                                               tie_word_embeddings=tied)), None)
+    if quantized:
+        spec = SimpleNamespace(quantization_type="per_channel_symmetric")
+        ckpt = QuantizedCheckpoint.wrap(ckpt, spec)  # type: ignore[arg-type]
+    shard_checkpoint(ckpt, tp, torch.bfloat16, tmp_path / "weights")
+    args = modeling.args_from_config(ckpt.config)
+    packed, blocked = layout == "packed", layout == "blocked"
+    got = load_graph_weights(tmp_path / "weights", args, torch.bfloat16, quantized, packed,
+                             blocked)
+    full = load_full_tensors(tmp_path / "weights")
+    full = {n: t if t.dtype == torch.int8 else t.to(
+        torch.bfloat16) for n, t in full.items()}
+    want = modeling.graph_weights(full, args, packed, quantized, blocked)
+    assert list(got) == list(want)
+    for name in want:
+        assert got[name].dtype == want[name].dtype, name
+        assert torch.equal(got[name], want[name]), name

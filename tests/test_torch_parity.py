@@ -12,7 +12,7 @@ import pytest
 import torch
 
 from neuronctl.backends import get_backend
-from neuronctl.backends.torch import _cpu_flags, kernel, modeling
+from neuronctl.backends.torch import _cpu_flags, kernel, kernel_runs_on, modeling
 from neuronctl.build import compile_model, resolve_build
 from neuronctl.errors import SpecError, UsageError
 from neuronctl.store.manifest import read_manifest
@@ -314,7 +314,7 @@ def test_inductor_artifact_matches_transformers(tmp_path: Path) -> None:
     # float32 on an AVX2 host: every projection by neuronctl's kernel on blocked weights,
     # and token generation's attention by its attend op, from the library the artifact
     # carries (listed, so hashed and signed like the graphs)
-    assert runner.blocked == kernel.usable(_cpu_flags())
+    assert runner.blocked == kernel_runs_on(_cpu_flags())
     if runner.blocked:
         assert kernel.artifact_library() in read_manifest(outcome.path).files
         numerics = json.loads((outcome.path / "neuron_config.json").read_text())["numerics"]
@@ -348,7 +348,7 @@ def test_inductor_bf16_and_int8_match_their_traced_graphs(
         got = [runner.prefill(1, ids[:24])]
         got += [runner.decode([0, ids[p]], [-1, p])[1] for p in range(24, 40)]
         outs.append(torch.stack(got))
-    assert runner.blocked == kernel.usable(_cpu_flags())
+    assert runner.blocked == kernel_runs_on(_cpu_flags())
     # int8's traced graphs round activations to bf16 for aten's int8 kernel; the kernel not
     assert (outs[0] - outs[1]).abs().max() < (1e-2 if quantized else 1e-4)
     assert torch.equal(outs[0].argmax(-1), outs[1].argmax(-1))

@@ -30,7 +30,7 @@ class FakeBackend:
 
     name = "nxdi"
 
-    def versions(self) -> dict[str, str]:
+    def versions(self, spec: object = None) -> dict[str, str]:
         raise BackendUnavailableError("neuronx-distributed-inference is not installed")
 
 
@@ -236,6 +236,13 @@ def test_export_artifact_from_another_cpu_is_reusable(artifact: Path) -> None:
 
 
 def test_inductor_artifact_for_an_unsupported_isa_fails_the_host_check(artifact: Path) -> None:
+    from neuronctl.backends.torch import TorchBackend
+
+    # As an inductor artifact records them (the kernel digest where the graphs may call it).
+    for name, value in TorchBackend().versions(
+        read_manifest(artifact).spec.model_copy(update={"compiler": "inductor"})
+    ).items():
+        _edit_manifest(artifact, **{f"backend_versions__{name}": value})
     _edit_manifest(artifact, backend_versions__cpu_isa="neon", spec__compiler="inductor")
     failed = _failed(quick_validate(artifact))
     assert set(failed) == {"cpu isa"} and "compiled for neon" in failed["cpu isa"]

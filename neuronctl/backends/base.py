@@ -94,8 +94,9 @@ class Runner(Protocol):
 class Backend(Protocol):
     name: str
 
-    def versions(self) -> dict[str, str]:
-        """Versions the compiled result depends on (part of the graph key and the manifest)."""
+    def versions(self, spec: BuildSpec | None = None) -> dict[str, str]:
+        """Versions the compiled result of `spec` depends on (part of the graph key and the
+        manifest); without a spec, every version the backend's results can depend on."""
         ...
 
     def architectures(self) -> Mapping[str, str]:

@@ -48,7 +48,8 @@ def expected_files(tp_degree: int) -> list[str]:
 class NxdiBackend:
     name = "nxdi"
 
-    def versions(self) -> dict[str, str]:
+    def versions(self, spec: BuildSpec | None = None) -> dict[str, str]:
+        # Every compiled result depends on the whole SDK.
         return sdk.versions()
 
     def architectures(self) -> Mapping[str, str]:

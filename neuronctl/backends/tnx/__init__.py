@@ -101,7 +101,8 @@ def write_presharded_config(model_path: Path, staging: Path) -> None:
 class TnxBackend:
     name = "tnx"
 
-    def versions(self) -> dict[str, str]:
+    def versions(self, spec: BuildSpec | None = None) -> dict[str, str]:
+        # Every compiled result depends on the whole SDK.
         return sdk_versions(PACKAGES, unavailable)
 
     def architectures(self) -> Mapping[str, str]:

@@ -49,13 +49,47 @@ def kernel_digest() -> str:
     return h.hexdigest()[:16]
 
 
+# Inductor's x86 ISAs, best first (torch._inductor.cpu_vec_isa.supported_vec_isa_list): it
+# generates code for the first whose capabilities the CPU has.
+X86_ISAS = ("avx512 avx512_vnni amx_tile", "avx512 avx512_vnni", "avx512", "avx2")
+
+
+def x86_capabilities(cpu_flags: str) -> set[str]:
+    """The capabilities inductor reads on x86 (`x86_isa_checker`), from the CPU flags.
+
+    As aten's at::cpu checks them (aten/src/ATen/cpu/Utils.cpp): avx512 needs the F, VL, BW
+    and DQ subsets; avx512_vnni needs avx512 too; amx_tile is its own flag.
+    """
+    flags = set(cpu_flags.split())
+    caps = set()
+    if "avx2" in flags:
+        caps.add("avx2")
+    if {"avx512f", "avx512vl", "avx512bw", "avx512dq"} <= flags:
+        caps.add("avx512")
+        if "avx512_vnni" in flags:
+            caps.add("avx512_vnni")
+    if "amx_tile" in flags:
+        caps.add("amx_tile")
+    return caps
+
+
+def is_x86() -> bool:
+    return platform.machine() in ("x86_64", "AMD64")
+
+
 @cache
 def cpu_isa() -> str:
     """The vector ISA inductor generates code for on this host (e.g. 'avx512 avx512_vnni').
 
-    Inductor finds it by compiling probes (seconds), and `validate` must answer well under a
-    second: the answer is cached per (torch, machine, CPU flags) in the user cache.
+    On x86 from the CPU flags, as inductor ranks them, without its compile probes: a key
+    computed where no C++ compiler is installed (a CI runner's `plan`) is the key a builder on
+    the same CPU computes. Elsewhere inductor's own pick (no compiler involved on arm64),
+    cached per (torch, machine, CPU flags) in the user cache because it imports torch and
+    `validate` must answer well under a second.
     """
+    if is_x86():
+        caps = x86_capabilities(_cpu_flags())
+        return next((isa for isa in X86_ISAS if set(isa.split()) <= caps), "none")
     key = _host_fingerprint()
     cache_file = user_cache_store() / "cpu_isa.json"
     try:
@@ -65,8 +99,6 @@ def cpu_isa() -> str:
     except (OSError, ValueError, KeyError):
         pass
     isa = _detect_isa()
-    if isa == "none":
-        return isa  # also what a host without a compiler gets: ask again once it has one
     try:
         cache_file.parent.mkdir(parents=True, exist_ok=True)
         tmp = cache_file.with_suffix(f".{os.getpid()}.tmp")
@@ -82,7 +114,7 @@ def _detect_isa() -> str:
         from torch._inductor.cpu_vec_isa import pick_vec_isa
 
         return str(pick_vec_isa()) or "none"
-    except Exception:  # pragma: no cover - non-x86/arm hosts
+    except Exception:  # pragma: no cover - hosts inductor has no ISA for
         return "none"
 
 
@@ -140,21 +172,50 @@ def torch_version() -> str:
     return metadata.version("torch")
 
 
+def graph_versions(compiler: str, dtype: str, quantized: bool) -> dict[str, str]:
+    """The versions an artifact's graphs depend on, and nothing else (part of the graph key).
+
+    - torch and the modeling version, always;
+    - `cpu_half_units` where the dtype is a half one the CPU may or may not compute in (they
+      decide whether the graphs compute in it or in float32);
+    - `cpu_isa` only for AOTInductor, which generates code for it (an exported program runs
+      the same on every CPU);
+    - `kernel`, the digest of neuronctl's ops, only where the graphs may call them
+      (`kernel_may_run`).
+
+    Read without importing torch or probing a compiler: validate and `plan` answer from it.
+    """
+    versions = {"torch": torch_version(), "modeling": MODELING_VERSION}
+    if dtype in ("bfloat16", "float16") and not quantized:
+        versions["cpu_half_units"] = half_units()
+    if compiler == "inductor":
+        versions["cpu_isa"] = cpu_isa()
+        if kernel_may_run(compiler, compute_dtype(dtype, quantized, half_units())):
+            versions["kernel"] = kernel_digest()
+    return versions
+
+
+def kernel_runs_on(cpu_flags: str) -> bool:
+    """neuronctl's ops' instructions exist on this CPU (x86-64 with AVX2 and FMA)."""
+    return is_x86() and {"avx2", "fma"} <= set(cpu_flags.split())
+
+
+def kernel_may_run(compiler: str, compute: str) -> bool:
+    """Whether graphs compiled here may call neuronctl's ops (graphs.uses_kernel decides, from
+    the model's shapes too): AOTInductor computing in float32 on a CPU the kernel runs on."""
+    return compiler == "inductor" and compute == "float32" and kernel_runs_on(_cpu_flags())
+
+
 def cpu_runs(isa: str) -> bool:
     """An x86 ISA inductor compiled for ("avx2", "avx512 avx512_vnni", ...) runs on this CPU.
 
     From the CPU's own capabilities, as inductor checks them before its compile probes: a
     host that serves compiled code needs the instructions, not a compiler (without one,
-    `supported_isas()` and `cpu_isa()` answer "none").
+    `supported_isas()` answers "none").
     """
     if isa == "none":
         return True
-    try:
-        from torch._inductor.cpu_vec_isa import x86_isa_checker
-
-        here = set(x86_isa_checker())
-    except Exception:  # pragma: no cover - torch without it
-        return False
+    here = x86_capabilities(_cpu_flags()) if is_x86() else set()
     return bool(here) and set(isa.split()) <= here
 
 
@@ -170,17 +231,14 @@ def supported_isas() -> set[str]:
 class TorchBackend:
     name = "torch"
 
-    def versions(self) -> dict[str, str]:
-        # cpu_isa changes the code inductor generates, so it is part of the graph key: an
-        # artifact built on an AVX-512 host is never a cache hit on an AVX2 host. The
-        # half-precision units decide whether a bf16 artifact computes in bf16 or float32.
-        return {
-            "torch": torch_version(),
-            "modeling": MODELING_VERSION,
-            "kernel": kernel_digest(),
-            "cpu_isa": cpu_isa(),
-            "cpu_half_units": half_units(),
-        }
+    def versions(self, spec: BuildSpec | None = None) -> dict[str, str]:
+        """What `spec`'s graphs depend on (graph_versions); without a spec, everything a torch
+        artifact can depend on."""
+        if spec is None:
+            return {"torch": torch_version(), "modeling": MODELING_VERSION,
+                    "kernel": kernel_digest(), "cpu_isa": cpu_isa(),
+                    "cpu_half_units": half_units()}
+        return graph_versions(str(spec.compiler), str(spec.dtype), spec.quantized)
 
     def architectures(self) -> Mapping[str, str]:
         from neuronctl.checkpoints.registry import ARCHITECTURES
@@ -252,7 +310,7 @@ class TorchBackend:
         return TorchRunner(path, manifest.spec, manifest.architecture, manifest.graphs)
 
     def host_checks(self, manifest: Manifest) -> list[HostCheck]:
-        return host_checks(manifest, self.versions())
+        return host_checks(manifest, {"cpu_isa": cpu_isa(), "cpu_half_units": half_units()})
 
 
 def check_tensors(checkpoint: Checkpoint, args: modeling.ModelArgs) -> None:

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from neuronctl.backends.torch import kernel, modeling
+from neuronctl.backends.torch import kernel, kernel_runs_on, modeling
 from neuronctl.errors import BuildError, UsageError
 from neuronctl.progress import Progress
 from neuronctl.workers import die_with_parent
@@ -83,12 +83,8 @@ def uses_kernel(compiler: str, compute: str, args: modeling.ModelArgs, cpu_flags
     at 0.9 of the read bandwidth where inductor's reduction reaches 0.6, and at 64 rows it
     is level with MKL's float32 GEMM without widening anything (docs/torch-backend.md).
     """
-    return (
-        compiler == "inductor"
-        and compute == "float32"
-        and kernel.usable(cpu_flags)
-        and modeling.blockable(args)
-    )
+    return (compiler == "inductor" and compute == "float32" and kernel_runs_on(cpu_flags)
+            and modeling.blockable(args))
 
 
 def packs_weights(compiler: str, batch_size: int, numerics: modeling.Numerics) -> bool:

@@ -22,9 +22,9 @@ here, so graphs trace and export without the library.
 from __future__ import annotations
 
 import fcntl
+import math
 import mmap
 import os
-import platform
 import shutil
 import signal
 import subprocess
@@ -48,52 +48,59 @@ ROWS, CHUNK = 4, 16  # the blocked layout: [N/ROWS, K/CHUNK, ROWS, CHUNK]
 LIBRARY_DIR = "kernels"
 
 
-def usable(cpu_flags: str) -> bool:
-    """The kernel's instructions exist on this CPU (x86-64 with AVX2 and FMA)."""
-    flags = set(cpu_flags.split())
-    return platform.machine() in ("x86_64", "AMD64") and {"avx2", "fma"} <= flags
-
-
 def fits(shape: tuple[int, ...]) -> bool:
     """A [N, K] weight the layout holds without padding (every Llama-family projection)."""
     return len(shape) == 2 and shape[0] % ROWS == 0 and shape[1] % CHUNK == 0
 
 
-def block(weight: Tensor) -> Tensor:
-    """[N, K] -> [N/4, K/16, 4, 16]: each block of 4 rows one sequential stream."""
+def block(weight: Tensor, out: Tensor | None = None) -> Tensor:
+    """[N, K] -> [N/4, K/16, 4, 16]: each block of 4 rows one sequential stream (into `out`
+    where given, e.g. a view of a huge-page arena)."""
     n, k = weight.shape
-    return weight.reshape(n // ROWS, ROWS, k // CHUNK, CHUNK).transpose(1, 2).contiguous()
+    blocks = weight.reshape(n // ROWS, ROWS, k // CHUNK, CHUNK).transpose(1, 2)
+    return blocks.contiguous() if out is None else out.copy_(blocks)
 
 
-def into_huge_pages(weights: dict[str, Tensor], names: list[str]) -> None:
-    """Move the tensors named, one by one and in place in `weights`, into one anonymous
-    mapping that asks Linux for 2 MiB pages.
+def unblocked_shape(shape: tuple[int, ...]) -> tuple[int, int]:
+    """The [N, K] a blocked [N/4, K/16, 4, 16] tensor holds."""
+    return shape[0] * ROWS, shape[1] * CHUNK
+
+
+def huge_page_tensors(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) -> dict[str, Tensor]:
+    """Empty tensors of these shapes and dtypes, back to back (each on a cache line) in one
+    anonymous mapping that asks Linux for 2 MiB pages; plain tensors where it cannot ask.
 
     A decode step streams every matrix once. On 4 KiB pages each page is a TLB miss and a
     place where the hardware prefetcher stops; on 2 MiB pages a step's matmuls at batch 1
     ran 0.99-1.16x as fast, by the hour's memory traffic (bench/kernel.py). Transparent
     huge pages in `madvise` mode (the usual default) honour the request; `never`, or a
-    system without MADV_HUGEPAGE, gives plain pages and the same numbers. Each tensor
-    replaced is freed as the next is copied, so resident memory peaks one tensor above the
-    weights, not at a second copy."""
+    system without MADV_HUGEPAGE, gives plain pages and the same numbers. The loader writes
+    each weight straight into its tensor here, so no second copy of the weights exists."""
     advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    sizes = [_padded(weights[name]) for name in names]
-    if advice is None or not sizes:
-        return
-    arena = mmap.mmap(-1, sum(sizes), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
+    if advice is None or not shapes:
+        return {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in shapes.items()}
+    sizes = {name: -(-math.prod(shape) * dtype.itemsize // 64) * 64
+             for name, (shape, dtype) in shapes.items()}
+    arena = mmap.mmap(-1, sum(sizes.values()), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
     arena.madvise(advice)
     space = torch.frombuffer(arena, dtype=torch.uint8)  # holds the mapping while views live
-    offset = 0
-    for name, size in zip(names, sizes, strict=True):
-        tensor = weights[name]
-        view = space[offset : offset + tensor.nbytes].view(tensor.dtype).view(tensor.shape)
-        weights[name] = view.copy_(tensor)
-        offset += size
+    out, offset = {}, 0
+    for name, (shape, dtype) in shapes.items():
+        nbytes = math.prod(shape) * dtype.itemsize
+        out[name] = space[offset:offset + nbytes].view(dtype).view(shape)
+        offset += sizes[name]
+    return out
 
 
-def _padded(tensor: Tensor) -> int:
-    """Bytes a tensor takes in the arena: whole cache lines, so every matrix starts on one."""
-    return -(-tensor.nbytes // 64) * 64
+def into_huge_pages(weights: dict[str, Tensor], names: list[str]) -> None:
+    """Move the tensors named, one by one and in place in `weights`, into one huge-page
+    mapping (huge_page_tensors). Each tensor replaced is freed as the next is copied, so
+    resident memory peaks one tensor above the weights, not at a second copy."""
+    if getattr(mmap, "MADV_HUGEPAGE", None) is None:
+        return
+    views = huge_page_tensors({n: (tuple(weights[n].shape), weights[n].dtype) for n in names})
+    for name in names:
+        weights[name] = views[name].copy_(weights[name])
 
 
 def linear(

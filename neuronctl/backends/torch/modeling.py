@@ -264,11 +264,11 @@ def expected_shapes(args: ModelArgs) -> dict[str, tuple[int, ...]]:
     return {name: shapes[name] for name in weight_names(args)}
 
 
-def graph_weights(
-    full: Mapping[str, Tensor], args: ModelArgs, packed: bool = False, quantized: bool = False,
-    blocked: bool = False,
-) -> dict[str, Tensor]:
-    """The tensors the graphs take, from checkpoint-named ones: q/k/v and gate/up fused.
+def graph_sources(
+    args: ModelArgs, quantized: bool = False, packed: bool = False, blocked: bool = False
+) -> dict[str, list[str]]:
+    """Each tensor the graphs take (sorted by name: the graphs' input order) and the
+    checkpoint-named tensors it is made of, concatenated along dim 0: q/k/v and gate/up fused.
 
     One projection per input vector instead of three (two) means fewer, larger matmul
     kernels per layer; the checkpoint and its shards keep Hugging Face names. `packed`
@@ -277,7 +277,7 @@ def graph_weights(
     take every projection and the head in the kernel's blocked layout; a tied table is then
     only `lm_head.weight` (and its scale), blocked, and the embedding reads rows out of it.
     """
-    out: dict[str, Tensor] = {}
+    out: dict[str, list[str]] = {}
     fused: set[str] = set()
     for i in range(args.num_layers):
         p = f"model.layers.{i}."
@@ -291,22 +291,56 @@ def graph_weights(
             groups.update({scale_name(k): [scale_name(x) for x in v]
                            for k, v in list(groups.items()) if k.endswith(".weight")})
         for name, parts in groups.items():
-            out[p + name] = torch.cat([full[p + part] for part in parts])
+            out[p + name] = [p + part for part in parts]
             fused.update(p + part for part in parts)
     for name in weight_names(args, quantized):
         if name not in fused:
-            out[name] = full[name]
+            out[name] = [name]
     if blocked and args.tie_word_embeddings:
         # One copy: the embedding lookup reads rows out of the blocked head (_embed).
         for name in [n for n in out if n.startswith("model.embed_tokens.weight")]:
             out[name.replace("model.embed_tokens", "lm_head")] = out.pop(name)
     if packed and args.tie_word_embeddings:
-        out["lm_head.weight"] = full["model.embed_tokens.weight"]
-    if blocked:
-        for name in out:
-            if is_matrix(name):
-                out[name] = kernel.block(out[name])
-    return {name: out[name].contiguous() for name in sorted(out)}
+        out["lm_head.weight"] = ["model.embed_tokens.weight"]
+    return {name: out[name] for name in sorted(out)}
+
+
+def graph_weights(
+    full: Mapping[str, Tensor], args: ModelArgs, packed: bool = False, quantized: bool = False,
+    blocked: bool = False,
+) -> dict[str, Tensor]:
+    """The tensors the graphs take (graph_sources), from checkpoint-named ones."""
+    out = {}
+    for name, parts in graph_sources(args, quantized, packed, blocked).items():
+        tensor = full[parts[0]] if len(parts) == 1 else torch.cat([full[p] for p in parts])
+        if blocked and is_matrix(name):
+            tensor = kernel.block(tensor)
+        out[name] = tensor.contiguous()
+    return out
+
+
+def graph_layout(
+    args: ModelArgs, dtype: torch.dtype, packed: bool = False, quantized: bool = False,
+    blocked: bool = False,
+) -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
+    """The shape and dtype of every tensor graph_weights makes, in its order, computed from
+    the config (no tensors: the loader allocates each weight in its place from this).
+
+    int8 weights stay int8 and their scales are bf16 (quantize); the rest is in `dtype`."""
+    shapes: dict[str, tuple[int, ...]] = dict(expected_shapes(args))
+    dtypes = {name: dtype for name in shapes}
+    if quantized:
+        for name in quantized_names(args):
+            dtypes[name] = torch.int8
+            shapes[scale_name(name)], dtypes[scale_name(name)] = (shapes[name][0],), torch.bfloat16
+    out = {}
+    for name, parts in graph_sources(args, quantized, packed, blocked).items():
+        first = shapes[parts[0]]
+        shape = (sum(shapes[part][0] for part in parts), *first[1:])
+        if blocked and is_matrix(name):
+            shape = (shape[0] // kernel.ROWS, shape[1] // kernel.CHUNK, kernel.ROWS, kernel.CHUNK)
+        out[name] = (shape, dtypes[parts[0]])
+    return out
 
 
 def graph_shapes(
@@ -314,14 +348,9 @@ def graph_shapes(
     blocked: bool = False,
 ) -> dict[str, Tensor]:
     """Meta tensors with the shapes, dtypes and order of graph_weights (for tracing)."""
-    meta = {n: torch.empty(s, dtype=dtype, device="meta")
-            for n, s in expected_shapes(args).items()}
-    if quantized:
-        for name in quantized_names(args):
-            rows = meta[name].shape[0]
-            meta[name] = torch.empty(meta[name].shape, dtype=torch.int8, device="meta")
-            meta[scale_name(name)] = torch.empty(rows, dtype=torch.bfloat16, device="meta")
-    return graph_weights(meta, args, packed, quantized, blocked)
+    return {name: torch.empty(shape, dtype=dt, device="meta")
+            for name, (shape, dt) in graph_layout(args, dtype, packed, quantized,
+                                                 blocked).items()}
 
 
 def is_matrix(name: str) -> bool:

@@ -215,33 +215,17 @@ def _load_weights(
     weights_dir: Path, args: modeling.ModelArgs, dtype: torch.dtype, packed: bool = False,
     batch_size: int = 1, quantized: bool = False, blocked: bool = False,
 ) -> dict[str, torch.Tensor]:
-    from neuronctl.sharding import load_full_tensors
+    """The graphs' weights, read once into their final form (weights.py); the matrices that
+    oneDNN-packed graphs take are packed one by one, each plain copy freed as it goes."""
+    from neuronctl.backends.torch.weights import load_graph_weights
 
-    full = load_full_tensors(weights_dir)
-    names = modeling.weight_names(args, quantized)
-    missing = [n for n in names if n not in full]
-    if missing:
-        raise CheckpointError(f"{weights_dir} lacks {missing[0]}", "recompile the artifact")
-    needed = {n: _as_graph_input(n, full.pop(n), dtype) for n in names}
-    weights = modeling.graph_weights(needed, args, packed, quantized, blocked)
-    if blocked:  # the kernel streams them: 2 MiB pages where Linux gives them
-        from neuronctl.backends.torch import kernel
-
-        kernel.into_huge_pages(weights, [n for n in weights if modeling.is_matrix(n)])
+    if packed and not modeling.can_pack(dtype):
+        raise CheckpointError(
+            "this artifact's graphs need oneDNN prepacked weights, which this torch or "
+            "CPU cannot provide", "recompile the artifact on this host",
+        )
+    weights = load_graph_weights(weights_dir, args, dtype, quantized, packed, blocked)
     if packed:
-        if not modeling.can_pack(dtype):
-            raise CheckpointError(
-                "this artifact's graphs need oneDNN prepacked weights, which this torch or "
-                "CPU cannot provide", "recompile the artifact on this host",
-            )
         for name in modeling.packed_names(args):
             weights[name] = modeling.pack_weight(weights[name], batch_size)
     return weights
-
-
-def _as_graph_input(name: str, tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """int8 weights stay int8, their scales are bf16 (modeling.quantize), the rest the
-    artifact's dtype."""
-    if tensor.dtype == torch.int8:
-        return tensor
-    return tensor.to(torch.bfloat16 if name.endswith("_scale") else dtype)
