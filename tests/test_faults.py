@@ -676,3 +676,20 @@ def test_a_request_dropped_in_the_step_that_killed_the_engine_still_ends() -> No
     handle.cancel()
     out = result_within(handle)
     assert out.finish_reason == "error" and "injected flush failure" in (out.error or "")
+
+
+@pytest.mark.parametrize("text", ["abc", "0", "-5", "inf", "nan"])
+def test_a_timeout_variable_that_is_not_seconds_is_a_usage_error(monkeypatch, text):
+    """A typo in a timeout variable must not turn the timeout off or crash: both the kernel
+    build's and the graph workers' say what they want (exit 2), and unset means the default."""
+    from neuronctl.backends.torch import graphs, kernel
+    from neuronctl.errors import UsageError
+
+    for name, read in ((kernel.BUILD_TIMEOUT_ENV, kernel.build_timeout),
+                       (graphs.GRAPH_TIMEOUT_ENV, graphs.graph_timeout)):
+        monkeypatch.setenv(name, text)
+        with pytest.raises(UsageError, match=name):
+            read()
+        monkeypatch.delenv(name)
+    assert kernel.build_timeout() == kernel.DEFAULT_BUILD_TIMEOUT
+    assert graphs.graph_timeout() == graphs.DEFAULT_GRAPH_TIMEOUT

@@ -23,7 +23,7 @@ from typing import Any
 import torch
 
 from neuronctl.backends.torch import kernel, kernel_runs_on, modeling
-from neuronctl.errors import BuildError, UsageError
+from neuronctl.errors import BuildError
 from neuronctl.progress import Progress
 from neuronctl.workers import die_with_parent
 
@@ -266,17 +266,7 @@ DEFAULT_GRAPH_TIMEOUT = 3600.0  # seconds a pool may go without finishing a grap
 
 
 def graph_timeout() -> float:
-    text = os.environ.get(GRAPH_TIMEOUT_ENV, "")
-    try:
-        seconds = float(text) if text else DEFAULT_GRAPH_TIMEOUT
-    except ValueError:
-        seconds = -1.0
-    if not 0 < seconds < float("inf"):
-        raise UsageError(
-            f"{GRAPH_TIMEOUT_ENV}={text!r} is not a number of seconds > 0",
-            f"e.g. {GRAPH_TIMEOUT_ENV}=7200",
-        )
-    return seconds
+    return kernel.timeout_from_env(GRAPH_TIMEOUT_ENV, DEFAULT_GRAPH_TIMEOUT, example=7200)
 
 
 def _build_in_pool(

@@ -227,17 +227,22 @@ DEFAULT_BUILD_TIMEOUT = 900.0  # seconds; ~15 s on an idle host, minutes on a lo
 
 
 def build_timeout() -> float:
-    text = os.environ.get(BUILD_TIMEOUT_ENV, "")
+    return timeout_from_env(BUILD_TIMEOUT_ENV, DEFAULT_BUILD_TIMEOUT, example=1800)
+
+
+def timeout_from_env(name: str, default: float, example: int) -> float:
+    """Seconds from the variable `name`, else `default`; anything but a finite number > 0
+    is a usage error (a typo must not turn a timeout off)."""
+    text = os.environ.get(name, "")
     if not text:
-        return DEFAULT_BUILD_TIMEOUT
+        return default
     try:
         seconds = float(text)
     except ValueError:
         seconds = -1.0
     if not 0 < seconds < float("inf"):
         raise UsageError(
-            f"{BUILD_TIMEOUT_ENV}={text!r} is not a number of seconds > 0",
-            f"e.g. {BUILD_TIMEOUT_ENV}=1800",
+            f"{name}={text!r} is not a number of seconds > 0", f"e.g. {name}={example}"
         )
     return seconds
 
