@@ -1,10 +1,14 @@
-"""`config migrate` row by row against the AWS migration guide's table (seed 004).
+"""`config migrate` row by row against the AWS migration guide's table.
 
-SEED_TABLE is the guide's rst list-table, transcribed as-is; the test parses it and checks
+The guide: "Migrating from Transformers NeuronX to NxD Inference", section "Neuron Config
+Migration" (aws-neuron/aws-neuron-sdk libraries/nxd-inference/developer_guides/migrate-from-tnx-to-nxdi.rst;
+https://awsdocs-neuron.readthedocs-hosted.com/en/latest/libraries/nxd-inference/developer_guides/migrate-from-tnx-to-nxdi.html).
+
+GUIDE_TABLE is the guide's rst list-table, transcribed as-is; the test parses it and checks
 every row against neuronctl.migrate, so the implementation's own table is not the oracle.
 """
 
-# ruff: noqa: E501  (SEED_TABLE is the seed text verbatim)
+# ruff: noqa: E501  (GUIDE_TABLE is the guide's text verbatim)
 from __future__ import annotations
 
 import json
@@ -22,7 +26,7 @@ from tests import standins
 
 neuron_standins = standins.neuron_standins  # the stand-in SDK fixture
 
-SEED_TABLE = """\
+GUIDE_TABLE = """\
    * - Transformers NeuronX parameter
      - NxD Inference parameter
      - Notes
@@ -184,7 +188,7 @@ SEED_TABLE = """\
 
 def seed_rows() -> list[tuple[str, str | None, str]]:
     rows = []
-    for block in SEED_TABLE.split("   * - ")[2:]:  # [0] is empty, [1] the header
+    for block in GUIDE_TABLE.split("   * - ")[2:]:  # [0] is empty, [1] the header
         cells = [c.strip() for c in re.split(r"\n     - ?", block)]
         tnx, nxdi, note = (cells + [""])[:3]
         note = " ".join(note.replace("``", "").split())

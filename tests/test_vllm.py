@@ -5,7 +5,9 @@ cite file:line at a commit of these repositories:
 
 - B: aws-neuron/upstreaming-to-vllm `dd417b3` (main, = upstream vLLM 0.9 Neuron code) and its
   branch `neuron-2.24-vllm-v0.7.2` (`490ab20f1`, the AWS 0.7.2 fork).
-- A: the same repository's `v0.6.x-neuron` branch (`c097c1891`); seeds 000/003 for 0.3.3 / 0.5.0.
+- A: the same repository's `v0.6.x-neuron` branch (`c097c1891`); for 0.3.3 / 0.5.0 the
+  vLLM examples of aws-neuron/aws-neuron-sdk
+  libraries/transformers-neuronx/transformers-neuronx-developer-guide-for-continuous-batching.rst.
 - C: vllm-project/vllm-neuron tags `0.1.0` (`97bb429`), `0.2.0` (`a967125`); the AWS
   release commits in the whn09/vllm-neuron fork: `ad82965` (0.2.2+lts), `4fac6b7`
   (Release 0.4.1), `3afb0a9` (Release 0.5.0).
