@@ -439,7 +439,7 @@ MIGRATE_PROBES = {
 @pytest.mark.parametrize("name", list(MIGRATE_PROBES))
 def test_migrated_override_constructs_a_neuron_config(neuron_standins, caplog,
                                                       name: str) -> None:
-    """The migrated override merged over vLLM's default NxDI config (fidelity harness M3):
+    """The migrated override merged over vLLM's default NxDI config:
     the stand-in rejects what the real NeuronConfig rejects (a quantized config without
     quantized_checkpoints_path, f8e4m3fn before SDK 2.27) and warns on unknown keys."""
     config_mod = __import__("neuronx_distributed_inference.models.config", fromlist=["x"])

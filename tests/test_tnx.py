@@ -256,7 +256,7 @@ def test_compiled_neuron_config_is_the_one_vllm_builds(neuron_standins, fields: 
 
 
 TNX_STANDIN_REJECTS = {
-    # What the real transformers-neuronx configs reject: fidelity harness S3.
+    # What the real transformers-neuronx configs reject (checked against its source).
     "per_tensor_symmetric": ("QuantizationConfig", {"quantize_method": "per_tensor_symmetric"},
                              NotImplementedError),
     "quant_dtype int8": ("QuantizationConfig", {"quant_dtype": "int8"}, NotImplementedError),
