@@ -1,6 +1,6 @@
 """neuronctl beside llama.cpp and transformers on this CPU, interleaved, in one process tree.
 
-    python bench/peers.py                 # every row of issue 14's table (about 10 minutes)
+    python bench/peers.py                 # every row of the table (about 10 minutes)
     python bench/peers.py --rounds 1 --skip cold   # a quicker look
 
 A random checkpoint with the SmolLM2-135M shape (bench/decode.py's, plus a byte-level

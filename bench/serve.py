@@ -5,7 +5,7 @@ heads, intermediate 1536, vocab 49152, tied embeddings), compiles it with batch 
 the real server on 127.0.0.1, and streams completions at concurrency 1 and then 8 against the
 same process in the same run. Target: concurrency 8 >= 3x the output tokens/s of 1.
 
-Then the engine's overhead (issue 14): the Runner of the same artifact is driven directly in
+Then the engine's overhead: the Runner of the same artifact is driven directly in
 this process (greedy, no engine) at batch 1 and 8, and each served decode speed (1000 / TPOT
 p50 per stream, times the concurrency) is printed as a ratio of it. Target: >= 0.9.
 

@@ -1,6 +1,10 @@
 """Transformers NeuronX `override_neuron_config` -> NxD Inference, per the AWS migration guide.
 
-The table below is seed 004_f2dcb61da4ce5066.txt ("Neuron Config Migration"), row by row:
+The table below is the "Neuron Config Migration" table of the AWS guide "Migrating from
+Transformers NeuronX to NxD Inference", row by row
+(https://awsdocs-neuron.readthedocs-hosted.com/en/latest/libraries/nxd-inference/developer_guides/migrate-from-tnx-to-nxdi.html;
+its source is aws-neuron/aws-neuron-sdk,
+libraries/nxd-inference/developer_guides/migrate-from-tnx-to-nxdi.rst):
 TNx parameter (dotted for sub-configs), NxD Inference parameter (None = no equivalent, the
 key is dropped and reported with the note), and the guide's note. EXTRA_ROWS covers the keys
 the real TNx NeuronConfig / ContinuousBatchingConfig accept that the guide omits.
@@ -26,7 +30,7 @@ from typing import Any
 
 from neuronctl.errors import UsageError
 
-# (tnx key, nxdi key or None, note) -- transcribed from seed 004, in its order.
+# (tnx key, nxdi key or None, note) -- transcribed from the guide's table, in its order.
 TABLE: list[tuple[str, str | None, str]] = [
     ("sparse_attn", None, ""),
     ("quant.quant_dtype", "quantization_dtype",
@@ -354,7 +358,8 @@ def migrate_tnx(config: Mapping[str, Any],
 
 
 def parse_override(text: str) -> dict[str, Any]:
-    """A JSON object, or vLLM's `key:value,key:value` CLI form (seed 001)."""
+    """A JSON object, or vLLM's `key:value,key:value` CLI form (the TNx continuous-batching
+    guide's `--override-neuron-config` examples for vLLM 0.6.2)."""
     text = text.strip()
     if text.startswith("{"):
         try:

@@ -66,8 +66,8 @@ DEFAULT_PLUGIN = (0, 4, 1)  # Inf2's last plugin (SDK 2.28, vLLM 0.13)
 VLLM_SAMPLING = {"dynamic": True, "deterministic": False}
 # Architectures each generation's Neuron loader serves (None: whatever NxDI has).
 A_ARCHS: dict[tuple[int, ...], set[str]] = {
-    (0, 3): {"LlamaForCausalLM"},  # seed 000
-    (0, 5): {"LlamaForCausalLM", "MistralForCausalLM"},  # seed 003
+    (0, 3): {"LlamaForCausalLM"},  # TNx continuous-batching guide, vLLM 0.3.3
+    (0, 5): {"LlamaForCausalLM", "MistralForCausalLM"},  # the same guide, vLLM 0.5.0
     (0, 6): {"LlamaForCausalLM", "MistralForCausalLM"},  # v0.6.x-neuron loader/neuron.py:36
 }
 B_ARCHS = {"LlamaForCausalLM", "MistralForCausalLM", "DbrxForCausalLM", "MixtralForCausalLM"}
@@ -497,7 +497,7 @@ def _plan_a(plan: Plan, spec: BuildSpec) -> None:
     plan.env["VLLM_NEURON_FRAMEWORK"] = TNX
     args["device"] = "neuron"  # 0.6.x forces block_size = max_model_len only for "neuron"
     if v < (0, 6):
-        args["block_size"] = spec.seq_len  # seeds 000/003: required equal to max_model_len
+        args["block_size"] = spec.seq_len  # the TNx CB guide: must equal max_model_len
     _tnx_args(plan, spec)
     _fork_speculation(plan, spec)
 

@@ -1,7 +1,10 @@
-"""The docs stay true: every command is in docs/cli.md, and CI runs the README's test command."""
+"""The docs stay true: every command is in docs/cli.md, CI runs the README's test command, the
+backends' architectures are the registry's, and nothing cites what only this project's authors
+had (issue numbers, local notes, machine paths)."""
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 import click
@@ -38,3 +41,38 @@ def test_ci_runs_the_readme_commands() -> None:
 def test_cli_reference_has_no_html_entities() -> None:
     reference = (ROOT / "docs" / "cli.md").read_text()
     assert "&#x27;" not in reference and "&quot;" not in reference
+
+
+def test_docs_list_what_each_backend_builds() -> None:
+    """docs/checkpoints.md's table names exactly the registry's architectures per backend, and
+    the registry's torch entry is what the torch modeling implements."""
+    from neuronctl.backends.torch import modeling
+    from neuronctl.checkpoints.registry import ARCHITECTURES
+
+    text = (ROOT / "docs" / "checkpoints.md").read_text()
+    arch = re.compile(r"\b[A-Z]\w*(?:ForCausalLM|ForConditionalGeneration|LMHeadModel)\b")
+    for backend, archs in ARCHITECTURES.items():
+        row = re.search(rf"^\| {backend} \|(.*)\|$", text, re.M)
+        assert row, f"docs/checkpoints.md has no row for {backend}"
+        assert set(arch.findall(row.group(1))) == set(archs), backend
+    assert set(ARCHITECTURES["torch"]) == set(modeling.ARCHITECTURES)
+
+
+# What only someone who was there can follow: a tracker's issue number, the project's local
+# source notes, a path on one machine.
+OUTSIDE = re.compile(r"\b[Ii]ssues? #?\d+|\bseeds? ?\d{3}|NEURON[_]FACTS|/work[/]")
+TEXT_SUFFIXES = {".py", ".md", ".toml", ".cpp", ".h", ".txt", ".sh", ".yml", ".yaml", ".json"}
+
+
+def test_code_and_docs_cite_nothing_outside_the_repository() -> None:
+    files = [ROOT / "README.md", ROOT / "CONTRIBUTING.md", ROOT / "Makefile"]
+    for folder in ("neuronctl", "tests", "docs", "bench"):
+        files += [p for p in (ROOT / folder).rglob("*") if p.suffix in TEXT_SUFFIXES]
+    found = [
+        f"{path.relative_to(ROOT)}:{n}: {line.strip()}"
+        for path in files
+        for n, line in enumerate(path.read_text().splitlines(), 1)
+        if OUTSIDE.search(line)
+    ]
+    assert found == []
+

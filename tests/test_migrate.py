@@ -1,10 +1,14 @@
-"""`config migrate` row by row against the AWS migration guide's table (seed 004).
+"""`config migrate` row by row against the AWS migration guide's table.
 
-SEED_TABLE is the guide's rst list-table, transcribed as-is; the test parses it and checks
+The guide: "Migrating from Transformers NeuronX to NxD Inference", section "Neuron Config
+Migration" (aws-neuron/aws-neuron-sdk libraries/nxd-inference/developer_guides/migrate-from-tnx-to-nxdi.rst;
+https://awsdocs-neuron.readthedocs-hosted.com/en/latest/libraries/nxd-inference/developer_guides/migrate-from-tnx-to-nxdi.html).
+
+GUIDE_TABLE is the guide's rst list-table, transcribed as-is; the test parses it and checks
 every row against neuronctl.migrate, so the implementation's own table is not the oracle.
 """
 
-# ruff: noqa: E501  (SEED_TABLE is the seed text verbatim)
+# ruff: noqa: E501  (GUIDE_TABLE is the guide's text verbatim)
 from __future__ import annotations
 
 import json
@@ -22,7 +26,7 @@ from tests import standins
 
 neuron_standins = standins.neuron_standins  # the stand-in SDK fixture
 
-SEED_TABLE = """\
+GUIDE_TABLE = """\
    * - Transformers NeuronX parameter
      - NxD Inference parameter
      - Notes
@@ -184,7 +188,7 @@ SEED_TABLE = """\
 
 def seed_rows() -> list[tuple[str, str | None, str]]:
     rows = []
-    for block in SEED_TABLE.split("   * - ")[2:]:  # [0] is empty, [1] the header
+    for block in GUIDE_TABLE.split("   * - ")[2:]:  # [0] is empty, [1] the header
         cells = [c.strip() for c in re.split(r"\n     - ?", block)]
         tnx, nxdi, note = (cells + [""])[:3]
         note = " ".join(note.replace("``", "").split())
@@ -435,7 +439,7 @@ MIGRATE_PROBES = {
 @pytest.mark.parametrize("name", list(MIGRATE_PROBES))
 def test_migrated_override_constructs_a_neuron_config(neuron_standins, caplog,
                                                       name: str) -> None:
-    """The migrated override merged over vLLM's default NxDI config (fidelity harness M3):
+    """The migrated override merged over vLLM's default NxDI config:
     the stand-in rejects what the real NeuronConfig rejects (a quantized config without
     quantized_checkpoints_path, f8e4m3fn before SDK 2.27) and warns on unknown keys."""
     config_mod = __import__("neuronx_distributed_inference.models.config", fromlist=["x"])

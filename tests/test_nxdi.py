@@ -351,7 +351,7 @@ def test_build_kwargs_construct_without_warnings_and_keep_types(
 
 
 STANDIN_REJECTS = {
-    # What the real NeuronConfig (NxDI 0.5, SDK 2.25) rejects: fidelity harness S2.
+    # What the real NeuronConfig (NxDI 0.5, SDK 2.25) rejects (checked against its source).
     "quantized without quantized_checkpoints_path": ({"quantized": True}, AssertionError),
     "torch_dtype='bf16'": ({"torch_dtype": "bf16"}, AssertionError),
     "context bucket > max_context_length": (
@@ -377,8 +377,8 @@ def test_standin_neuron_config_rejects_what_the_real_one_rejects(neuron_standins
 
 def test_standin_accepts_f8e4m3fn_as_sdk_2_27_does(neuron_standins) -> None:
     """neuronx_distributed's QuantizedDtype gains F8E4M3FN at SDK 2.27 (the SDK of vllm-neuron
-    0.2.2+; NxDI main models/config.py:696 asks `QuantizedDtype.has_dtype`): fidelity S2 at
-    the newest refs."""
+    0.2.2+; NxDI main models/config.py:696 asks `QuantizedDtype.has_dtype`), as the
+    newest sources do."""
     config_mod = __import__("neuronx_distributed_inference.models.config", fromlist=["x"])
     config = config_mod.NeuronConfig(**STANDIN_BASE, quantized=True,
                                      quantized_checkpoints_path="/x",

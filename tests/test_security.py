@@ -1,4 +1,4 @@
-"""Probes from issue 13, as an attacker and a careless user would run them."""
+"""Security probes, as an attacker and a careless user would run them."""
 
 from __future__ import annotations
 

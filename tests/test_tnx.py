@@ -93,7 +93,8 @@ def test_check_refuses(fields: dict, config: dict, match: str) -> None:
 
 def test_block_size_equal_to_seq_len_is_accepted_and_not_passed(neuron_standins) -> None:
     """ContinuousBatchingConfig asserts on block_size (vLLM sets it via init_cache_engine):
-    the seeds' block_size == max_model_len is accepted and left out of the constructor."""
+    the TNx continuous-batching guide's block_size == max_model_len (its vLLM 0.3.3 / 0.5.0
+    examples) is accepted and left out of the constructor."""
     from neuronctl.backends.tnx import make_neuron_config, sdk
 
     spec = spec_of(override_neuron_config={"continuous_batching": {"block_size": 128}})
@@ -255,7 +256,7 @@ def test_compiled_neuron_config_is_the_one_vllm_builds(neuron_standins, fields: 
 
 
 TNX_STANDIN_REJECTS = {
-    # What the real transformers-neuronx configs reject: fidelity harness S3.
+    # What the real transformers-neuronx configs reject (checked against its source).
     "per_tensor_symmetric": ("QuantizationConfig", {"quantize_method": "per_tensor_symmetric"},
                              NotImplementedError),
     "quant_dtype int8": ("QuantizationConfig", {"quant_dtype": "int8"}, NotImplementedError),

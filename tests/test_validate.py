@@ -447,7 +447,7 @@ def test_manifest_reader_agrees_with_the_artifact_check(artifact: Path) -> None:
     assert read_manifest(artifact).keys == quick_validate(artifact).manifest.keys
 
 
-# --- one path rule, one verdict (issue 13) --------------------------------------------------
+# --- one path rule, one verdict -----------------------------------------------------------
 
 
 @pytest.mark.parametrize(

@@ -5,7 +5,9 @@ cite file:line at a commit of these repositories:
 
 - B: aws-neuron/upstreaming-to-vllm `dd417b3` (main, = upstream vLLM 0.9 Neuron code) and its
   branch `neuron-2.24-vllm-v0.7.2` (`490ab20f1`, the AWS 0.7.2 fork).
-- A: the same repository's `v0.6.x-neuron` branch (`c097c1891`); seeds 000/003 for 0.3.3 / 0.5.0.
+- A: the same repository's `v0.6.x-neuron` branch (`c097c1891`); for 0.3.3 / 0.5.0 the
+  vLLM examples of aws-neuron/aws-neuron-sdk
+  libraries/transformers-neuronx/transformers-neuronx-developer-guide-for-continuous-batching.rst.
 - C: vllm-project/vllm-neuron tags `0.1.0` (`97bb429`), `0.2.0` (`a967125`); the AWS
   release commits in the whn09/vllm-neuron fork: `ad82965` (0.2.2+lts), `4fac6b7`
   (Release 0.4.1), `3afb0a9` (Release 0.5.0).
@@ -633,7 +635,7 @@ def test_vllm_dirname_follows_the_nxdi_config(tmp_path: Path) -> None:
 def test_vllm_dirname_hashes_what_vllm_b_builds_from_its_own_defaults() -> None:
     """vLLM B hashes InferenceConfig(NeuronConfig(**(_get_default_neuron_config(...) |
     override))) (dd417b3 model_loader/neuronx_distributed.py:160-167, defaults :594-617)
-    over neuronctl's B flags, which carry no override: not the build kwargs (fidelity NX6).
+    over neuronctl's B flags, which carry no override: not the build kwargs.
     Its max_model_len is the B launch's, capped at max_context_length (_plan_b)."""
     spec = make_manifest().spec
     kwargs = vllm.b_neuron_config(spec)
@@ -751,7 +753,7 @@ V0_LAUNCHES = [  # (target, source ref, backend, spec fields)
 
 @pytest.mark.parametrize(("target", "ref", "backend", "fields"), V0_LAUNCHES)
 def test_a_and_b_launches_against_their_source(tmp_path, target, ref, backend, fields) -> None:  # type: ignore[no-untyped-def]
-    """What the fidelity harness's V1/V2/V6/V7 ask, evaluated on neuronctl's own argv: every
+    """Checked against that vLLM's source, on neuronctl's own argv: every
     flag exists in that vLLM's argparse (engine/arg_utils.py, entrypoints/openai/cli_args.py),
     a --block-size is one of its choices, every variable is read by that vLLM (the compiler's
     and the TNx cache's excepted), TNx is never named where the platform raises for it, and an

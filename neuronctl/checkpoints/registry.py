@@ -2,9 +2,13 @@
 
 `torch` lists what neuronctl's embedded backend really implements (the Llama family).
 This is the one list: each backend's `architectures()` returns its entry here.
-`nxdi` and `tnx` follow the model support table of the AWS "Migrating from Transformers NeuronX
-to NxD Inference" guide (shared seed 004) and NEURON_FACTS.md (NxDI model classes by HF
-model_type).
+`nxdi` follows the model support table of the AWS "Migrating from Transformers NeuronX to NxD
+Inference" guide (aws-neuron/aws-neuron-sdk
+libraries/nxd-inference/developer_guides/migrate-from-tnx-to-nxdi.rst) and NxD Inference's model
+classes by HF model_type (aws-neuron/neuronx-distributed-inference
+src/neuronx_distributed_inference/utils/constants.py, MODEL_TYPES). `tnx` lists the two
+architectures vLLM serves through Transformers NeuronX (aws-neuron/upstreaming-to-vllm branch
+v0.6.x-neuron, vllm/model_executor/model_loader/neuron.py:36-39).
 """
 
 from __future__ import annotations

@@ -1,8 +1,10 @@
 """Sampling parameters, their on-device rules, and the sampler itself.
 
-The rules follow NxD Inference's on-device sampling (seed 002): temperature 0 means greedy
-(the same as top_k 1); top_k -1 (or 0, "disabled") is capped at the artifact's global top_k
-(256 by default); a top_k above that cap is refused rather than silently lowered.
+The rules follow NxD Inference's on-device sampling, as the AWS "vLLM User Guide for NxD
+Inference" states them (aws-neuron/aws-neuron-sdk,
+libraries/nxd-inference/developer_guides/vllm-user-guide.rst): temperature 0 means greedy (the
+same as top_k 1); top_k -1 (or 0, "disabled") is capped at the artifact's global top_k (256 by
+default); a top_k above that cap is refused rather than silently lowered.
 
 vLLM's per-request options run on top, only for the rows that ask for them (`sample_step`):
 logit_bias and min_tokens, then the repetition / frequency / presence penalties on the logits,

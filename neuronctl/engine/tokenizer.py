@@ -1,6 +1,6 @@
 """The artifact's tokenizer, read with the `tokenizers` library and jinja2 directly.
 
-Importing transformers costs seconds of cold start (issue 14); what serving needs is the fast
+Importing transformers costs seconds of cold start; what serving needs is the fast
 tokenizer (`tokenizer.json`), the special tokens and chat template from `tokenizer_config.json`
 / `chat_template.jinja`, and incremental decoding (tokenizers' `DecodeStream`). A checkpoint
 with only a sentencepiece model falls back to transformers' AutoTokenizer.

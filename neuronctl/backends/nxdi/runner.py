@@ -3,7 +3,7 @@
 NxDI's `forward(input_ids, attention_mask, position_ids, seq_ids, ...)` picks the context
 encoding model when input_ids has more than one position and the token generation model
 otherwise, padding to its buckets itself. seq_ids name the KV cache slots (continuous
-batching). How outputs are shaped is taken from NEURON_FACTS and the public examples; it is
+batching). How outputs are shaped is taken from NxDI's source and its public examples; it is
 NOT confirmed on a Neuron host (see the `neuron` marked tests).
 """
 

@@ -48,7 +48,7 @@ MODEL_CLASSES: dict[str, list[tuple[str, str, str]]] = {
 }
 # Mixture-of-experts model types (their NeuronConfig class derives from MoENeuronConfig). Not
 # used to pick the class: the InferenceConfig class names it (get_neuron_config_cls); kept as
-# the documented list the docs and the fidelity harness read.
+# the documented list the docs read.
 MOE_MODEL_TYPES = frozenset({"mixtral", "dbrx", "qwen3_moe"})
 
 

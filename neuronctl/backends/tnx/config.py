@@ -36,7 +36,8 @@ SUB_CONFIGS = ("continuous_batching", "quant", "on_device_generation")
 CB_KEYS = ("max_num_seqs", "batch_size_for_shared_caches", "max_model_len",
            "optimized_paged_attention", "enable_chunked_prefill")
 CB_SET_BY_VLLM = ("block_size", "num_blocks")
-# vLLM's Transformers NeuronX integration supports these (seeds 001, 003).
+# vLLM's Transformers NeuronX integration supports these (the TNx
+# continuous-batching guide for vLLM 0.5.0 and 0.6.2; v0.6.x-neuron model_loader/neuron.py:36-39).
 MODEL_TYPES = {"llama": "LlamaForSampling", "mistral": "MistralForSampling"}
 
 
