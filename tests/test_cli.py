@@ -332,3 +332,30 @@ def test_serve_dry_run_of_a_url_the_remote_lacks_says_so(tmp_path: Path) -> None
     result = cli("serve", "--artifacts", url, "--dry-run", "--json", "--allow-unsigned")
     assert result.returncode == 1 and "no artifact 0123456789abcdef0123" in result.stderr
     assert "would be pulled" not in result.stdout and "Traceback" not in result.stderr
+
+
+def test_every_spec_flag_states_its_default() -> None:
+    """`--compiler` help hid its default; each spec flag's help now names the BuildSpec default
+    (hand-written, so the CLI starts without importing pydantic: this keeps them in step)."""
+    from neuronctl.cli._common import SPEC_OPTIONS
+    from neuronctl.spec import BuildSpec
+
+    for name, (_, option) in SPEC_OPTIONS.items():
+        default = BuildSpec.model_fields[name].get_default(call_default_factory=True)
+        if default is None or isinstance(default, (dict, list)):
+            continue  # no value to state: the flag is off unless given
+        shown = {False: "off", True: "on"}[default] if isinstance(default, bool) else default
+        assert f"default {shown}" in option.help, (name, option.help)
+
+
+def test_serve_help_groups_the_build_spec_flags_apart() -> None:
+    """serve's own flags come first; the 15 spec flags (used only with --compile-if-missing)
+    sit in their own panel after them."""
+    from typer.testing import CliRunner
+
+    from neuronctl.cli.main import app
+
+    result = CliRunner().invoke(app, ["serve", "--help"], env={"COLUMNS": "120"})
+    options, spec = result.output.split("Build spec", 1)
+    assert "--port" in options and "--tp-degree" not in options
+    assert "--tp-degree" in spec and "--compiler" in spec and "--port" not in spec

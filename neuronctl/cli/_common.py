@@ -106,13 +106,18 @@ SPEC_OPTIONS: dict[str, tuple[Any, Any]] = {
     ),
     "context_buckets": (
         str | None,
-        _opt("--context-buckets", "Context-encoding buckets, e.g. 64,128, or auto."),
+        _opt("--context-buckets", "Context-encoding buckets, e.g. 64,128, or auto (default auto)."),
     ),
     "token_gen_buckets": (
         str | None,
-        _opt("--token-gen-buckets", "Token-generation buckets, e.g. 128,256, or auto."),
+        _opt(
+            "--token-gen-buckets", "Token-generation buckets, e.g. 128,256, or auto (default auto)."
+        ),
     ),
-    "compiler": (str | None, _opt("--compiler", "torch backend: inductor | export.")),
+    "compiler": (
+        str | None,
+        _opt("--compiler", "torch backend: inductor | export (default inductor)."),
+    ),
     "override_neuron_config": (
         str | None,
         _opt("--override-neuron-config", "JSON object merged into the Neuron config."),
@@ -125,19 +130,25 @@ SPEC_OPTIONS: dict[str, tuple[Any, Any]] = {
             '{"dynamic": true} (what vLLM compiles itself).',
         ),
     ),
-    "quantized": (bool | None, _opt("--quantized/--no-quantized", "Quantize weights.")),
+    "quantized": (
+        bool | None,
+        _opt("--quantized/--no-quantized", "Quantize weights (default off)."),
+    ),
     "quantization_dtype": (
         str | None,
-        _opt("--quantization-dtype", "int8 | f8e4m3 (s8, f8e4m3fn accepted)."),
+        _opt("--quantization-dtype", "int8 | f8e4m3 (default int8; s8, f8e4m3fn accepted)."),
     ),
     "quantization_type": (
         str | None,
-        _opt("--quantization-type", "per_tensor_symmetric | per_channel_symmetric."),
+        _opt(
+            "--quantization-type",
+            "per_tensor_symmetric | per_channel_symmetric (default per_tensor_symmetric).",
+        ),
     ),
     "draft_model": (str | None, _opt("--draft-model", "Draft model for speculation.")),
     "num_speculative_tokens": (
         int | None,
-        _opt("--num-speculative-tokens", "Tokens proposed per speculation step."),
+        _opt("--num-speculative-tokens", "Tokens proposed per speculation step (default 0)."),
     ),
 }
 
