@@ -359,3 +359,33 @@ def test_serve_help_groups_the_build_spec_flags_apart() -> None:
     options, spec = result.output.split("Build spec", 1)
     assert "--port" in options and "--tp-degree" not in options
     assert "--tp-degree" in spec and "--compiler" in spec and "--port" not in spec
+
+
+def test_generate_and_bench_take_the_artifact_as_validate_does(
+    compiled_artifact: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """validate/env/artifacts take KEY|PATH|URL as their first argument with --store; generate
+    and bench took only --artifacts and had no --store, so a key from another store could not
+    be named. --artifacts stays, as the older spelling."""
+    monkeypatch.delenv("NEURON_COMPILED_ARTIFACTS", raising=False)
+    store = str(compiled_artifact.parent.parent)
+    key = compiled_artifact.name[:12]
+    generate = ["-p", "Hello", "--max-tokens", "2", "--store", store, "--json"]
+    code, out, err = run_in_process(["generate", key, *generate], capsys, monkeypatch)
+    assert code == 0, err
+    assert len(json.loads(out)["token_ids"]) == 2
+    code, out, err = run_in_process(["generate", "--artifacts", key, *generate], capsys, monkeypatch)
+    assert code == 0, err
+    bench = ["--requests", "1", "--prompt-len", "4", "--max-tokens", "2", "--warmup", "0"]
+    code, out, err = run_in_process(
+        ["bench", key, *bench, "--store", store, "--json"], capsys, monkeypatch
+    )
+    assert code == 0, err
+    assert json.loads(out)["artifact"] == str(compiled_artifact)
+
+
+def test_two_different_artifacts_named_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    code, _, err = run_in_process(["bench", "abc", "--artifacts", "def"], capsys, monkeypatch)
+    assert code == 2 and "two artifacts given" in err

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.console import Console
 from rich.table import Table
+from typer._click.core import ParameterSource
 
 if TYPE_CHECKING:
     from neuronctl.store.signing import Vouch
@@ -44,11 +45,36 @@ ArtifactsOpt = Annotated[
     typer.Option(
         "--artifacts",
         envvar="NEURON_COMPILED_ARTIFACTS",
-        help="Artifact: KEY, unique key prefix, PATH or URL/KEY "
-        "(default: $NEURON_COMPILED_ARTIFACTS).",
+        help="The ARTIFACT argument's older spelling (default: $NEURON_COMPILED_ARTIFACTS).",
         show_default=False,
     ),
 ]
+ArtifactArg = Annotated[
+    str | None,
+    typer.Argument(
+        help="Artifact: KEY, unique key prefix, PATH or URL/KEY (default: --artifacts, else "
+        "$NEURON_COMPILED_ARTIFACTS).",
+        metavar="ARTIFACT",
+        show_default=False,
+    ),
+]
+
+
+def one_artifact(ctx: typer.Context, artifact: str | None, artifacts: str | None) -> str | None:
+    """Every command names its artifact as its first argument; `--artifacts` stays for the
+    scripts that use it. Both on the command line, naming different ones, is a mistake."""
+    if artifact is None:
+        return artifacts
+    given = ctx.get_parameter_source("artifacts") is ParameterSource.COMMANDLINE
+    if given and artifacts != artifact:
+        from neuronctl.errors import UsageError
+
+        raise UsageError(
+            f"two artifacts given: {artifact} and --artifacts {artifacts}", "name one"
+        )
+    return artifact
+
+
 TrustKeyOpt = Annotated[
     list[Path] | None,
     typer.Option(
