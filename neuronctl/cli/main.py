@@ -34,7 +34,7 @@ Typical flow:
 
   neuronctl validate $NEURON_COMPILED_ARTIFACTS
 
-  neuronctl serve --artifacts $NEURON_COMPILED_ARTIFACTS
+  neuronctl serve $NEURON_COMPILED_ARTIFACTS
 
   neuronctl -v compile ./model   (say what it does: key, cache hit or miss and why)
 
