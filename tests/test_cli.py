@@ -374,7 +374,8 @@ def test_generate_and_bench_take_the_artifact_as_validate_does(
     code, out, err = run_in_process(["generate", key, *generate], capsys, monkeypatch)
     assert code == 0, err
     assert len(json.loads(out)["token_ids"]) == 2
-    code, out, err = run_in_process(["generate", "--artifacts", key, *generate], capsys, monkeypatch)
+    older = ["generate", "--artifacts", key, *generate]
+    code, out, err = run_in_process(older, capsys, monkeypatch)
     assert code == 0, err
     bench = ["--requests", "1", "--prompt-len", "4", "--max-tokens", "2", "--warmup", "0"]
     code, out, err = run_in_process(
