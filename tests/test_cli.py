@@ -5,9 +5,11 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
+import pytest
+
 from neuronctl.store.local import Store
 from neuronctl.store.manifest import Manifest, Source
-from tests.helpers import cli
+from tests.helpers import cli, run_in_process
 
 
 def test_version_and_help_list_every_command() -> None:
@@ -49,6 +51,86 @@ def test_usage_error_with_json_prints_json_error() -> None:
 
 def test_unknown_flag_is_a_usage_error() -> None:
     assert cli("compile", "--no-such-flag").returncode == 2
+
+
+@pytest.mark.parametrize(
+    ("args", "says"),
+    [
+        (["compile", "./m", "--tp-degree", "x"], "Invalid value for '--tp-degree'"),
+        (["download"], "Missing argument"),
+        (["compile", "--no-such-flag"], "No such option: --no-such-flag"),
+        (["no-such-command"], "No such command"),
+    ],
+)
+def test_parse_errors_are_one_line_and_a_hint(
+    args: list[str], says: str, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The README promises one line and a hint for a user mistake; typer's click prints a
+    5-6 line box for the errors its parser finds. Exit code 2 either way."""
+    code, out, err = run_in_process(args, capsys, monkeypatch)
+    assert code == 2 and out == ""
+    error, hint = err.splitlines()
+    assert error.startswith("error: ") and says in error
+    assert hint.startswith("hint: see 'neuronctl") and hint.endswith("--help'")
+
+
+def test_parse_error_with_json_prints_json_error(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    code, out, _ = run_in_process(["compile", "--no-such-flag", "--json"], capsys, monkeypatch)
+    assert code == 2 and "--no-such-flag" in json.loads(out)["error"]
+
+
+def test_ctrl_c_prints_interrupted_and_exits_130(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """typer turns KeyboardInterrupt into a silent exit 130; a user should see why it stopped."""
+    import neuronctl.cli.config as config_cli
+
+    def interrupted(*args: object) -> None:
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(config_cli, "resolve_spec", interrupted)
+    code, out, err = run_in_process(["config", "show"], capsys, monkeypatch)
+    assert (code, out, err.strip()) == (130, "", "interrupted")
+
+
+NOISY_COMMAND = """
+import subprocess, sys, warnings
+import neuronctl.cli.config as config_cli
+from neuronctl.cli.main import main
+
+def noisy(*args):
+    warnings.warn("parent noise", FutureWarning)
+    child = "import warnings; warnings.warn('child noise', FutureWarning)"
+    subprocess.run([sys.executable, "-c", child], check=True)  # as a graph worker inherits
+    raise SystemExit(0)
+
+config_cli.resolve_spec = noisy
+sys.argv = ["neuronctl", *sys.argv[1:]]
+main()
+"""
+
+
+def test_third_party_warnings_hidden_unless_verbose() -> None:
+    """torch's FutureWarning printed on every inductor graph, in the CLI and in the spawned
+    graph workers, even with --json. Hidden by default, shown with -v; a real process, since
+    pytest records warnings itself."""
+    import os
+    import subprocess
+    import sys
+
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONWARNINGS"}
+
+    def stderr(*args: str) -> str:
+        run = [sys.executable, "-c", NOISY_COMMAND, *args]
+        result = subprocess.run(run, capture_output=True, text=True, env=env, timeout=120)
+        assert result.returncode == 0, result.stderr
+        return result.stderr
+
+    assert "noise" not in stderr("config", "show", "--json")
+    shown = stderr("-v", "config", "show")
+    assert "parent noise" in shown and "child noise" in shown
 
 
 def _publish(store: Store, key: str, model: str) -> Path:
@@ -250,3 +332,61 @@ def test_serve_dry_run_of_a_url_the_remote_lacks_says_so(tmp_path: Path) -> None
     result = cli("serve", "--artifacts", url, "--dry-run", "--json", "--allow-unsigned")
     assert result.returncode == 1 and "no artifact 0123456789abcdef0123" in result.stderr
     assert "would be pulled" not in result.stdout and "Traceback" not in result.stderr
+
+
+def test_every_spec_flag_states_its_default() -> None:
+    """`--compiler` help hid its default; each spec flag's help now names the BuildSpec default
+    (hand-written, so the CLI starts without importing pydantic: this keeps them in step)."""
+    from neuronctl.cli._common import SPEC_OPTIONS
+    from neuronctl.spec import BuildSpec
+
+    for name, (_, option) in SPEC_OPTIONS.items():
+        default = BuildSpec.model_fields[name].get_default(call_default_factory=True)
+        if default is None or isinstance(default, (dict, list)):
+            continue  # no value to state: the flag is off unless given
+        shown = {False: "off", True: "on"}[default] if isinstance(default, bool) else default
+        assert f"default {shown}" in option.help, (name, option.help)
+
+
+def test_serve_help_groups_the_build_spec_flags_apart() -> None:
+    """serve's own flags come first; the 15 spec flags (used only with --compile-if-missing)
+    sit in their own panel after them."""
+    from typer.testing import CliRunner
+
+    from neuronctl.cli.main import app
+
+    result = CliRunner().invoke(app, ["serve", "--help"], env={"COLUMNS": "120"})
+    options, spec = result.output.split("Build spec", 1)
+    assert "--port" in options and "--tp-degree" not in options
+    assert "--tp-degree" in spec and "--compiler" in spec and "--port" not in spec
+
+
+def test_generate_and_bench_take_the_artifact_as_validate_does(
+    compiled_artifact: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """validate/env/artifacts take KEY|PATH|URL as their first argument with --store; generate
+    and bench took only --artifacts and had no --store, so a key from another store could not
+    be named. --artifacts stays, as the older spelling."""
+    monkeypatch.delenv("NEURON_COMPILED_ARTIFACTS", raising=False)
+    store = str(compiled_artifact.parent.parent)
+    key = compiled_artifact.name[:12]
+    generate = ["-p", "Hello", "--max-tokens", "2", "--store", store, "--json"]
+    code, out, err = run_in_process(["generate", key, *generate], capsys, monkeypatch)
+    assert code == 0, err
+    assert len(json.loads(out)["token_ids"]) == 2
+    older = ["generate", "--artifacts", key, *generate]
+    code, out, err = run_in_process(older, capsys, monkeypatch)
+    assert code == 0, err
+    bench = ["--requests", "1", "--prompt-len", "4", "--max-tokens", "2", "--warmup", "0"]
+    code, out, err = run_in_process(
+        ["bench", key, *bench, "--store", store, "--json"], capsys, monkeypatch
+    )
+    assert code == 0, err
+    assert json.loads(out)["artifact"] == str(compiled_artifact)
+
+
+def test_two_different_artifacts_named_is_a_usage_error(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    code, _, err = run_in_process(["bench", "abc", "--artifacts", "def"], capsys, monkeypatch)
+    assert code == 2 and "two artifacts given" in err

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING, Annotated, Any
 import typer
 from rich.console import Console
 from rich.table import Table
+from typer._click.core import ParameterSource
 
 if TYPE_CHECKING:
     from neuronctl.store.signing import Vouch
@@ -44,11 +45,36 @@ ArtifactsOpt = Annotated[
     typer.Option(
         "--artifacts",
         envvar="NEURON_COMPILED_ARTIFACTS",
-        help="Artifact: KEY, unique key prefix, PATH or URL/KEY "
-        "(default: $NEURON_COMPILED_ARTIFACTS).",
+        help="The ARTIFACT argument's older spelling (default: $NEURON_COMPILED_ARTIFACTS).",
         show_default=False,
     ),
 ]
+ArtifactArg = Annotated[
+    str | None,
+    typer.Argument(
+        help="Artifact: KEY, unique key prefix, PATH or URL/KEY (default: --artifacts, else "
+        "$NEURON_COMPILED_ARTIFACTS).",
+        metavar="ARTIFACT",
+        show_default=False,
+    ),
+]
+
+
+def one_artifact(ctx: typer.Context, artifact: str | None, artifacts: str | None) -> str | None:
+    """Every command names its artifact as its first argument; `--artifacts` stays for the
+    scripts that use it. Both on the command line, naming different ones, is a mistake."""
+    if artifact is None:
+        return artifacts
+    given = ctx.get_parameter_source("artifacts") is ParameterSource.COMMANDLINE
+    if given and artifacts != artifact:
+        from neuronctl.errors import UsageError
+
+        raise UsageError(
+            f"two artifacts given: {artifact} and --artifacts {artifacts}", "name one"
+        )
+    return artifact
+
+
 TrustKeyOpt = Annotated[
     list[Path] | None,
     typer.Option(
@@ -106,13 +132,18 @@ SPEC_OPTIONS: dict[str, tuple[Any, Any]] = {
     ),
     "context_buckets": (
         str | None,
-        _opt("--context-buckets", "Context-encoding buckets, e.g. 64,128, or auto."),
+        _opt("--context-buckets", "Context-encoding buckets, e.g. 64,128, or auto (default auto)."),
     ),
     "token_gen_buckets": (
         str | None,
-        _opt("--token-gen-buckets", "Token-generation buckets, e.g. 128,256, or auto."),
+        _opt(
+            "--token-gen-buckets", "Token-generation buckets, e.g. 128,256, or auto (default auto)."
+        ),
     ),
-    "compiler": (str | None, _opt("--compiler", "torch backend: inductor | export.")),
+    "compiler": (
+        str | None,
+        _opt("--compiler", "torch backend: inductor | export (default inductor)."),
+    ),
     "override_neuron_config": (
         str | None,
         _opt("--override-neuron-config", "JSON object merged into the Neuron config."),
@@ -125,19 +156,25 @@ SPEC_OPTIONS: dict[str, tuple[Any, Any]] = {
             '{"dynamic": true} (what vLLM compiles itself).',
         ),
     ),
-    "quantized": (bool | None, _opt("--quantized/--no-quantized", "Quantize weights.")),
+    "quantized": (
+        bool | None,
+        _opt("--quantized/--no-quantized", "Quantize weights (default off)."),
+    ),
     "quantization_dtype": (
         str | None,
-        _opt("--quantization-dtype", "int8 | f8e4m3 (s8, f8e4m3fn accepted)."),
+        _opt("--quantization-dtype", "int8 | f8e4m3 (default int8; s8, f8e4m3fn accepted)."),
     ),
     "quantization_type": (
         str | None,
-        _opt("--quantization-type", "per_tensor_symmetric | per_channel_symmetric."),
+        _opt(
+            "--quantization-type",
+            "per_tensor_symmetric | per_channel_symmetric (default per_tensor_symmetric).",
+        ),
     ),
     "draft_model": (str | None, _opt("--draft-model", "Draft model for speculation.")),
     "num_speculative_tokens": (
         int | None,
-        _opt("--num-speculative-tokens", "Tokens proposed per speculation step."),
+        _opt("--num-speculative-tokens", "Tokens proposed per speculation step (default 0)."),
     ),
 }
 

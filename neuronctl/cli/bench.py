@@ -8,10 +8,13 @@ import typer
 
 from neuronctl.cli._common import (
     AllowUnsignedOpt,
+    ArtifactArg,
     ArtifactsOpt,
     JsonOpt,
+    StoreOpt,
     TrustKeyOpt,
     console,
+    one_artifact,
     print_json,
     say_vouch,
     table,
@@ -22,6 +25,8 @@ ORDER = 70
 
 
 def bench_command(
+    ctx: typer.Context,
+    artifact: ArtifactArg = None,
     artifacts: ArtifactsOpt = None,
     concurrency: int = typer.Option(
         0, "--concurrency", min=0, help="Requests in flight (default: the artifact's batch size)."
@@ -31,6 +36,7 @@ def bench_command(
     max_tokens: int = typer.Option(64, "--max-tokens", min=1, help="Output tokens per request."),
     warmup: int = typer.Option(1, "--warmup", min=0, help="Unmeasured requests first."),
     seed: int = typer.Option(0, "--seed", help="Seed of the random prompts."),
+    store: StoreOpt = None,
     trust_key: TrustKeyOpt = None,
     allow_unsigned: AllowUnsignedOpt = False,
     json_out: JsonOpt = False,
@@ -44,7 +50,7 @@ def bench_command(
 
     Examples:
 
-      neuronctl bench --artifacts $DIR --concurrency 8 --requests 64
+      neuronctl bench $DIR --concurrency 8 --requests 64
 
       neuronctl bench --prompt-len 128 --max-tokens 32 --json > report.json
 
@@ -54,7 +60,8 @@ def bench_command(
     from neuronctl.engine.loader import make_engine, open_artifact
     from neuronctl.store.signing import TrustPolicy
 
-    loaded = open_artifact(artifacts, policy=TrustPolicy.load(trust_key, allow_unsigned))
+    policy = TrustPolicy.load(trust_key, allow_unsigned)
+    loaded = open_artifact(one_artifact(ctx, artifact, artifacts), policy=policy, store=store)
     say_vouch(loaded.vouch)
     runner = loaded.runner
     limit = min(runner.max_context_length, max(runner.context_buckets))

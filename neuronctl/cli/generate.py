@@ -7,6 +7,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -14,11 +15,14 @@ import typer
 
 from neuronctl.cli._common import (
     AllowUnsignedOpt,
+    ArtifactArg,
     ArtifactsOpt,
     JsonOpt,
+    StoreOpt,
     TrustKeyOpt,
     console,
     err_console,
+    one_artifact,
     say_vouch,
 )
 from neuronctl.errors import UsageError
@@ -35,6 +39,8 @@ ENGINES = ("builtin", "vllm")
 
 
 def generate_command(
+    ctx: typer.Context,
+    artifact: ArtifactArg = None,
     artifacts: ArtifactsOpt = None,
     prompt: list[str] | None = typer.Option(
         None, "--prompt", "-p", help="A prompt; repeat for several.", show_default=False
@@ -71,6 +77,7 @@ def generate_command(
     dry_run: bool = typer.Option(
         False, "--dry-run", help="With --engine vllm: print the command instead of running it."
     ),
+    store: StoreOpt = None,
     trust_key: TrustKeyOpt = None,
     allow_unsigned: AllowUnsignedOpt = False,
     json_out: JsonOpt = False,
@@ -83,7 +90,7 @@ def generate_command(
 
     Examples:
 
-      neuronctl generate --artifacts $DIR -p "The capital of France is" --max-tokens 16
+      neuronctl generate $DIR -p "The capital of France is" --max-tokens 16
 
       neuronctl generate --file prompts.txt --temperature 0.8 --top-p 0.95 --seed 1 --json
 
@@ -108,25 +115,30 @@ def generate_command(
     from neuronctl.store.signing import TrustPolicy
 
     policy = TrustPolicy.load(trust_key, allow_unsigned)
+    named = Named(one_artifact(ctx, artifact, artifacts), store, policy)
     if engine == "vllm":
-        _generate_vllm(artifacts, prompts, params, vllm_target, dry_run, json_out, policy)
+        _generate_vllm(named, prompts, params, vllm_target, dry_run, json_out)
         return
     if dry_run or vllm_target:
         raise UsageError("--dry-run and --vllm-target only apply to --engine vllm")
-    _generate_builtin(artifacts, prompts, params, stream, json_out, policy)
+    _generate_builtin(named, prompts, params, stream, json_out)
+
+
+@dataclass(frozen=True)
+class Named:
+    """The artifact the user named, and where and how to look it up."""
+
+    ref: str | None
+    store: Path | None
+    policy: TrustPolicy
 
 
 def _generate_builtin(
-    artifacts: str | None,
-    prompts: list[Prompt],
-    params: SamplingParams,
-    stream: bool,
-    json_out: bool,
-    policy: TrustPolicy,
+    named: Named, prompts: list[Prompt], params: SamplingParams, stream: bool, json_out: bool
 ) -> None:
     from neuronctl.engine.loader import make_engine, open_artifact
 
-    loaded = open_artifact(artifacts, policy=policy)
+    loaded = open_artifact(named.ref, policy=named.policy, store=named.store)
     say_vouch(loaded.vouch)
     engine = make_engine(loaded).start()
     try:
@@ -192,13 +204,12 @@ def _short(text: str, width: int = 60) -> str:
 
 
 def _generate_vllm(
-    artifacts: str | None,
+    chosen: Named,
     prompts: list[Prompt],
     params: SamplingParams,
     vllm_target: str | None,
     dry_run: bool,
     json_out: bool,
-    policy: TrustPolicy,
 ) -> None:
     from neuronctl.cli.serve import named_target, print_launch, print_plan
     from neuronctl.engine.loader import vouch_for
@@ -209,14 +220,20 @@ def _generate_vllm(
     if any(p.messages is not None for p in prompts):
         raise UsageError("--engine vllm takes plain prompts (no --chat / messages)")
     named, serving_host = named_target(vllm_target, dry_run)
-    run = artifact_to_run(artifacts, dry_run=dry_run, policy=policy, serving_host=serving_host)
+    run = artifact_to_run(
+        chosen.ref,
+        store=chosen.store,
+        dry_run=dry_run,
+        policy=chosen.policy,
+        serving_host=serving_host,
+    )
     if run.path is None:  # --dry-run with a URL not pulled yet: nothing is fetched
         print_plan(run.plan(), json_out)
         return
     path = run.path
     manifest = read_manifest(path)
     target = cli_target(manifest, named)
-    say_vouch(vouch_for(path, policy))
+    say_vouch(vouch_for(path, chosen.policy))
     sampling = {
         "temperature": params.temperature,
         "top_k": params.top_k,

@@ -2,19 +2,27 @@
 
 from __future__ import annotations
 
+import contextlib
 import importlib
+import logging
 import os
 import pkgutil
 import sys
-from typing import Annotated
+import warnings
+from collections.abc import Iterator
+from typing import Annotated, Any
 
 import typer
 from rich.markup import escape
+from typer._click.exceptions import ClickException, NoArgsIsHelpError
+from typer.core import TyperGroup
 
 import neuronctl.cli as cli_pkg
 from neuronctl import __version__, log
 from neuronctl.cli._common import err_console, print_json
-from neuronctl.errors import EXIT_FAILED, NeuronctlError, UsageError
+from neuronctl.errors import EXIT_FAILED, EXIT_USAGE, NeuronctlError, UsageError
+
+EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
 
 HELP = """Ahead-of-time compiled LLMs as reproducible, content-addressed build products.
 
@@ -26,15 +34,50 @@ Typical flow:
 
   neuronctl validate $NEURON_COMPILED_ARTIFACTS
 
-  neuronctl serve --artifacts $NEURON_COMPILED_ARTIFACTS
+  neuronctl serve $NEURON_COMPILED_ARTIFACTS
 
   neuronctl -v compile ./model   (say what it does: key, cache hit or miss and why)
 
-Exit codes: 0 ok, 1 check failed / not found / build failed, 2 usage error.
+Exit codes: 0 ok, 1 check failed / not found / build failed, 2 usage error,
+130 interrupted (Ctrl-C).
 """
+
+
+class Interrupted(Exception):  # noqa: N818 - a signal, not an error
+    """Ctrl-C, carried past typer, which would turn it into a silent exit 130."""
+
+
+class OneLineErrors(TyperGroup):
+    """typer's click prints a usage error as a 5-6 line box; neuronctl promises one line and a
+    hint. Parsing errors become neuronctl's own, which `main` prints like every other error."""
+
+    def make_context(self, *args: Any, **kwargs: Any) -> Any:
+        try:
+            return super().make_context(*args, **kwargs)
+        except ClickException as exc:
+            raise _as_neuronctl_error(exc) from None
+
+    def invoke(self, ctx: Any) -> Any:
+        try:
+            return super().invoke(ctx)
+        except ClickException as exc:
+            raise _as_neuronctl_error(exc) from None
+        except KeyboardInterrupt:
+            raise Interrupted from None
+
+
+def _as_neuronctl_error(exc: ClickException) -> Exception:
+    if isinstance(exc, NoArgsIsHelpError):  # `neuronctl config` alone: typer prints the help
+        return exc
+    ctx = getattr(exc, "ctx", None)
+    hint = f"see '{ctx.command_path} --help'" if ctx is not None else None
+    error = UsageError if exc.exit_code == EXIT_USAGE else NeuronctlError
+    return error(exc.format_message(), hint)
+
 
 app = typer.Typer(
     name="neuronctl",
+    cls=OneLineErrors,
     help=HELP,
     no_args_is_help=True,
     pretty_exceptions_enable=False,
@@ -50,6 +93,7 @@ def _version(value: bool) -> None:
 
 @app.callback()
 def root(
+    ctx: typer.Context,
     version: Annotated[
         bool,
         typer.Option("--version", callback=_version, is_eager=True, help="Print the version."),
@@ -81,6 +125,25 @@ def root(
     except ValueError as exc:
         raise UsageError(f"--log-level: {exc}") from None
     log.setup(level)
+    if level >= logging.WARNING:
+        ctx.with_resource(_quiet_warnings())
+
+
+@contextlib.contextmanager
+def _quiet_warnings() -> Iterator[None]:
+    """Third-party warnings (torch's FutureWarning on every inductor graph) are not the user's
+    to act on: hidden unless -v, here and in every child (graph workers, vLLM), which inherit
+    PYTHONWARNINGS. A user's own -W or PYTHONWARNINGS wins."""
+    if sys.warnoptions or "PYTHONWARNINGS" in os.environ:
+        yield
+        return
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        os.environ["PYTHONWARNINGS"] = "ignore"
+        try:
+            yield
+        finally:
+            os.environ.pop("PYTHONWARNINGS", None)
 
 
 def _register_commands() -> None:
@@ -99,15 +162,15 @@ _register_commands()
 
 def main() -> None:
     try:
-        app()
+        app(prog_name="neuronctl")  # not "python -m neuronctl.cli.main" in usage and hints
     except NeuronctlError as exc:
         if os.environ.get("NEURONCTL_DEBUG"):
             raise
         _report(exc)
         sys.exit(exc.exit_code)
-    except KeyboardInterrupt:
+    except (KeyboardInterrupt, Interrupted):
         err_console.print("[red]interrupted[/red]")
-        sys.exit(130)
+        sys.exit(EXIT_INTERRUPTED)
     except Exception as exc:  # a bug, not a user mistake: say so, briefly
         if os.environ.get("NEURONCTL_DEBUG"):
             raise

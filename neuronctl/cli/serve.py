@@ -10,6 +10,7 @@ import typer
 
 from neuronctl.cli._common import (
     AllowUnsignedOpt,
+    ArtifactArg,
     ArtifactsOpt,
     ConfigOpt,
     JsonOpt,
@@ -17,6 +18,7 @@ from neuronctl.cli._common import (
     TrustKeyOpt,
     console,
     err_console,
+    one_artifact,
     print_json,
     with_spec_options,
 )
@@ -36,6 +38,8 @@ LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvico
 @with_spec_options
 def serve_command(
     spec_flags: dict[str, Any],
+    ctx: typer.Context,
+    artifact: ArtifactArg = None,
     artifacts: ArtifactsOpt = None,
     host: str = typer.Option("127.0.0.1", "--host", help="Interface to bind (0.0.0.0: all)."),
     port: int = typer.Option(8000, "--port", min=0, max=65535, help="TCP port."),
@@ -101,7 +105,7 @@ def serve_command(
 
     Examples:
 
-      neuronctl serve --artifacts ./neuron-compiled-artifacts/3f2a... --port 8000
+      neuronctl serve ./neuron-compiled-artifacts/3f2a... --port 8000
 
       NEURONCTL_API_KEY=secret neuronctl serve --host 0.0.0.0
 
@@ -127,7 +131,7 @@ def serve_command(
     launch_for, serving_host = named_target(vllm_target, dry_run)
     policy = TrustPolicy.load(trust_key, allow_unsigned)
     target = artifact_to_run(
-        artifacts,
+        one_artifact(ctx, artifact, artifacts),
         spec_flags=spec_flags,
         config=config,
         store=store,

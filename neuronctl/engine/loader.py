@@ -70,7 +70,7 @@ def resolve_artifact_path(
     if not path:
         raise UsageError(
             "no artifact given",
-            "pass --artifacts KEY|PATH|URL or set NEURON_COMPILED_ARTIFACTS",
+            "pass an artifact KEY, PATH or URL, or set NEURON_COMPILED_ARTIFACTS",
         )
     from neuronctl.store.resolve import resolve_artifact
 
@@ -84,9 +84,12 @@ def resolve_artifact_path(
 
 
 def open_artifact(
-    path: str | Path | None, validate: bool = True, policy: TrustPolicy | None = None
+    path: str | Path | None,
+    validate: bool = True,
+    policy: TrustPolicy | None = None,
+    store: Path | None = None,
 ) -> LoadedArtifact:
-    root = resolve_artifact_path(path, policy=policy)
+    root = resolve_artifact_path(path, store, policy=policy)
     lease = hold_lease(root)  # before reading it: `artifacts gc` keeps what is in use
     try:
         loaded = _load(root, validate, policy)
