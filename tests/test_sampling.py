@@ -14,7 +14,6 @@ from neuronctl.engine.sampling import (
     make_generator,
     resolve,
     sample,
-    sample_rows,
     sample_step,
     token_logprobs,
 )
@@ -103,6 +102,22 @@ def test_sample_rows_mixes_greedy_and_sampled_rows() -> None:
     hot = resolve(SamplingParams(top_k=1, temperature=2.0))
     out = sample_rows(logits, [2, 0], [greedy, hot], [make_generator(0), make_generator(1)])
     assert out == [2, 1]
+
+
+@dataclass(frozen=True)
+class Row:
+    """One row's request as sample_step reads it, with no history."""
+
+    params: SamplingParams
+    generator: torch.Generator
+    prompt_ids: tuple[int, ...] = ()
+    output_ids: tuple[int, ...] = ()
+
+
+def sample_rows(logits, rows, params, gens) -> list:
+    """Tokens (or the exception a row raised) of sample_step over rows with no history."""
+    picks = sample_step(logits, rows, [Row(p, g) for p, g in zip(params, gens, strict=True)])
+    return [p if isinstance(p, Exception) else p.token_id for p in picks]
 
 
 def chars(ids: list[int]) -> str:

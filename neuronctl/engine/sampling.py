@@ -113,6 +113,7 @@ def _check_stop(stop: tuple[str, ...]) -> None:
             param="stop",
         )
 
+
 MAX_LOGPROBS = 20  # vLLM's default --max-logprobs, and OpenAI's top_logprobs limit
 
 
@@ -238,19 +239,6 @@ def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -
     return int(indices[choice])
 
 
-def sample_rows(
-    logits: torch.Tensor,
-    rows: Sequence[int],
-    params: Sequence[SamplingParams],
-    gens: Sequence[torch.Generator],
-) -> list[int | Exception]:
-    """One token per listed row of [batch, vocab] logits, or the exception that row raised
-    (`sample_step` for rows with no history: no penalties, no min_tokens, no logprobs)."""
-    states = [_Bare(p, g) for p, g in zip(params, gens, strict=True)]
-    picks = sample_step(logits, rows, states)
-    return [p if isinstance(p, Exception) else p.token_id for p in picks]
-
-
 @dataclass(frozen=True)
 class TokenLogprob:
     """A token's logprob under the raw logits, and the `top` most likely tokens' (k of them,
@@ -278,14 +266,6 @@ class RowState(Protocol):
     def prompt_ids(self) -> Sequence[int]: ...
     @property
     def output_ids(self) -> Sequence[int]: ...
-
-
-@dataclass(frozen=True)
-class _Bare:
-    params: SamplingParams
-    generator: torch.Generator
-    prompt_ids: Sequence[int] = ()
-    output_ids: Sequence[int] = ()
 
 
 def sample_step(
