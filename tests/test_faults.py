@@ -589,7 +589,7 @@ def test_generate_with_vllm_leaves_no_prompts_file_behind(
     import tempfile
 
     from neuronctl.cli.generate import kept_prompts_file, run_with_prompts
-    from neuronctl.vllm import VllmLaunch
+    from neuronctl.vllm.launch import VllmLaunch
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()

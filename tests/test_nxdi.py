@@ -224,10 +224,10 @@ def test_load_refuses_an_incomplete_artifact(neuron_standins, tiny_llama, tmp_pa
 
 
 def test_env_and_vllm_launch_on_a_built_artifact(neuron_standins, tiny_llama, tmp_path) -> None:
-    from neuronctl import vllm
+    from neuronctl.vllm.launch import serve_launch
 
     _build, outcome = compile_nxdi(tiny_llama, tmp_path / "store")
-    launch = vllm.serve_launch(outcome.path, read_manifest(outcome.path))
+    launch = serve_launch(outcome.path, read_manifest(outcome.path))
     assert launch.env["NEURON_COMPILED_ARTIFACTS"] == str(outcome.path.resolve())
     assert "--tensor-parallel-size" in launch.argv
 

@@ -25,11 +25,28 @@ from pathlib import Path
 
 import pytest
 
-from neuronctl import vllm
 from neuronctl.errors import NeuronctlError, UsageError
 from neuronctl.spec import ModelShape, OnDeviceSampling, build_spec, finalize
 from neuronctl.store.manifest import Manifest, Source, write_manifest
-from neuronctl.vllm import Generation, Target
+from neuronctl.vllm.artifact import NXDI, TNX, artifact_spec, framework_for
+from neuronctl.vllm.detect import (
+    VllmTarget,
+    detect_target,
+    parse_target,
+    require_target,
+    resolve_target,
+)
+from neuronctl.vllm.dirname import (
+    b_neuron_config,
+    no_vllm_dirname,
+    vllm_dirname,
+    vllm_dirname_exact,
+)
+from neuronctl.vllm.launch import env_exports, generate_launch, serve_launch
+from neuronctl.vllm.offline import read_prompts, too_long
+from neuronctl.vllm.rules import override_neuron_config
+from neuronctl.vllm.support import plugin_model_name
+from neuronctl.vllm_generations import Generation, generation_for, version_tuple
 from tests import standins
 from tests.helpers import run_in_process
 
@@ -85,8 +102,8 @@ def flags(argv: list[str]) -> dict[str, str]:
     return out
 
 
-def serve(tmp_path: Path, target: str | Target, backend: str = "nxdi", **fields: object):
-    return vllm.serve_launch(tmp_path, make_manifest(backend, **fields), target=target)
+def serve(tmp_path: Path, target: str | VllmTarget, backend: str = "nxdi", **fields: object):
+    return serve_launch(tmp_path, make_manifest(backend, **fields), target=target)
 
 
 # --- which vLLM -----------------------------------------------------------------------------
@@ -109,7 +126,7 @@ def serve(tmp_path: Path, target: str | Target, backend: str = "nxdi", **fields:
     ],
 )
 def test_generation_for(vllm_version, plugin, generation) -> None:  # type: ignore[no-untyped-def]
-    assert vllm.generation_for(vllm_version, plugin) is generation
+    assert generation_for(vllm_version, plugin) is generation
 
 
 def fake_dist(root: Path, name: str, version: str, entry_points: str = "") -> None:
@@ -130,14 +147,14 @@ def test_detects_the_plugin_from_package_metadata(tmp_path: Path, monkeypatch) -
     fake_dist(tmp_path, "vllm", "0.13.0")
     fake_dist(tmp_path, "vllm-neuron", "0.4.1", PLUGIN_EP)
     monkeypatch.syspath_prepend(str(tmp_path))
-    target = vllm.detect_target()
+    target = detect_target()
     assert target is not None and target.detected
     assert target.generation is Generation.PLUGIN
     assert (target.vllm, target.plugin) == ((0, 13, 0), (0, 4, 1))
     assert "neuron" in target.platform_plugins
-    assert vllm.resolve_target(None) == target
+    assert resolve_target(None) == target
     # --vllm-target of the same generation keeps what was detected.
-    assert vllm.parse_target("plugin").platform_plugins == target.platform_plugins
+    assert parse_target("plugin").platform_plugins == target.platform_plugins
 
 
 def test_two_platform_plugins_get_vllm_plugins(tmp_path: Path, monkeypatch) -> None:
@@ -148,13 +165,13 @@ def test_two_platform_plugins_get_vllm_plugins(tmp_path: Path, monkeypatch) -> N
     fake_dist(tmp_path, "vllm-neuron", "0.4.1", PLUGIN_EP)
     fake_dist(tmp_path, "other-plugin", "1.0", "[vllm.platform_plugins]\nother = o:register\n")
     monkeypatch.syspath_prepend(str(tmp_path))
-    launch = vllm.serve_launch(tmp_path, make_manifest())
+    launch = serve_launch(tmp_path, make_manifest())
     assert launch.env["VLLM_PLUGINS"] == "neuron"
     assert any("VLLM_PLUGINS" in n for n in launch.notes)
 
 
 def test_one_platform_plugin_needs_no_vllm_plugins(tmp_path: Path) -> None:
-    target = Target(Generation.PLUGIN, (0, 13, 0), (0, 4, 1), ("neuron",))
+    target = VllmTarget(Generation.PLUGIN, (0, 13, 0), (0, 4, 1), ("neuron",))
     assert "VLLM_PLUGINS" not in serve(tmp_path, target).env
 
 
@@ -162,18 +179,18 @@ def test_vllm_without_the_plugin_after_0_10_1_is_refused(tmp_path: Path, monkeyp
     fake_dist(tmp_path, "vllm", "0.11.0")
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(NeuronctlError, match="no Neuron"):
-        vllm.detect_target()
+        detect_target()
 
 
 def test_native_vllm_neuron_is_refused_with_what_to_do(tmp_path: Path, monkeypatch) -> None:
     with pytest.raises(UsageError) as exc:
-        vllm.parse_target("native")
+        parse_target("native")
     assert "VLLM_NEURON_DISABLE_WARMUP_COMPILE" in str(exc.value)
     fake_dist(tmp_path, "vllm", "0.21.0")
     fake_dist(tmp_path, "vllm-neuron", "0.21.0", PLUGIN_EP)
     monkeypatch.syspath_prepend(str(tmp_path))
     with pytest.raises(UsageError, match="generation D"):
-        vllm.resolve_target(None)
+        resolve_target(None)
 
 
 @pytest.mark.parametrize(
@@ -189,7 +206,7 @@ def test_native_vllm_neuron_is_refused_with_what_to_do(tmp_path: Path, monkeypat
     ],
 )
 def test_parse_target(text: str, generation: Generation, version, plugin) -> None:  # type: ignore[no-untyped-def]
-    target = vllm.parse_target(text)
+    target = parse_target(text)
     assert (target.generation, target.vllm, target.plugin) == (generation, version, plugin)
     assert not target.detected
 
@@ -197,12 +214,12 @@ def test_parse_target(text: str, generation: Generation, version, plugin) -> Non
 @pytest.mark.parametrize("text", ["cuda", "v0@0.12.0", "tnx-fork@0.9.0", "v0@x"])
 def test_bad_targets_are_usage_errors(text: str) -> None:
     with pytest.raises(UsageError, match="--vllm-target"):
-        vllm.parse_target(text)
+        parse_target(text)
 
 
 def test_cli_needs_a_target_when_no_vllm_is_installed() -> None:
     with pytest.raises(UsageError, match="--vllm-target"):
-        vllm.require_target(None)
+        require_target(None)
 
 
 # --- generation B: the V0 Neuron worker ------------------------------------------------------
@@ -222,7 +239,7 @@ def test_b_nxdi_serve_reuses_the_artifact(tmp_path: Path) -> None:
       (vllm/worker/neuron_model_runner.py:98-109).
     """
     manifest = make_manifest(on_device_sampling="off")
-    launch = vllm.serve_launch(tmp_path, manifest, port=9123, served_model_name="m", target=B9)
+    launch = serve_launch(tmp_path, manifest, port=9123, served_model_name="m", target=B9)
     assert launch.argv[:3] == [sys.executable, "-m", "vllm.entrypoints.openai.api_server"]
     f = flags(launch.argv)
     assert f["model"] == str(tmp_path.resolve())
@@ -251,7 +268,7 @@ def test_b_caps_prompts_through_max_model_len(tmp_path: Path) -> None:
     assert not any("max-model-len" in n for n in full.notes)
     prompts = tmp_path / "p.txt"
     prompts.write_text("hi\n")
-    gen = vllm.generate_launch(tmp_path, make_manifest(), prompts, target=B9)
+    gen = generate_launch(tmp_path, make_manifest(), prompts, target=B9)
     f = flags(gen.argv)
     assert json.loads(f["engine-args"])["max_model_len"] == 1024
     assert f["max-prompt-tokens"] == "512"
@@ -302,10 +319,10 @@ def test_b_tnx_leaves_the_framework_unset_on_upstream(tmp_path: Path) -> None:
     assert flags(upstream.argv)["quantization"] == "neuron_quant"
     fork = serve(tmp_path, B_FORK, "tnx")
     assert fork.env["VLLM_NEURON_FRAMEWORK"] == "transformers-neuronx"
-    with_nxdi = Target(Generation.V0, (0, 9, 2), frameworks=frozenset({vllm.NXDI, vllm.TNX}))
+    with_nxdi = VllmTarget(Generation.V0, (0, 9, 2), frameworks=frozenset({NXDI, TNX}))
     with pytest.raises(NeuronctlError, match="picks NxD Inference"):
         serve(tmp_path, with_nxdi, "tnx")
-    tnx_only = Target(Generation.V0, (0, 9, 2), frameworks=frozenset({vllm.TNX}))
+    tnx_only = VllmTarget(Generation.V0, (0, 9, 2), frameworks=frozenset({TNX}))
     assert "VLLM_NEURON_FRAMEWORK" not in serve(tmp_path, tnx_only, "tnx").env
 
 
@@ -319,8 +336,8 @@ def test_b_refuses_models_its_loader_does_not_serve(tmp_path: Path) -> None:
 
 
 def test_b_override_is_nothing_for_nxdi(tmp_path: Path) -> None:
-    spec = vllm.artifact_spec(make_manifest(quantized=True, on_device_sampling={"top_k": 5}))
-    assert vllm.override_neuron_config(spec, vllm.NXDI) == {}
+    spec = artifact_spec(make_manifest(quantized=True, on_device_sampling={"top_k": 5}))
+    assert override_neuron_config(spec, NXDI) == {}
 
 
 # --- generation C: the vllm-neuron plugin -----------------------------------------------------
@@ -437,11 +454,11 @@ def test_c_refuses_architectures_its_sdk_cannot_load(
 
 def test_plugin_model_name_follows_the_loader() -> None:
     """4fac6b7 loader :945-972: the part before "For", lowercased, with its special cases."""
-    assert vllm.plugin_model_name("LlamaForCausalLM") == "llama"
-    assert vllm.plugin_model_name("NeuronQwen3MoeForCausalLM") == "qwen3_moe"
-    assert vllm.plugin_model_name("GptOssForCausalLM") == "gpt_oss"
-    assert vllm.plugin_model_name("LlavaForConditionalGeneration") == "pixtral"
-    assert vllm.plugin_model_name("Llama") is None
+    assert plugin_model_name("LlamaForCausalLM") == "llama"
+    assert plugin_model_name("NeuronQwen3MoeForCausalLM") == "qwen3_moe"
+    assert plugin_model_name("GptOssForCausalLM") == "gpt_oss"
+    assert plugin_model_name("LlavaForConditionalGeneration") == "pixtral"
+    assert plugin_model_name("Llama") is None
 
 
 def test_c_before_0_2_2_caps_through_max_model_len(tmp_path: Path) -> None:
@@ -473,7 +490,7 @@ def test_c_refuses_tnx_and_draft_models(tmp_path: Path) -> None:
 def test_c_generate_passes_additional_config_as_a_dict(tmp_path: Path) -> None:
     prompts = tmp_path / "p.txt"
     prompts.write_text("hi\n")
-    launch = vllm.generate_launch(tmp_path, make_manifest(), prompts, target=C41)
+    launch = generate_launch(tmp_path, make_manifest(), prompts, target=C41)
     engine = json.loads(flags(launch.argv)["engine-args"])
     assert engine["additional_config"] == {"max_prompt_length": 512}
     assert engine["enable_prefix_caching"] is False
@@ -521,7 +538,7 @@ def test_a_before_0_6_needs_block_size_equal_to_max_model_len(tmp_path: Path) ->
     assert f["block-size"] == "128"
     prompts = tmp_path / "p.txt"
     prompts.write_text("hi\n")
-    launch = vllm.generate_launch(tmp_path, make_manifest("tnx"), prompts, target="A@0.5.0")
+    launch = generate_launch(tmp_path, make_manifest("tnx"), prompts, target="A@0.5.0")
     assert json.loads(flags(launch.argv)["engine-args"])["block_size"] == 1024
 
 
@@ -557,12 +574,12 @@ def test_launch_as_dict_names_the_generation(tmp_path: Path) -> None:
 
 def test_relative_artifact_path_is_made_absolute(tmp_path: Path, monkeypatch) -> None:
     monkeypatch.chdir(tmp_path)
-    env = vllm.env_exports(Path("art"), make_manifest(), target=C41)
+    env = env_exports(Path("art"), make_manifest(), target=C41)
     assert env["NEURON_COMPILED_ARTIFACTS"] == str(tmp_path.resolve() / "art")
 
 
 def test_extra_args_are_appended(tmp_path: Path) -> None:
-    launch = vllm.serve_launch(
+    launch = serve_launch(
         tmp_path, make_manifest(), target=C41, extra_args=["--enforce-eager"]
     )
     assert launch.argv[-1] == "--enforce-eager"
@@ -585,15 +602,15 @@ def test_framework_for(backend: str, framework: str | None, ok: str | None) -> N
     manifest = manifest.model_copy(update={"backend": backend})
     if ok is None:
         with pytest.raises(UsageError):
-            vllm.framework_for(manifest, framework)
+            framework_for(manifest, framework)
     else:
-        assert vllm.framework_for(manifest, framework) == ok
+        assert framework_for(manifest, framework) == ok
 
 
 def test_generate_launch_runs_the_offline_program(tmp_path: Path) -> None:
     prompts = tmp_path / "p.txt"
     prompts.write_text("hello\n")
-    launch = vllm.generate_launch(
+    launch = generate_launch(
         tmp_path, make_manifest("tnx"), prompts, sampling={"top_k": 7}, target=B_FORK
     )
     assert launch.argv[:4] == [sys.executable, "-m", "neuronctl.vllm", "generate"]
@@ -609,27 +626,27 @@ def test_generate_launch_runs_the_offline_program(tmp_path: Path) -> None:
 
 
 def test_too_long() -> None:
-    assert vllm.too_long([3, 600, 512, 513], 512) == [1, 3]
-    assert vllm.too_long([10_000], None) == []
+    assert too_long([3, 600, 512, 513], 512) == [1, 3]
+    assert too_long([10_000], None) == []
 
 
 def test_read_prompts_text_and_jsonl(tmp_path: Path) -> None:
     text = tmp_path / "p.txt"
     text.write_text("a b\n\nc\n")
-    assert vllm.read_prompts(text) == ["a b", "c"]
+    assert read_prompts(text) == ["a b", "c"]
     jsonl = tmp_path / "p.jsonl"
     jsonl.write_text('{"prompt": "x"}\n"y"\n')
-    assert vllm.read_prompts(jsonl) == ["x", "y"]
+    assert read_prompts(jsonl) == ["x", "y"]
 
 
 def test_vllm_dirname_follows_the_nxdi_config(tmp_path: Path) -> None:
     spec = make_manifest().spec  # typed: the manifest reads it back as a BuildSpec
-    name, exact = vllm.vllm_dirname_exact(spec, ARCH)
+    name, exact = vllm_dirname_exact(spec, ARCH)
     assert len(name) == 32 and int(name, 16) >= 0
     assert not exact  # no SDK here
     other = make_manifest(batch_size=2).spec
-    assert vllm.vllm_dirname(other, ARCH) != name
-    assert vllm.vllm_dirname(spec, ARCH) == name
+    assert vllm_dirname(other, ARCH) != name
+    assert vllm_dirname(spec, ARCH) == name
 
 
 def test_vllm_dirname_hashes_what_vllm_b_builds_from_its_own_defaults() -> None:
@@ -638,13 +655,13 @@ def test_vllm_dirname_hashes_what_vllm_b_builds_from_its_own_defaults() -> None:
     over neuronctl's B flags, which carry no override: not the build kwargs.
     Its max_model_len is the B launch's, capped at max_context_length (_plan_b)."""
     spec = make_manifest().spec
-    kwargs = vllm.b_neuron_config(spec)
+    kwargs = b_neuron_config(spec)
     assert kwargs["seq_len"] == kwargs["max_context_length"] == 512
     assert kwargs["on_device_sampling_config"] == {"dynamic": True, "deterministic": False}
     assert kwargs["sequence_parallel_enabled"] is True and "fused_qkv" not in kwargs
     # The build's own settings (here fused_qkv, buckets) do not move vLLM's name.
     same = make_manifest(override_neuron_config={}, context_buckets=[512]).spec
-    assert vllm.vllm_dirname(same, ARCH) == vllm.vllm_dirname(spec, ARCH)
+    assert vllm_dirname(same, ARCH) == vllm_dirname(spec, ARCH)
 
 
 @pytest.mark.parametrize(
@@ -654,9 +671,9 @@ def test_vllm_dirname_hashes_what_vllm_b_builds_from_its_own_defaults() -> None:
 )  # fmt: skip
 def test_no_vllm_dirname_says_why(backend: str, fields: dict, why: str) -> None:
     spec = build_spec({"backend": backend, "dtype": "bfloat16", **fields})
-    assert why in (vllm.no_vllm_dirname(spec) or "")
+    assert why in (no_vllm_dirname(spec) or "")
     with pytest.raises(UsageError, match=why):
-        vllm.vllm_dirname(spec, ARCH)
+        vllm_dirname(spec, ARCH)
 
 
 def test_hash_vllm_for_a_torch_build_says_there_is_none(tiny_llama, tmp_path) -> None:  # type: ignore[no-untyped-def]
@@ -675,14 +692,14 @@ def test_env_exports_work_from_a_written_manifest(tmp_path: Path) -> None:
     from neuronctl.store.manifest import read_manifest
 
     write_manifest(tmp_path, make_manifest("tnx"))
-    env = vllm.env_exports(tmp_path, read_manifest(tmp_path), "tnx", target=A6)
+    env = env_exports(tmp_path, read_manifest(tmp_path), "tnx", target=A6)
     assert env["NEURON_CONTEXT_LENGTH_BUCKETS"] == "96,512"
 
 
 def test_version_tuple() -> None:
-    assert vllm.version_tuple("0.6.dev0+neuron215") == (0, 6)
-    assert vllm.version_tuple("0.10.1.1") == (0, 10, 1, 1)
-    assert vllm.version_tuple("0.2.2+lts") == (0, 2, 2)
+    assert version_tuple("0.6.dev0+neuron215") == (0, 6)
+    assert version_tuple("0.10.1.1") == (0, 10, 1, 1)
+    assert version_tuple("0.2.2+lts") == (0, 2, 2)
 
 
 # --- the launch against the real vLLM sources (when their git mirrors are on this host) -------
@@ -770,7 +787,7 @@ def test_a_and_b_launches_against_their_source(tmp_path, target, ref, backend, f
     for var in set(launch.env) - {"NEURON_CC_FLAGS", "NEURON_COMPILE_CACHE_URL"}:
         assert var in read, f"{var} is not read at {ref}"
     if ref == "dd417b3":  # vllm/platforms/neuron.py:121 returns self.TRANSFORMERS_NEURONX
-        assert launch.env.get("VLLM_NEURON_FRAMEWORK") != vllm.TNX
+        assert launch.env.get("VLLM_NEURON_FRAMEWORK") != TNX
     if backend == "nxdi":
         assert int(f["max-model-len"]) <= 512  # the fixture's max_context_length
 
@@ -900,10 +917,10 @@ def test_vllm_dirname_is_stable_and_names_the_model_path(  # type: ignore[no-unt
 
     spec = make_manifest().spec
     config = json.loads((tiny_llama / "config.json").read_text())
-    first, exact = vllm.vllm_dirname_exact(spec, config, str(tiny_llama))
-    assert exact and vllm.vllm_dirname(spec, config, str(tiny_llama)) == first
+    first, exact = vllm_dirname_exact(spec, config, str(tiny_llama))
+    assert exact and vllm_dirname(spec, config, str(tiny_llama)) == first
     copy = tmp_path / "elsewhere"
     shutil.copytree(tiny_llama, copy)
-    assert vllm.vllm_dirname(spec, config, str(copy)) != first  # another --model, another name
-    name, exact = vllm.vllm_dirname_exact(spec, config, "org/not-a-local-dir")
-    assert not exact and vllm.vllm_dirname(spec, config, "org/not-a-local-dir") == name
+    assert vllm_dirname(spec, config, str(copy)) != first  # another --model, another name
+    name, exact = vllm_dirname_exact(spec, config, "org/not-a-local-dir")
+    assert not exact and vllm_dirname(spec, config, "org/not-a-local-dir") == name

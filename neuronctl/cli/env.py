@@ -9,7 +9,7 @@ from typing import Annotated
 import typer
 
 from neuronctl.cli._common import StoreOpt, print_json
-from neuronctl.vllm import TARGET_HELP
+from neuronctl.vllm.detect import TARGET_HELP
 
 ORDER = 45
 
@@ -77,7 +77,7 @@ def env_command(
 ) -> None:
     from neuronctl.store.manifest import read_manifest
     from neuronctl.store.resolve import resolve_artifact
-    from neuronctl.vllm import cli_target, env_exports
+    from neuronctl.vllm.launch import cli_target, env_exports
 
     path = resolve_artifact(artifact, store, fetch=False)  # env never pulls
     manifest = read_manifest(path)  # first: a clear error when it is not an artifact

@@ -27,12 +27,12 @@ from neuronctl.cli._common import (
 )
 from neuronctl.errors import UsageError
 from neuronctl.prompts import Prompt, collect_prompts, params_for
-from neuronctl.vllm import TARGET_HELP as VLLM_TARGET_HELP
+from neuronctl.vllm.detect import TARGET_HELP as VLLM_TARGET_HELP
 
 if TYPE_CHECKING:  # the engine imports torch: keep it off every command's start-up
     from neuronctl.engine.sampling import SamplingParams
     from neuronctl.store.signing import TrustPolicy
-    from neuronctl.vllm import VllmLaunch
+    from neuronctl.vllm.launch import VllmLaunch
 
 ORDER = 35
 ENGINES = ("builtin", "vllm")
@@ -215,7 +215,7 @@ def _generate_vllm(
     from neuronctl.engine.loader import vouch_for
     from neuronctl.store.manifest import read_manifest
     from neuronctl.target import artifact_to_run
-    from neuronctl.vllm import cli_target, generate_launch
+    from neuronctl.vllm.launch import cli_target, generate_launch
 
     if any(p.messages is not None for p in prompts):
         raise UsageError("--engine vllm takes plain prompts (no --chat / messages)")

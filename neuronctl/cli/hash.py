@@ -57,7 +57,7 @@ def hash_command(
 def _vllm_dirname(spec: Any, config: Any) -> dict[str, Any]:
     """The `<model>/neuron-compiled-artifacts/<md5>` name vLLM B computes for `--model
     spec.model` (where it recompiles when NEURON_COMPILED_ARTIFACTS is unset), or why none."""
-    from neuronctl.vllm import no_vllm_dirname, vllm_dirname_exact
+    from neuronctl.vllm.dirname import no_vllm_dirname, vllm_dirname_exact
 
     why = no_vllm_dirname(spec)
     if why:

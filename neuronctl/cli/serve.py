@@ -23,12 +23,12 @@ from neuronctl.cli._common import (
     with_spec_options,
 )
 from neuronctl.errors import UsageError
-from neuronctl.vllm import TARGET_HELP as VLLM_TARGET_HELP
+from neuronctl.vllm.detect import TARGET_HELP as VLLM_TARGET_HELP
 
 if TYPE_CHECKING:
     from neuronctl.store.signing import TrustPolicy
-    from neuronctl.vllm import Target as VllmTarget
-    from neuronctl.vllm import VllmLaunch
+    from neuronctl.vllm.detect import VllmTarget
+    from neuronctl.vllm.launch import VllmLaunch
 
 ORDER = 40
 ENGINES = ("builtin", "vllm")
@@ -165,7 +165,7 @@ def named_target(vllm_target: str | None, dry_run: bool) -> tuple[VllmTarget | N
     """The vLLM named by --vllm-target, and whether this host is the one that serves it. The
     name is read first: a typo is a usage error, whatever the artifact's state. A dry run for
     a named vLLM only prints its launch, so this host need not be the serving host."""
-    from neuronctl.vllm import parse_target
+    from neuronctl.vllm.detect import parse_target
 
     target = parse_target(vllm_target) if vllm_target else None
     serving_host = not (dry_run and target is not None)
@@ -188,7 +188,7 @@ def _serve_vllm(
     json_out: bool,
 ) -> None:
     from neuronctl.store.manifest import read_manifest
-    from neuronctl.vllm import cli_target, serve_launch
+    from neuronctl.vllm.launch import cli_target, serve_launch
 
     manifest = read_manifest(path)
     target = cli_target(manifest, vllm_target)

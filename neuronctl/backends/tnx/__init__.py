@@ -6,7 +6,7 @@ build: XForSampling.from_pretrained(ckpt, batch_size, tp_degree, n_positions=tok
        then .save(staging, sharded_weights=True): one <hlo hash>.neff per compiled kernel and
        pre-sharded weights. to_neuron() runs with NEURON_COMPILE_CACHE_URL pointing into the
        artifact, so vLLM's TNx path (which never calls load(dir) and relies on the persistent
-       cache) finds the same NEFFs there (see neuronctl/vllm.py; not confirmed on a host).
+       cache) finds the same NEFFs there (see neuronctl/vllm/rules.py; not confirmed on a host).
        TNx's save() writes its own config object as config.json, without `architectures`
        (base.py); it is replaced by the checkpoint's config.json plus is_presharded_checkpoint,
        which both TNx's from_pretrained (AutoConfig) and vLLM (`--model`) read.
@@ -44,7 +44,7 @@ if TYPE_CHECKING:
 
 PACKAGES = ("neuronx-cc", "transformers-neuronx", "torch-neuronx")
 INSTALL = install_hint(PACKAGES)
-COMPILE_CACHE = "neuron-compile-cache"  # the same name neuronctl.vllm exports
+COMPILE_CACHE = "neuron-compile-cache"  # the same name as neuronctl.vllm.rules TNX_COMPILE_CACHE
 
 
 def unavailable(what: str) -> BackendUnavailableError:
