@@ -179,6 +179,20 @@ def test_load_and_run_through_the_runner(neuron_standins, tiny_llama, tmp_path) 
     assert call["mask"] == [3, 6]
 
 
+def test_last_logits_reads_both_output_kinds() -> None:
+    """What the nxdi and tnx runners hand the engine from a model's output: with on-device
+    sampling the output is token ids, turned into one-hot rows the engine's greedy pick
+    follows; otherwise the last position's logits, cut to the vocabulary, as float32."""
+    from neuronctl.backends.neuron import last_logits
+
+    sampled = last_logits(torch.tensor([[4], [1]]), 2, 6, sampled=True)
+    assert sampled.shape == (2, 6) and sampled.argmax(-1).tolist() == [4, 1]
+    assert sampled[0, 4] == 0 and bool(torch.isinf(sampled[0, 0]))
+    padded = torch.arange(2 * 3 * 8, dtype=torch.bfloat16).reshape(2, 3, 8)
+    got = last_logits(padded, 2, 6, sampled=False)
+    assert got.dtype == torch.float32 and torch.equal(got, padded[:, -1, :6].float())
+
+
 def test_runner_never_writes_into_a_live_slot(neuron_standins, tiny_llama, tmp_path) -> None:
     """Runner.decode's invariant (backends/base.py): the engine prefills a newly admitted slot
     and decodes the older ones in the same step, passing the new slot as idle (-1). The

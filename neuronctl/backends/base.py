@@ -27,6 +27,10 @@ if TYPE_CHECKING:
     from neuronctl.spec import BuildSpec
     from neuronctl.store.manifest import Manifest
 
+# An artifact's settings file, under NxD Inference's name: nxdi's compile writes it, the torch
+# backend writes its own in the same place so that tools reading artifacts find one file name.
+NEURON_CONFIG = "neuron_config.json"
+
 
 @dataclass
 class BuildRequest:

@@ -6,9 +6,13 @@ import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from importlib import metadata
+from typing import TYPE_CHECKING, Any
 
 from neuronctl.doctor import NEURON_REPO
 from neuronctl.errors import BackendUnavailableError, BuildError, NeuronctlError
+
+if TYPE_CHECKING:
+    import torch
 
 
 def install_hint(packages: Sequence[str]) -> str:
@@ -95,3 +99,23 @@ class SlotFill:
             else:
                 out.append(min(self.next_free[slot], self.seq_len - 1))
         return out
+
+
+def last_logits(value: Any, rows: int, vocab_size: int, sampled: bool) -> torch.Tensor:
+    """The [rows, vocab_size] float logits the engine reads from a Neuron model's output tensor.
+
+    `sampled`: the model sampled on device and returned token ids, not logits; a one-hot row
+    (0 at the token, -inf elsewhere) makes the engine's greedy pick the device's choice.
+    Otherwise the output is [rows, positions, vocab] or [rows, vocab] (padded past the
+    model's vocabulary): the last position, cut to the vocabulary."""
+    import torch
+
+    value = torch.as_tensor(value)
+    if sampled:
+        tokens = value.reshape(rows, -1)[:, -1].long()
+        logits = torch.full((rows, vocab_size), float("-inf"))
+        logits[torch.arange(rows), tokens] = 0.0
+        return logits
+    if value.dim() == 3:
+        value = value[:, -1, :]
+    return value.reshape(rows, -1)[:, :vocab_size].float()

@@ -24,7 +24,6 @@ from neuronctl.backends.base import Runner
 from neuronctl.engine.errors import EngineDeadError, EngineStoppedError, RequestError
 from neuronctl.engine.request import Event, FinishReason, Request, RequestOutput, Sink
 from neuronctl.engine.sampling import (
-    DEFAULT_GLOBAL_TOPK,
     Pick,
     SamplingParams,
     resolve,
@@ -33,6 +32,7 @@ from neuronctl.engine.sampling import (
 )
 from neuronctl.engine.scheduler import Scheduler, SchedulerOutput
 from neuronctl.engine.text import NewDecoder
+from neuronctl.spec import DEFAULT_GLOBAL_TOPK
 
 logger = logging.getLogger(__name__)
 

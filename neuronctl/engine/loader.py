@@ -16,9 +16,9 @@ from typing import TYPE_CHECKING
 from neuronctl.backends import get_backend
 from neuronctl.backends.base import Runner
 from neuronctl.engine.engine import Engine
-from neuronctl.engine.sampling import DEFAULT_GLOBAL_TOPK
 from neuronctl.engine.tokenizer import EngineTokenizer, TokenizedText
 from neuronctl.errors import NotFoundError, UsageError
+from neuronctl.spec import DEFAULT_GLOBAL_TOPK
 from neuronctl.store.lease import Lease
 from neuronctl.store.lease import hold as hold_lease
 from neuronctl.store.manifest import Manifest, read_manifest

@@ -23,8 +23,8 @@ from typing import Protocol
 import torch
 
 from neuronctl.engine.errors import RequestError
+from neuronctl.spec import DEFAULT_GLOBAL_TOPK
 
-DEFAULT_GLOBAL_TOPK = 256
 # Below this a temperature is greedy in all but name, and 1/t overflows float32 (2e-39) or
 # float64 (1e-300): refused, so such a request never reaches the batch.
 MIN_TEMPERATURE = 1e-2

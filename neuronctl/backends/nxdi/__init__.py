@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from neuronctl.backends.base import BuildRequest, BuildResult, HostCheck
+from neuronctl.backends.base import NEURON_CONFIG, BuildRequest, BuildResult, HostCheck
 from neuronctl.backends.neuron import cc_flags_env, sdk_failure
 from neuronctl.backends.nxdi import sdk
 from neuronctl.backends.nxdi.config import check_override, neuron_config_kwargs
@@ -26,7 +26,6 @@ if TYPE_CHECKING:
     from neuronctl.store.manifest import Manifest
 
 GRAPH = "model.pt"
-NEURON_CONFIG = "neuron_config.json"
 
 
 def shard_name(rank: int) -> str:

@@ -14,7 +14,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from neuronctl.backends.neuron import SlotFill
+from neuronctl.backends.neuron import SlotFill, last_logits
 
 if TYPE_CHECKING:
     from neuronctl.spec import BuildSpec
@@ -45,7 +45,7 @@ class NxdiRunner:
             seq_ids=torch.tensor([slot], dtype=torch.int64),
         )
         self.fill.prefilled(slot, n)
-        return self._logits(out, 1)[0]
+        return last_logits(_output(out), 1, self.vocab_size, self.on_device_sampling)[0]
 
     def decode(self, token_ids: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
         # Idle slots (position -1) still take part: the compiled token generation batch is
@@ -61,20 +61,12 @@ class NxdiRunner:
             position_ids=torch.tensor(pos, dtype=torch.int64).unsqueeze(1),
             seq_ids=torch.arange(self.batch_size, dtype=torch.int64),
         )
-        return self._logits(out, self.batch_size)
+        return last_logits(_output(out), self.batch_size, self.vocab_size, self.on_device_sampling)
 
-    def _logits(self, out: Any, rows: int) -> torch.Tensor:
-        value = getattr(out, "logits", None)
-        if value is None and isinstance(out, tuple | list):
-            value = out[0]
-        value = torch.as_tensor(value)
-        if self.on_device_sampling:
-            # Token ids: a one-hot row makes the engine's greedy pick the device's choice.
-            tokens = value.reshape(rows, -1)[:, -1].long()
-            logits = torch.full((rows, self.vocab_size), float("-inf"))
-            logits[torch.arange(rows), tokens] = 0.0
-            return logits
-        # [rows, positions, vocab] or [rows, vocab]: keep the last position.
-        if value.dim() == 3:
-            value = value[:, -1, :]
-        return value.reshape(rows, -1)[:, : self.vocab_size].float()
+
+def _output(out: Any) -> Any:
+    """NxDI's forward returns a CausalLMOutputWithPast (its .logits) or a tuple led by them."""
+    value = getattr(out, "logits", None)
+    if value is None and isinstance(out, tuple | list):
+        value = out[0]
+    return value

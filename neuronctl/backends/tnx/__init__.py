@@ -31,6 +31,7 @@ from neuronctl.backends.neuron import (
     cc_flags_env,
     env_var,
     install_hint,
+    last_logits,
     sdk_failure,
     sdk_versions,
 )
@@ -188,7 +189,7 @@ class TnxRunner:
             start_ids=torch.tensor([slot], dtype=torch.int64),
         )
         self.fill.prefilled(slot, n)
-        return self._logits(out, 1)[0]
+        return last_logits(out, 1, self.vocab_size, self.on_device_sampling)[0]
 
     def decode(self, token_ids: Sequence[int], positions: Sequence[int]) -> torch.Tensor:
         # Idle slots (-1) write at their own next free position: never into a live sequence
@@ -199,16 +200,4 @@ class TnxRunner:
             cache_ids=torch.tensor(pos, dtype=torch.int64).unsqueeze(1),
             start_ids=torch.arange(self.batch_size, dtype=torch.int64),
         )
-        return self._logits(out, self.batch_size)
-
-    def _logits(self, out: Any, rows: int) -> torch.Tensor:
-        value = torch.as_tensor(out)
-        if self.on_device_sampling:
-            # Token ids: a one-hot row makes the engine's greedy pick the device's choice.
-            tokens = value.reshape(rows, -1)[:, -1].long()
-            logits = torch.full((rows, self.vocab_size), float("-inf"))
-            logits[torch.arange(rows), tokens] = 0.0
-            return logits
-        if value.dim() == 3:
-            value = value[:, -1, :]
-        return value.reshape(rows, -1)[:, : self.vocab_size].float()
+        return last_logits(out, self.batch_size, self.vocab_size, self.on_device_sampling)
