@@ -1,4 +1,5 @@
-"""What the two Neuron SDK backends (nxdi, tnx) share: versions, env for the compiler, errors."""
+"""What the two Neuron SDK backends (nxdi, tnx) share: versions, env for the compiler, errors,
+the KV slots idle rows write to and the logits read from a model's output."""
 
 from __future__ import annotations
 
