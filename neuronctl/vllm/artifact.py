@@ -7,6 +7,8 @@ from neuronctl.errors import NeuronctlError, UsageError
 from neuronctl.spec import BuildSpec
 from neuronctl.store.manifest import Manifest
 
+# The Neuron libraries vLLM loads an artifact with (VLLM_NEURON_FRAMEWORK's values) and the
+# neuronctl backend that builds for each.
 NXDI = "neuronx-distributed-inference"
 TNX = "transformers-neuronx"
 FRAMEWORK_BACKENDS = {NXDI: "nxdi", TNX: "tnx"}
