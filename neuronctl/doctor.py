@@ -358,7 +358,7 @@ def devices_check(backend: str) -> Check:
 def ninja_path() -> str | None:
     """The ninja that builds neuronctl's kernels: PATH's, else the one neuronctl's `ninja`
     dependency installs beside this Python, which a PATH through a version manager's shims
-    may not reach (backends/torch/kernel.py puts it on PATH for the build)."""
+    may not reach (backends/torch/kernel.py puts it on the build child's PATH)."""
     return shutil.which("ninja") or installed_ninja()
 
 
