@@ -30,7 +30,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator, Mapping
+from collections.abc import Iterator
 from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
@@ -277,7 +277,7 @@ def _run_build_child(build_dir: Path, timeout: float) -> None:
     code = "import sys; from neuronctl.backends.torch.kernel import build_here; build_here()"
     child = subprocess.Popen(
         [sys.executable, "-c", code, str(build_dir), str(os.getpid())],
-        env=build_env(os.environ),
+        env=_build_env(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -341,11 +341,11 @@ def build_here() -> None:
     )
 
 
-def build_env(environ: Mapping[str, str]) -> dict[str, str]:
+def _build_env() -> dict[str, str]:
     """The build child's environment: ours, with the ninja neuronctl depends on put on PATH
     when PATH does not reach one (cpp_extension runs `ninja` from PATH;
     doctor.installed_ninja, which doctor reports from too). Our own PATH stays as it is."""
-    env = dict(environ)
+    env = dict(os.environ)
     path = env.get("PATH")  # None: which() searches os.defpath, as the child's exec would
     if not shutil.which("ninja", path=path) and (found := installed_ninja()):
         env["PATH"] = os.pathsep.join([str(Path(found).parent), path or os.defpath])
