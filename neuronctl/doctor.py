@@ -1,7 +1,8 @@
 """`doctor`: what is installed, what is missing, which combinations are known to break.
 
-Every finding is a value (name, ok, detail, fix). A finding is `required` when the selected
-backend cannot work without it; the report is healthy when every required finding is ok.
+Every result is a `Check` (neuronctl.checks): name, ok, reason, fix, and its section as `kind`.
+A check is `required` when the selected backend cannot work without it; the report is healthy
+when every required check is ok.
 Package lookups go through `importlib.metadata` and `importlib.util.find_spec` (no imports of
 the packages themselves: importing vLLM or the Neuron SDK can take seconds and print noise).
 """
@@ -21,6 +22,9 @@ from dataclasses import dataclass
 from importlib import metadata
 from pathlib import Path
 from typing import Any
+
+from neuronctl.checks import Check
+from neuronctl.vllm_generations import version_tuple
 
 NEURON_REPO = "https://pip.repos.neuron.amazonaws.com"
 NEURON_INSTALL = f"pip install --extra-index-url {NEURON_REPO} {{package}}"
@@ -54,55 +58,45 @@ BACKENDS = ("torch", "nxdi", "tnx")
 
 
 @dataclass
-class Finding:
-    name: str
-    ok: bool
-    detail: str
-    fix: str = ""
-    required: bool = False
-    section: str = "packages"
-
-    def as_dict(self) -> dict[str, Any]:
-        return {
-            "name": self.name,
-            "ok": self.ok,
-            "detail": self.detail,
-            "fix": self.fix,
-            "required": self.required,
-            "section": self.section,
-        }
-
-
-@dataclass
 class DoctorReport:
     backend: str
-    findings: list[Finding]
+    checks: list[Check]  # `kind` is the section a check is shown in
 
     @property
     def healthy(self) -> bool:
-        return all(f.ok for f in self.findings if f.required)
+        return all(c.ok for c in self.checks if c.required)
 
     @property
-    def missing(self) -> list[Finding]:
-        return [f for f in self.findings if f.required and not f.ok]
+    def missing(self) -> list[Check]:
+        return [c for c in self.checks if c.required and not c.ok]
 
     def as_dict(self) -> dict[str, Any]:
         return {
             "healthy": self.healthy,
             "backend": self.backend,
-            "checks": [f.as_dict() for f in self.findings],
+            "checks": [
+                {
+                    "name": c.name,
+                    "ok": c.ok,
+                    "detail": c.reason,
+                    "fix": c.fix,
+                    "required": c.required,
+                    "section": c.kind,
+                }
+                for c in self.checks
+            ],
         }
 
 
 def diagnose(backend: str = "torch", store: Path | None = None) -> DoctorReport:
-    findings = [python_finding()]
-    findings += [package_finding(name, backend) for name in CORE_PACKAGES]
-    findings += [package_finding(name, backend) for name in NEURON_PACKAGES]
-    findings += vllm_findings()
-    findings.append(devices_finding(backend))
-    findings.append(toolchain_finding(backend))
-    findings.append(disk_finding(store))
-    return DoctorReport(backend, findings)
+    checks = [python_check()]
+    checks += [package_check(name, backend) for name in CORE_PACKAGES]
+    checks += [package_check(name, backend) for name in NEURON_PACKAGES]
+    checks += vllm_checks()
+    checks.append(devices_check(backend))
+    checks.append(toolchain_check(backend))
+    checks.append(disk_check(store))
+    return DoctorReport(backend, checks)
 
 
 # --- packages -------------------------------------------------------------------------------
@@ -122,14 +116,16 @@ def module_found(name: str) -> bool:
         return False
 
 
-def python_finding() -> Finding:
+def python_check() -> Check:
     version = platform.python_version()
     ok = sys.version_info >= (3, 11)
     fix = "" if ok else "use Python 3.11 or newer"
-    return Finding("python", ok, f"{version} ({sys.executable})", fix, required=True)
+    return Check(
+        "python", ok, f"{version} ({sys.executable})", fix=fix, required=True, kind="packages"
+    )
 
 
-def package_finding(name: str, backend: str) -> Finding:
+def package_check(name: str, backend: str) -> Check:
     module, needed_by = {**CORE_PACKAGES, **NEURON_PACKAGES}[name]
     required = backend in needed_by
     neuron = name in NEURON_PACKAGES
@@ -140,29 +136,16 @@ def package_finding(name: str, backend: str) -> Finding:
         detail = "not installed"
         if neuron:
             detail += " (the Neuron SDK is not on PyPI; install it from the Neuron repository)"
-        return Finding(name, False, detail, install, required, section)
+        return Check(name, False, detail, fix=install, required=required, kind=section)
     if not module_found(module):
         # PyPI only has placeholder packages for the Neuron SDK: installed, nothing to import.
         detail = f"{version} installed but module {module!r} is missing (a PyPI placeholder?)"
         fix = f"pip uninstall -y {name} && {install}"
-        return Finding(name, False, detail, fix, required, section)
-    return Finding(name, True, version, "", required, section)
+        return Check(name, False, detail, fix=fix, required=required, kind=section)
+    return Check(name, True, version, required=required, kind=section)
 
 
 # --- vLLM -----------------------------------------------------------------------------------
-
-
-def version_tuple(version: str) -> tuple[int, ...]:
-    """Leading numeric release parts: '0.6.dev0+neuron215' -> (0, 6)."""
-    parts = []
-    for piece in version.split("+")[0].split("."):
-        match = re.match(r"\d+", piece)
-        if not match:
-            break
-        parts.append(int(match.group()))
-        if match.group() != piece:
-            break
-    return tuple(parts)
 
 
 def vllm_dir() -> Path | None:
@@ -182,32 +165,32 @@ def platform_plugins() -> tuple[str, ...]:
     return names()
 
 
-def vllm_findings() -> list[Finding]:
+def vllm_checks() -> list[Check]:
     version = dist_version("vllm")
     if version is None:
         fix = (
             "only needed for `serve --engine vllm`: vllm-neuron 0.4.1 (Inf2, SDK 2.28) or 0.5.0, "
             "or a Neuron build from source (VLLM_TARGET_DEVICE=neuron pip install -e .)"
         )
-        return [Finding("vllm", True, "not installed (optional)", fix, section="vllm")]
+        return [Check("vllm", True, "not installed (optional)", fix=fix, kind="vllm")]
     plugin = dist_version("vllm-neuron")
     neuron_build = "neuron" in version.split("+", 1)[-1] if "+" in version else False
     if neuron_build or plugin:
         how = f"vllm-neuron plugin {plugin}" if plugin else "Neuron build"
-        findings = [Finding("vllm", True, f"{version} ({how})", section="vllm")]
+        checks = [Check("vllm", True, f"{version} ({how})", kind="vllm")]
     else:
         fix = (
             "the PyPI wheel does not support Neuron: install from source with "
             "VLLM_TARGET_DEVICE=neuron (see the Neuron vLLM user guide)"
         )
-        findings = [Finding("vllm", False, f"{version} (not a Neuron build)", fix, section="vllm")]
-    findings.append(generation_finding(version, plugin))
-    findings += known_bad(version)
-    findings += known_bad_neuron(version, plugin)
-    return findings
+        checks = [Check("vllm", False, f"{version} (not a Neuron build)", fix=fix, kind="vllm")]
+    checks.append(generation_check(version, plugin))
+    checks += known_bad(version)
+    checks += known_bad_neuron(version, plugin)
+    return checks
 
 
-def generation_finding(version: str, plugin: str | None) -> Finding:
+def generation_check(version: str, plugin: str | None) -> Check:
     """Which of the four vLLM Neuron generations this is (docs/neuron.md)."""
     from neuronctl.vllm_generations import D_HINT, Generation, generation_for
 
@@ -217,12 +200,12 @@ def generation_finding(version: str, plugin: str | None) -> Finding:
     if gen is None:
         fix = "install vllm-neuron (the plugin) or a vLLM <= 0.10.1 Neuron build"
         detail = f"vLLM {version} without vllm-neuron has no Neuron support"
-        return Finding(name, False, detail, fix, section="vllm")
+        return Check(name, False, detail, fix=fix, kind="vllm")
     detail = f"{gen.letter} ({gen.value}): neuronctl launches it with --vllm-target {gen.value}"
     if gen is Generation.NATIVE:
         detail = f"D (native vllm-neuron {plugin}): it does not load NxDI artifacts"
-        return Finding(name, False, detail, D_HINT, section="vllm")
-    return Finding(name, True, detail, section="vllm")
+        return Check(name, False, detail, fix=D_HINT, kind="vllm")
+    return Check(name, True, detail, kind="vllm")
 
 
 def sdk_release() -> tuple[int, int] | None:
@@ -243,7 +226,7 @@ def instance_type() -> str:
         return ""
 
 
-def known_bad_neuron(vllm_version: str, plugin: str | None) -> list[Finding]:
+def known_bad_neuron(vllm_version: str, plugin: str | None) -> list[Check]:
     """Combinations of vLLM generation, SDK release and host that the sources say break."""
     found = []
     sdk = sdk_release()
@@ -290,39 +273,39 @@ def known_bad_neuron(vllm_version: str, plugin: str | None) -> list[Finding]:
     return found
 
 
-def _bad(name: str, detail: str, fix: str) -> Finding:
-    return Finding(name, False, detail, fix, section="known issues")
+def _bad(name: str, detail: str, fix: str) -> Check:
+    return Check(name, False, detail, fix=fix, kind="known issues")
 
 
-def known_bad(vllm_version: str) -> list[Finding]:
+def known_bad(vllm_version: str) -> list[Check]:
     """Combinations the Neuron documentation warns about."""
     found = []
     triton = dist_version("triton")
     bad_triton = triton is not None and version_tuple(triton)[:3] == (2, 1, 0)
     if bad_triton and version_tuple(vllm_version) >= (0, 5, 3):
         found.append(
-            Finding(
+            Check(
                 "triton",
                 False,
                 f'triton {triton} with vllm {vllm_version}: fails with "cannot import name '
                 "'default_dump_dir'\" (the Neuron torch pins triton 2.1.0, vllm >= 0.5.3 needs "
                 "newer)",
-                "pip install --upgrade triton==3.0.0 (after installing vLLM)",
-                section="known issues",
+                fix="pip install --upgrade triton==3.0.0 (after installing vLLM)",
+                kind="known issues",
             )
         )
     root = vllm_dir()
     old_layout = version_tuple(vllm_version)[:2] < (0, 4)
     if root is not None and old_layout and not (root / "model_executor/models/neuron").is_dir():
         found.append(
-            Finding(
+            Check(
                 "vllm.model_executor.models.neuron",
                 False,
                 f"missing from {root}: vLLM raises ModuleNotFoundError on Neuron (pip skipped "
                 "the directory because it had no __init__.py)",
-                "in the vLLM checkout: touch vllm/model_executor/models/neuron/__init__.py, "
+                fix="in the vLLM checkout: touch vllm/model_executor/models/neuron/__init__.py, "
                 "then pip install . again",
-                section="known issues",
+                kind="known issues",
             )
         )
     return found
@@ -362,20 +345,20 @@ def neuron_cores() -> tuple[int, str]:
     return 0, "no /dev/neuron* devices"
 
 
-def devices_finding(backend: str) -> Finding:
+def devices_check(backend: str) -> Check:
     cores, how = neuron_cores()
     if cores:
-        return Finding("neuron devices", True, f"{cores} NeuronCores ({how})", section="host")
+        return Check("neuron devices", True, f"{cores} NeuronCores ({how})", kind="host")
     note = "compile works, running needs an Inf2/Trn1/Trn2 instance" if backend != "torch" else ""
     fix = "install the Neuron driver (aws-neuronx-dkms) on a Neuron instance" if note else ""
     detail = how + (f"; {note}" if note else "; not needed by the torch backend")
-    return Finding("neuron devices", backend == "torch", detail, fix, section="host")
+    return Check("neuron devices", backend == "torch", detail, fix=fix, kind="host")
 
 
 def ninja_path() -> str | None:
     """The ninja that builds neuronctl's kernels: PATH's, else the one neuronctl's `ninja`
     dependency installs beside this Python, which a PATH through a version manager's shims
-    may not reach (backends/torch/kernel.py puts it on PATH for the build)."""
+    may not reach (backends/torch/kernel.py puts it on the build child's PATH)."""
     return shutil.which("ninja") or installed_ninja()
 
 
@@ -388,7 +371,7 @@ def installed_ninja() -> str | None:
     return str(binary) if binary.is_file() and os.access(binary, os.X_OK) else None
 
 
-def toolchain_finding(backend: str) -> Finding:
+def toolchain_check(backend: str) -> Check:
     """What `--compiler inductor` needs on this host: a C++ compiler, and ninja to build
     neuronctl's CPU kernels (backends/torch/kernel.py). Not required: export graphs and
     the Neuron backends need neither."""
@@ -396,23 +379,23 @@ def toolchain_finding(backend: str) -> Finding:
     ninja = ninja_path()
     missing = [what for what, found in (("C++ compiler", cxx), ("ninja", ninja)) if not found]
     if not missing:
-        return Finding(
+        return Check(
             "c++ toolchain",
             True,
             f"{cxx} and ninja: inductor graphs and neuronctl's kernels can be built here",
-            section="host",
+            kind="host",
         )
     needed = "needed by --compiler inductor" if backend == "torch" else "torch backend only"
-    return Finding(
+    return Check(
         "c++ toolchain",
         False,
         f"no {' or '.join(missing)} on PATH ({needed})",
-        "install g++ and `pip install ninja`, or compile with --compiler export",
-        section="host",
+        fix="install g++ and `pip install ninja`, or compile with --compiler export",
+        kind="host",
     )
 
 
-def disk_finding(store: Path | None) -> Finding:
+def disk_check(store: Path | None) -> Check:
     from neuronctl.store.local import default_store_root
 
     root = Path(store) if store is not None else default_store_root()
@@ -422,4 +405,5 @@ def disk_finding(store: Path | None) -> Finding:
     free = shutil.disk_usage(probe).free
     ok = free >= LOW_DISK_BYTES
     fix = "" if ok else "free space or point --store / NEURONCTL_STORE at a bigger disk"
-    return Finding("store disk", ok, f"{free / 2**30:.1f} GiB free at {root}", fix, section="host")
+    free_text = f"{free / 2**30:.1f} GiB free at {root}"
+    return Check("store disk", ok, free_text, fix=fix, kind="host")

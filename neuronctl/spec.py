@@ -273,7 +273,7 @@ def build_spec(values: Mapping[str, Any]) -> BuildSpec:
     spec = normalize(spec)
     if spec.backend == "nxdi" and "on_device_sampling" not in values:
         spec = spec.model_copy(update={"on_device_sampling": NXDI_DEFAULT_SAMPLING})
-    check_spec(spec)
+    _check_consistent(spec)
     return spec
 
 
@@ -310,8 +310,9 @@ def normalize_flags(text: str) -> str:
         return " ".join(text.split())
 
 
-def check_spec(spec: BuildSpec) -> None:
-    """Checks that need no model config."""
+def _check_consistent(spec: BuildSpec) -> None:
+    """Raise SpecError when the fields contradict each other (checks that need no model
+    config). validate.check_spec is the other kind: a requested spec against a compiled one."""
     max_ctx = spec.effective_max_context_length()
     if spec.seq_len < max_ctx:
         raise SpecError(

@@ -23,10 +23,11 @@ import os
 import shlex
 from collections.abc import Mapping
 from concurrent.futures import ThreadPoolExecutor
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from neuronctl.checks import Check
 from neuronctl.doctor import available_cpus
 from neuronctl.errors import NeuronctlError, SpecError
 from neuronctl.keys import FORMAT_VERSION, canonical_json
@@ -65,17 +66,6 @@ HASH_THREADS = 4  # hashlib releases the GIL: a few threads keep the disk and th
 
 
 @dataclass
-class Check:
-    name: str
-    ok: bool
-    reason: str = ""
-    kind: str = "check"  # check | host | runtime-only | note
-
-    def as_dict(self) -> dict[str, Any]:
-        return {"name": self.name, "ok": self.ok, "reason": self.reason, "kind": self.kind}
-
-
-@dataclass
 class Report:
     path: Path
     checks: list[Check] = field(default_factory=list)
@@ -93,7 +83,10 @@ class Report:
         return {
             "reusable": self.reusable,
             "path": str(self.path),
-            "checks": [c.as_dict() for c in self.checks],
+            "checks": [
+                {"name": c.name, "ok": c.ok, "reason": c.reason, "kind": c.kind}
+                for c in self.checks
+            ],
         }
 
     def summary(self) -> str:
@@ -280,7 +273,9 @@ def check_trust(root: Path, manifest: Manifest, policy: TrustPolicy) -> Check:
         vouch = check_origin(root, manifest, policy)
     except SignatureError as exc:
         return Check("trust", False, exc.message)
-    return Check("trust", True, vouch.describe(), "note" if vouch.kind == UNSIGNED else "check")
+    return Check(
+        "trust", True, vouch.describe(), kind="note" if vouch.kind == UNSIGNED else "check"
+    )
 
 
 def check_payloads(root: Path, manifest: Manifest) -> Check:
@@ -414,7 +409,7 @@ def _host_checks(backend: Any, manifest: Manifest) -> list[Check]:
         results = backend.host_checks(manifest)
     except NeuronctlError as exc:
         return [Check("host", False, str(exc), kind="host")]
-    return [Check(hc.name, hc.ok, hc.reason, kind="host") for hc in results]
+    return [replace(check, kind="host") for check in results]
 
 
 def check_cc_flags(manifest: Manifest, env: Mapping[str, str]) -> Check:

@@ -7,6 +7,8 @@ from __future__ import annotations
 from enum import StrEnum
 from importlib import metadata
 
+from packaging.version import InvalidVersion, Version
+
 PLATFORM_PLUGINS = "vllm.platform_plugins"  # entry-point group vLLM loads platforms from
 
 D_HINT = (
@@ -29,20 +31,12 @@ class Generation(StrEnum):
 
 
 def version_tuple(version: str) -> tuple[int, ...]:
-    """Leading numeric release parts: '0.6.dev0+neuron215' -> (0, 6)."""
-    parts = []
-    for piece in version.split("+")[0].split("."):
-        digits = ""
-        for ch in piece:
-            if not ch.isdigit():
-                break
-            digits += ch
-        if not digits:
-            break
-        parts.append(int(digits))
-        if digits != piece:
-            break
-    return tuple(parts)
+    """The release numbers of a version, as packaging reads it (PEP 440): '0.6.dev0+neuron215'
+    -> (0, 6), '0.5.3rc1' -> (0, 5, 3); () for a version packaging cannot read."""
+    try:
+        return Version(version).release
+    except InvalidVersion:
+        return ()
 
 
 def platform_plugins() -> tuple[str, ...]:

@@ -11,6 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 import neuronctl.doctor as doctor
+from neuronctl.checks import Check
 from neuronctl.cli.main import app
 
 runner = CliRunner()
@@ -64,17 +65,17 @@ def _install_neuron(state: dict[str, Any]) -> None:
     }
 
 
-def _by_name(report: doctor.DoctorReport) -> dict[str, doctor.Finding]:
-    return {f.name: f for f in report.findings}
+def _by_name(report: doctor.DoctorReport) -> dict[str, Check]:
+    return {f.name: f for f in report.checks}
 
 
 def test_cpu_host_is_ready_for_torch_and_says_how_to_install_neuron(host: dict) -> None:
     report = doctor.diagnose("torch")
     assert report.healthy
     found = _by_name(report)
-    assert found["torch"].ok and found["torch"].detail == "2.13.0"
+    assert found["torch"].ok and found["torch"].reason == "2.13.0"
     cc = found["neuronx-cc"]
-    assert not cc.ok and not cc.required and "not installed" in cc.detail
+    assert not cc.ok and not cc.required and "not installed" in cc.reason
     assert "--extra-index-url https://pip.repos.neuron.amazonaws.com neuronx-cc" in cc.fix
     assert found["neuron devices"].ok  # the torch backend runs without devices
 
@@ -96,9 +97,9 @@ def test_neuron_backend_ready_when_sdk_installed(host: dict) -> None:
     _install_neuron(host)
     host["neuron_ls"] = [{"neuron_device": 0, "nc_count": 2}, {"neuron_device": 1, "nc_count": 2}]
     report = doctor.diagnose("nxdi")
-    assert report.healthy, [f.as_dict() for f in report.missing]
+    assert report.healthy, report.missing
     devices = _by_name(report)["neuron devices"]
-    assert devices.ok and devices.detail.startswith("4 NeuronCores (neuron-ls: 2 devices")
+    assert devices.ok and devices.reason.startswith("4 NeuronCores (neuron-ls: 2 devices")
 
 
 def test_missing_torch_fails_the_torch_backend(host: dict) -> None:
@@ -111,7 +112,7 @@ def test_missing_torch_fails_the_torch_backend(host: dict) -> None:
 def test_pypi_placeholder_is_detected(host: dict) -> None:
     host["dists"]["neuronx-cc"] = "0.0.0"  # installed, but no neuronxcc module to import
     cc = _by_name(doctor.diagnose("nxdi"))["neuronx-cc"]
-    assert not cc.ok and "placeholder" in cc.detail
+    assert not cc.ok and "placeholder" in cc.reason
     assert cc.fix.startswith("pip uninstall -y neuronx-cc && pip install --extra-index-url")
 
 
@@ -124,19 +125,19 @@ def test_no_devices_is_a_warning_for_neuron_backends(host: dict) -> None:
     _install_neuron(host)
     report = doctor.diagnose("tnx")
     devices = _by_name(report)["neuron devices"]
-    assert not devices.ok and not devices.required and "compile works" in devices.detail
+    assert not devices.ok and not devices.required and "compile works" in devices.reason
     assert report.healthy
 
 
 def test_vllm_absent_is_fine(host: dict) -> None:
     vllm = _by_name(doctor.diagnose())["vllm"]
-    assert vllm.ok and "not installed" in vllm.detail
+    assert vllm.ok and "not installed" in vllm.reason
 
 
 def test_vllm_pypi_build_is_flagged(host: dict) -> None:
     host["dists"]["vllm"] = "0.6.3"
     vllm = _by_name(doctor.diagnose())["vllm"]
-    assert not vllm.ok and "not a Neuron build" in vllm.detail
+    assert not vllm.ok and "not a Neuron build" in vllm.reason
     assert "VLLM_TARGET_DEVICE=neuron" in vllm.fix
 
 
@@ -150,7 +151,7 @@ def test_vllm_pypi_build_is_flagged(host: dict) -> None:
 def test_vllm_neuron_builds_are_recognised(host: dict, dists: dict, how: str) -> None:
     host["dists"].update(dists)
     vllm = _by_name(doctor.diagnose())["vllm"]
-    assert vllm.ok and how in vllm.detail
+    assert vllm.ok and how in vllm.reason
 
 
 @pytest.mark.parametrize(
@@ -169,7 +170,7 @@ def test_triton_2_1_0_with_vllm_0_5_3_or_newer(
     found = _by_name(doctor.diagnose())
     assert ("triton" in found) is bad
     if bad:
-        assert "default_dump_dir" in found["triton"].detail
+        assert "default_dump_dir" in found["triton"].reason
         assert found["triton"].fix.startswith("pip install --upgrade triton==3.0.0")
 
 
@@ -179,21 +180,15 @@ def test_missing_vllm_neuron_models_module(host: dict, tmp_path: Path) -> None:
     host["dists"]["vllm"] = "0.3.3+neuron"
     host["vllm_dir"] = root
     bad = _by_name(doctor.diagnose())["vllm.model_executor.models.neuron"]
-    assert not bad.ok and "ModuleNotFoundError" in bad.detail
+    assert not bad.ok and "ModuleNotFoundError" in bad.reason
     assert "touch vllm/model_executor/models/neuron/__init__.py" in bad.fix
     (root / "model_executor" / "models" / "neuron").mkdir()
     assert "vllm.model_executor.models.neuron" not in _by_name(doctor.diagnose())
 
 
-def test_version_tuple() -> None:
-    assert doctor.version_tuple("0.6.dev0+neuron215") == (0, 6)
-    assert doctor.version_tuple("2.1.0") == (2, 1, 0)
-    assert doctor.version_tuple("0.5.3rc1") == (0, 5, 3)
-
-
-def test_disk_finding_for_a_store_that_does_not_exist_yet(tmp_path: Path) -> None:
-    found = doctor.disk_finding(tmp_path / "not" / "yet")
-    assert "GiB free at" in found.detail and str(tmp_path / "not" / "yet") in found.detail
+def test_disk_check_for_a_store_that_does_not_exist_yet(tmp_path: Path) -> None:
+    found = doctor.disk_check(tmp_path / "not" / "yet")
+    assert "GiB free at" in found.reason and str(tmp_path / "not" / "yet") in found.reason
 
 
 def test_neuron_ls_output_is_parsed(monkeypatch: pytest.MonkeyPatch) -> None:
@@ -235,6 +230,18 @@ def test_cli_json_and_exit_codes(host: dict) -> None:
     assert "missing for the nxdi backend" in " ".join(result.stdout.split())
 
 
+def test_json_keeps_the_documented_field_names() -> None:
+    """docs/validate.md's doctor --json: a check's reason is "detail", its kind "section"."""
+    check = Check("ninja", False, "not on PATH", fix="pip install ninja", required=True,
+                  kind="host")
+    assert doctor.DoctorReport("torch", [check]).as_dict() == {
+        "healthy": False,
+        "backend": "torch",
+        "checks": [{"name": "ninja", "ok": False, "detail": "not on PATH",
+                    "fix": "pip install ninja", "required": True, "section": "host"}],
+    }
+
+
 def test_cli_unknown_backend_is_a_usage_error() -> None:
     from tests.helpers import cli
 
@@ -255,7 +262,7 @@ def test_cli_unknown_backend_is_a_usage_error() -> None:
 def test_doctor_names_the_vllm_generation(host: dict, dists: dict, letter: str, ok: bool) -> None:
     host["dists"].update(dists)
     found = _by_name(doctor.diagnose())["vllm generation"]
-    assert letter in found.detail and found.ok is ok and not found.required
+    assert letter in found.reason and found.ok is ok and not found.required
 
 
 def test_tnx_on_sdk_2_26_is_known_bad(host: dict) -> None:
@@ -273,8 +280,8 @@ def test_tnx_on_sdk_2_26_is_known_bad(host: dict) -> None:
     host["dists"]["neuronx-distributed-inference"] = "0.5.9230"
     assert doctor.sdk_release() == (2, 25)
     report = doctor.diagnose()
-    assert bad.section == "known issues" and "SDK 2.26" in bad.detail
-    assert not any(f.section == "known issues" for f in report.findings)
+    assert bad.kind == "known issues" and "SDK 2.26" in bad.reason
+    assert not any(f.kind == "known issues" for f in report.checks)
 
 
 def test_nxdi_on_inf2_from_sdk_2_29_is_known_bad(host: dict) -> None:
@@ -283,10 +290,10 @@ def test_nxdi_on_inf2_from_sdk_2_29_is_known_bad(host: dict) -> None:
     )
     host["instance"] = "inf2.xlarge"
     bad = _by_name(doctor.diagnose())["neuronx-distributed-inference"]
-    assert "Trn2+ only" in bad.detail and "0.4.1" in bad.fix
+    assert "Trn2+ only" in bad.reason and "0.4.1" in bad.fix
     host["instance"] = "trn2.48xlarge"
     assert "neuronx-distributed-inference" not in {
-        f.name for f in doctor.diagnose().findings if f.section == "known issues"
+        f.name for f in doctor.diagnose().checks if f.kind == "known issues"
     }
 
 
@@ -294,7 +301,7 @@ def test_tnx_framework_variable_on_upstream_0_9_is_known_bad(host: dict, monkeyp
     """upstreaming-to-vllm dd417b3 vllm/platforms/neuron.py:117-121."""
     host["dists"]["vllm"] = "0.9.2+neuron"
     monkeypatch.setenv("VLLM_NEURON_FRAMEWORK", "transformers-neuronx")
-    assert "AttributeError" in _by_name(doctor.diagnose())["VLLM_NEURON_FRAMEWORK"].detail
+    assert "AttributeError" in _by_name(doctor.diagnose())["VLLM_NEURON_FRAMEWORK"].reason
     host["dists"]["vllm"] = "0.7.2+neuron"  # the fork reads it safely
     assert "VLLM_NEURON_FRAMEWORK" not in _by_name(doctor.diagnose())
 
@@ -303,7 +310,7 @@ def test_two_platform_plugins_are_known_bad(host: dict, monkeypatch) -> None:
     host["dists"].update({"vllm": "0.13.0", "vllm-neuron": "0.4.1"})
     host["plugins"] = ("neuron", "optimum_neuron")
     bad = _by_name(doctor.diagnose())["vllm.platform_plugins"]
-    assert "Only one platform plugin" in bad.detail and "VLLM_PLUGINS=neuron" in bad.fix
+    assert "Only one platform plugin" in bad.reason and "VLLM_PLUGINS=neuron" in bad.fix
     monkeypatch.setenv("VLLM_PLUGINS", "neuron")
     assert "vllm.platform_plugins" not in _by_name(doctor.diagnose())
 
@@ -315,15 +322,15 @@ def test_doctor_says_whether_inductor_and_the_kernel_can_be_built(
     installed: list[str | None] = ["/env/lib/ninja/data/bin/ninja"]
     monkeypatch.setattr(doctor.shutil, "which", lambda name: found.get(name))
     monkeypatch.setattr(doctor, "installed_ninja", lambda: installed[0])
-    ok = doctor.toolchain_finding("torch")
-    assert ok.ok and "g++ and ninja" in ok.detail
+    ok = doctor.toolchain_check("torch")
+    assert ok.ok and "g++ and ninja" in ok.reason
     del found["ninja"]  # off PATH, but the ninja neuronctl installs is there: the build finds it
-    assert doctor.toolchain_finding("torch").ok
+    assert doctor.toolchain_check("torch").ok
     installed[0] = None
     report = doctor.diagnose("torch")
-    finding = next(f for f in report.findings if f.name == "c++ toolchain")
-    assert not finding.ok and "no ninja" in finding.detail and "--compiler export" in finding.fix
+    finding = next(f for f in report.checks if f.name == "c++ toolchain")
+    assert not finding.ok and "no ninja" in finding.reason and "--compiler export" in finding.fix
     assert report.healthy  # export graphs need neither: a warning, not a failure
     found.clear()
-    neuron = doctor.toolchain_finding("nxdi")
-    assert neuron.detail == "no C++ compiler or ninja on PATH (torch backend only)"
+    neuron = doctor.toolchain_check("nxdi")
+    assert neuron.reason == "no C++ compiler or ninja on PATH (torch backend only)"

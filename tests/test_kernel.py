@@ -6,6 +6,7 @@ run it eagerly, so they need no AOTInductor compile.
 
 from __future__ import annotations
 
+import os
 import re
 import shutil
 import subprocess
@@ -363,11 +364,44 @@ print(float(torch.ops.neuronctl.linear_blocked(torch.ones(1, 16), w, None).sum()
 def test_the_ninja_neuronctl_installs_is_found_off_path(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    # A PATH through a version manager's shims may not reach the env's own bin directory.
+    # A PATH through a version manager's shims may not reach the env's own bin directory:
+    # the build child gets that ninja on its PATH, and this process's PATH stays as it was.
     monkeypatch.setenv("PATH", str(tmp_path))
+    monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path / "cache"))  # nothing built: a build
     assert shutil.which("ninja") is None
-    kernel._find_ninja()
-    assert shutil.which("ninja") is not None
+    children: list[dict[str, str]] = []
+
+    class Child:  # the build child as _build sees it: it exits 0 and leaves the library
+        returncode = 0
+
+        def __init__(self, argv: list[str], env: dict[str, str] | None = None, **_: object):
+            children.append(dict(os.environ) if env is None else env)  # what it would get
+            Path(argv[-2], f"{kernel.library_stem()}.so").write_bytes(b"")
+
+        def communicate(self, timeout: float) -> tuple[str, str]:
+            return "", ""
+
+    monkeypatch.setattr(kernel.subprocess, "Popen", Child)
+    monkeypatch.setattr(torch.ops, "load_library", lambda path: None)
+    kernel._build()
+    assert len(children) == 1
+    assert shutil.which("ninja", path=children[0]["PATH"]) is not None
+    assert os.environ["PATH"] == str(tmp_path)
+
+
+def test_inductors_lowering_table_is_its_own_again_after_a_packed_build() -> None:
+    """The oneDNN linear lowering is replaced only inside the build, also when it fails."""
+    from torch._inductor import lowering
+
+    from neuronctl.backends.torch.graphs import _weights_as_inputs_for_onednn
+
+    ops = [torch.ops.mkldnn._linear_pointwise.default, torch.ops.mkldnn._linear_pointwise.binary]
+    before = {op: lowering.lowerings.get(op) for op in ops}
+    with pytest.raises(RuntimeError, match="the compile failed"):
+        with _weights_as_inputs_for_onednn():
+            assert all(lowering.lowerings[op] is not before[op] for op in ops)
+            raise RuntimeError("the compile failed")
+    assert {op: lowering.lowerings.get(op) for op in ops} == before
 
 
 def _mapping_of(address: int) -> str:

@@ -3,7 +3,9 @@ scenario against the real SDK under the `neuron` marker."""
 
 from __future__ import annotations
 
+import importlib
 import json
+import os
 from pathlib import Path
 
 import pytest
@@ -429,3 +431,27 @@ def test_neuron_config_json_round_trips_with_real_types(neuron_standins, tiny_ll
     assert type(back.neuron_config.on_device_sampling_config).__name__ == \
         "OnDeviceSamplingConfig"
     assert back.to_json_string() + "\n" == text
+
+
+@pytest.mark.parametrize("ours", ["--ours", None])
+def test_the_compile_sees_the_spec_flags_and_the_process_keeps_its_own(
+    neuron_standins, tiny_llama, tmp_path, monkeypatch, ours
+) -> None:
+    """NEURON_CC_FLAGS is part of the key and NxD Inference compiles in this process: it sees
+    the spec's flags while it compiles, and this process's own value (or none) after."""
+    if ours is None:
+        monkeypatch.delenv("NEURON_CC_FLAGS", raising=False)
+    else:
+        monkeypatch.setenv("NEURON_CC_FLAGS", ours)
+    application = importlib.import_module("neuronx_distributed_inference.models.base")
+    seen = []
+    real_compile = application.StandinForCausalLM.compile
+
+    def compile(self, path: str) -> None:
+        seen.append(os.environ.get("NEURON_CC_FLAGS"))
+        real_compile(self, path)
+
+    monkeypatch.setattr(application.StandinForCausalLM, "compile", compile)
+    compile_nxdi(tiny_llama, tmp_path / "store", cc_flags="-O1")
+    assert seen == ["-O1"]
+    assert os.environ.get("NEURON_CC_FLAGS") == ours

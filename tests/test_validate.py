@@ -11,6 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 import neuronctl.validate as validate_mod
+from neuronctl.checks import Check
 from neuronctl.cli.main import app
 from neuronctl.errors import BackendUnavailableError, NeuronctlError
 from neuronctl.keys import FORMAT_VERSION
@@ -54,7 +55,7 @@ def _cli(*args: str, env: dict[str, str] | None = None) -> tuple[int, dict[str, 
 
 
 def _failed(report: Report | dict[str, Any]) -> dict[str, str]:
-    checks = report["checks"] if isinstance(report, dict) else [c.as_dict() for c in report.checks]
+    checks = (report if isinstance(report, dict) else report.as_dict())["checks"]
     return {c["name"]: c["reason"] for c in checks if not c["ok"]}
 
 
@@ -515,3 +516,16 @@ def test_nothing_under_a_store_private_directory_validates(
     for deep in (False, True):
         assert "not an artifact" in _failed(validate_artifact(leftover, deep=deep))["artifact"]
     assert not is_intact(leftover)
+
+
+def test_json_keeps_the_documented_field_names() -> None:
+    """docs/validate.md's validate --json: name, ok, reason, kind per check, nothing more."""
+    checks = [Check("files", False, "missing: model.pt"), Check("cores", True, "2", kind="host")]
+    assert Report(Path("art"), checks).as_dict() == {
+        "reusable": False,
+        "path": "art",
+        "checks": [
+            {"name": "files", "ok": False, "reason": "missing: model.pt", "kind": "check"},
+            {"name": "cores", "ok": True, "reason": "2", "kind": "host"},
+        ],
+    }

@@ -697,9 +697,13 @@ def test_env_exports_work_from_a_written_manifest(tmp_path: Path) -> None:
 
 
 def test_version_tuple() -> None:
+    """The one version reader, vllm's and doctor's (packaging's release numbers)."""
     assert version_tuple("0.6.dev0+neuron215") == (0, 6)
     assert version_tuple("0.10.1.1") == (0, 10, 1, 1)
     assert version_tuple("0.2.2+lts") == (0, 2, 2)
+    assert version_tuple("2.1.0") == (2, 1, 0)
+    assert version_tuple("0.5.3rc1") == (0, 5, 3)
+    assert version_tuple("not a version") == ()
 
 
 # --- the launch against the real vLLM sources (when their git mirrors are on this host) -------

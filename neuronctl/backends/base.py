@@ -24,6 +24,7 @@ if TYPE_CHECKING:
     import torch
 
     from neuronctl.checkpoints import Checkpoint
+    from neuronctl.checks import Check
     from neuronctl.spec import BuildSpec
     from neuronctl.store.manifest import Manifest
 
@@ -48,13 +49,6 @@ class BuildResult:
     graphs: list[str]  # relative paths of compiled graph files in staging
     graphs_reused: bool = False
     extra: dict[str, Any] = field(default_factory=dict)  # recorded in the manifest host facts
-
-
-@dataclass(frozen=True)
-class HostCheck:
-    name: str
-    ok: bool
-    reason: str = ""
 
 
 class Runner(Protocol):
@@ -119,6 +113,6 @@ class Backend(Protocol):
         """Load a published artifact for running."""
         ...
 
-    def host_checks(self, manifest: Manifest) -> list[HostCheck]:
+    def host_checks(self, manifest: Manifest) -> list[Check]:
         """Can this host run the artifact as-is (versions, ISA, cores/devices)?"""
         ...

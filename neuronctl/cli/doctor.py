@@ -42,9 +42,7 @@ def doctor_command(
 
 
 def render(report: DoctorReport) -> None:
-    rows = [
-        [_mark(f.ok, f.required), f.section, f.name, f.detail, f.fix] for f in report.findings
-    ]
+    rows = [[_mark(c.ok, c.required), c.kind, c.name, c.reason, c.fix] for c in report.checks]
     console.print(table(None, ["", "section", "name", "state", "fix"], rows))
     if report.healthy:
         console.print(f"[green]ready[/green] for the {report.backend} backend")

@@ -14,10 +14,11 @@ from collections.abc import Mapping
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from neuronctl.backends.base import NEURON_CONFIG, BuildRequest, BuildResult, HostCheck
+from neuronctl.backends.base import NEURON_CONFIG, BuildRequest, BuildResult
 from neuronctl.backends.neuron import cc_flags_env, sdk_failure
 from neuronctl.backends.nxdi import sdk
 from neuronctl.backends.nxdi.config import check_override, neuron_config_kwargs
+from neuronctl.checks import Check
 from neuronctl.errors import BuildError, NeuronctlError, SpecError
 
 if TYPE_CHECKING:
@@ -132,13 +133,13 @@ class NxdiBackend:
         model.load(str(path))
         return NxdiRunner(model, manifest.spec, manifest.shape.vocab_size or 0)
 
-    def host_checks(self, manifest: Manifest) -> list[HostCheck]:
+    def host_checks(self, manifest: Manifest) -> list[Check]:
         from neuronctl.doctor import neuron_cores
 
         tp = manifest.spec.tp_degree
         cores, how = neuron_cores()
         return [
-            HostCheck(
+            Check(
                 "cores",  # validate's capacity check then stays quiet: said once
                 cores >= tp,
                 f"tp degree {tp}, {cores} NeuronCores here ({how})"

@@ -25,7 +25,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from neuronctl.backends.base import BuildRequest, BuildResult, HostCheck
+from neuronctl.backends.base import BuildRequest, BuildResult
 from neuronctl.backends.neuron import (
     SlotFill,
     cc_flags_env,
@@ -37,6 +37,7 @@ from neuronctl.backends.neuron import (
 )
 from neuronctl.backends.nxdi import NxdiBackend
 from neuronctl.backends.tnx import config as tnx_config
+from neuronctl.checks import Check
 from neuronctl.errors import BackendUnavailableError, BuildError, NeuronctlError
 
 if TYPE_CHECKING:
@@ -161,7 +162,7 @@ class TnxBackend:
             )
         return TnxRunner(model, spec, manifest.shape.vocab_size or 0)
 
-    def host_checks(self, manifest: Manifest) -> list[HostCheck]:
+    def host_checks(self, manifest: Manifest) -> list[Check]:
         return NxdiBackend().host_checks(manifest)
 
 

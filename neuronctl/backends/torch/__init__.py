@@ -19,7 +19,8 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from neuronctl.backends.base import BuildRequest, BuildResult, HostCheck
+from neuronctl.backends.base import BuildRequest, BuildResult
+from neuronctl.checks import Check
 from neuronctl.doctor import available_cpus
 from neuronctl.errors import BuildError, CheckpointError, SpecError
 from neuronctl.store.local import user_cache_store
@@ -309,7 +310,7 @@ class TorchBackend:
         check_artifact(path, manifest)  # every graph, though each loads only when first used
         return TorchRunner(path, manifest.spec, manifest.architecture, manifest.graphs)
 
-    def host_checks(self, manifest: Manifest) -> list[HostCheck]:
+    def host_checks(self, manifest: Manifest) -> list[Check]:
         return host_checks(manifest, {"cpu_isa": cpu_isa(), "cpu_half_units": half_units()})
 
 
@@ -490,7 +491,7 @@ def _cxx_version() -> str:
         return "unknown"
 
 
-def host_checks(manifest: Manifest, here: Mapping[str, str]) -> list[HostCheck]:
+def host_checks(manifest: Manifest, here: Mapping[str, str]) -> list[Check]:
     """What validate's generic version comparison cannot judge: the ISA and the cores.
 
     (torch and modeling versions are compared by validate from `versions()`.)
@@ -501,9 +502,9 @@ def host_checks(manifest: Manifest, here: Mapping[str, str]) -> list[HostCheck]:
     checks.append(half_units_check(manifest, here))
     tp, cores = manifest.spec.tp_degree, available_cpus()
     checks.append(
-        HostCheck("cores", True, f"tp degree {tp}, {cores} cores")
+        Check("cores", True, f"tp degree {tp}, {cores} cores")
         if tp <= cores
-        else HostCheck(
+        else Check(
             "cores",
             False,
             f"tp degree {tp} needs {tp} cores, this host has {cores}; recompile with "
@@ -513,17 +514,17 @@ def host_checks(manifest: Manifest, here: Mapping[str, str]) -> list[HostCheck]:
     return checks
 
 
-def half_units_check(manifest: Manifest, here: Mapping[str, str]) -> HostCheck:
+def half_units_check(manifest: Manifest, here: Mapping[str, str]) -> Check:
     """A bf16 (fp16) artifact built to compute natively needs a CPU with those units."""
     built_with = manifest.backend_versions.get("cpu_half_units", "none")
     spec = manifest.spec
     compute = compute_dtype(str(spec.dtype), bool(spec.quantized), built_with)
     units = here.get("cpu_half_units", "none")
     if compute == "float32" or compute_dtype(compute, False, units) == compute:
-        return HostCheck(
+        return Check(
             "half-precision units", True, f"computes in {compute}; this host has {units} units"
         )
-    return HostCheck(
+    return Check(
         "half-precision units",
         False,
         f"compiled to compute in {compute} on a CPU with {built_with} units, this host has "
@@ -531,16 +532,16 @@ def half_units_check(manifest: Manifest, here: Mapping[str, str]) -> HostCheck:
     )
 
 
-def isa_check(manifest: Manifest, here: Mapping[str, str]) -> HostCheck:
+def isa_check(manifest: Manifest, here: Mapping[str, str]) -> Check:
     isa = manifest.backend_versions.get("cpu_isa", "none")
     if isa == here.get("cpu_isa"):  # the common case, answered from the cached probe
-        return HostCheck("cpu isa", True, f"{isa}, as compiled")
+        return Check("cpu isa", True, f"{isa}, as compiled")
     if cpu_runs(isa):
-        return HostCheck("cpu isa", True, f"compiled for {isa}, which this CPU runs")
+        return Check("cpu isa", True, f"compiled for {isa}, which this CPU runs")
     supported = supported_isas()
     if isa in supported:
-        return HostCheck("cpu isa", True, f"compiled for {isa}, which this host supports")
-    return HostCheck(
+        return Check("cpu isa", True, f"compiled for {isa}, which this host supports")
+    return Check(
         "cpu isa",
         False,
         f"compiled for {isa} ({manifest.host.get('machine', '?')}), this host "

@@ -186,7 +186,6 @@ def _build() -> Path:
     build_dir = cache_dir()
     library = build_dir / f"{library_stem()}.so"
     if not _built(library):  # else: no child, no compiler, no lock
-        _find_ninja()
         build_dir.mkdir(parents=True, exist_ok=True)
         timeout = build_timeout()
         with build_lock(build_dir, timeout):
@@ -278,6 +277,7 @@ def _run_build_child(build_dir: Path, timeout: float) -> None:
     code = "import sys; from neuronctl.backends.torch.kernel import build_here; build_here()"
     child = subprocess.Popen(
         [sys.executable, "-c", code, str(build_dir), str(os.getpid())],
+        env=_build_env(),
         stdout=subprocess.DEVNULL,
         stderr=subprocess.PIPE,
         text=True,
@@ -341,11 +341,15 @@ def build_here() -> None:
     )
 
 
-def _find_ninja() -> None:
-    """cpp_extension runs `ninja` from PATH; the ninja neuronctl depends on may be off it
-    (doctor.installed_ninja, which doctor reports from too)."""
-    if not shutil.which("ninja") and (found := installed_ninja()):
-        os.environ["PATH"] = os.pathsep.join([str(Path(found).parent), os.environ.get("PATH", "")])
+def _build_env() -> dict[str, str]:
+    """The build child's environment: ours, with the ninja neuronctl depends on put on PATH
+    when PATH does not reach one (cpp_extension runs `ninja` from PATH;
+    doctor.installed_ninja, which doctor reports from too). Our own PATH stays as it is."""
+    env = dict(os.environ)
+    path = env.get("PATH")  # None: which() searches os.defpath, as the child's exec would
+    if not shutil.which("ninja", path=path) and (found := installed_ninja()):
+        env["PATH"] = os.pathsep.join([str(Path(found).parent), path or os.defpath])
+    return env
 
 
 def cache_dir() -> Path:
