@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import typer
+from rich.markup import escape
 
-from neuronctl.cli._common import JsonOpt, StoreOpt, console, print_json, table
+from neuronctl.cli._common import JsonOpt, StoreOpt, console, print_json, print_table
 from neuronctl.doctor import BACKENDS, DoctorReport, diagnose
 from neuronctl.errors import EXIT_FAILED, EXIT_OK, UsageError
 
@@ -42,10 +43,19 @@ def doctor_command(
 
 
 def render(report: DoctorReport) -> None:
-    rows = [
-        [_mark(f.ok, f.required), f.section, f.name, f.detail, f.fix] for f in report.findings
-    ]
-    console.print(table(None, ["", "section", "name", "state", "fix"], rows))
+    """One row per finding under its section's heading, its fix below its state: a section
+    and a fix column left the state too narrow for a path or URL at 80 columns."""
+    rows: list[list[str]] = []
+    section = None
+    for finding in report.findings:
+        if finding.section != section:
+            section = finding.section
+            rows.append(["", f"[bold]{escape(section)}[/bold]", ""])
+        state = escape(finding.detail)
+        if finding.fix:
+            state += f"\n[dim]fix:[/dim] {escape(finding.fix)}"
+        rows.append([_mark(finding.ok, finding.required), escape(finding.name), state])
+    print_table(None, ["", "name", "state"], rows)
     if report.healthy:
         console.print(f"[green]ready[/green] for the {report.backend} backend")
     else:
