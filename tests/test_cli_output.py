@@ -196,3 +196,110 @@ def test_fit_leaves_out_optional_columns_last_first_then_trims() -> None:
     assert fit(columns, rows, 12 + 32 + 7 + 6) == [12, 32, 7, None]
     assert fit(columns, rows, 12 + 2 + 10) == [12, 10, None, None]
     assert fit(columns, rows, 10) == [12, 10, None, None]  # cannot fit: the key stays whole
+
+
+BARS = """
+import logging, sys, time
+from neuronctl import log
+from neuronctl.cli._progress import progress_for
+
+log.setup(logging.INFO)
+with progress_for(quiet=False) as progress:
+    advance = progress.task("sharding weights", total=8)
+    for step in range(8):
+        time.sleep(0.06)  # past rich's refresh: each step is drawn
+        advance(1)
+        if sys.argv[1] == "logs" and step % 2 == 0:
+            logging.getLogger("neuronctl.test").info("step %d", step)
+"""
+
+
+def _terminal(data: bytes) -> list[str]:
+    """The lines a terminal shows after `data`, scrollback included: printable text, CR, LF,
+    cursor up (ESC[nA) and erase line (ESC[2K); other escapes (colours, cursor show) ignored."""
+    lines, row, col = [""], 0, 0
+    for token in re.findall(rb"\x1b\[[0-9;?]*[A-Za-z]|\r|\n|[^\x1b\r\n]+", data):
+        if token == b"\r":
+            col = 0
+        elif token == b"\n":
+            row += 1
+            col = 0
+            if row == len(lines):
+                lines.append("")
+        elif token.startswith(b"\x1b["):
+            if token.endswith(b"A"):
+                row = max(0, row - int(token[2:-1] or 1))
+            elif token == b"\x1b[2K":
+                lines[row] = ""
+        else:
+            text = token.decode("utf-8", "replace")
+            lines[row] = lines[row][:col].ljust(col) + text + lines[row][col + len(text) :]
+            col += len(text)
+    return [line.rstrip() for line in lines if line.strip()]
+
+
+def _in_pty(argv: list[str]) -> bytes:
+    import os
+    import pty
+    import sys
+
+    pid, fd = pty.fork()
+    if pid == 0:  # the child: its stdout and stderr are the terminal
+        os.environ.pop("COLUMNS", None)
+        os.execv(sys.executable, [sys.executable, *argv])
+    out = b""
+    while True:
+        try:
+            chunk = os.read(fd, 65536)
+        except OSError:  # the child closed the terminal
+            break
+        if not chunk:
+            break
+        out += chunk
+    os.waitpid(pid, 0)
+    return out
+
+
+@pytest.mark.parametrize("logs", ["quiet", "logs"])
+def test_bars_redraw_in_place_on_a_terminal(logs: str) -> None:
+    """On a terminal the bar is redrawn with carriage returns and cursor moves, so it shows once
+    however often it advances. Log lines (-v) went to the real stderr behind rich's back and
+    left one copy of the bar per line; they now print above it."""
+    raw = _in_pty(["-c", BARS, logs])
+    assert b"\r" in raw and b"\x1b[2K" in raw  # redrawn, not appended
+    shown = _terminal(raw)
+    bars = [line for line in shown if "sharding weights" in line]
+    assert len(bars) == 1 and "100%" in bars[0], shown
+    steps = [line for line in shown if "neuronctl.test: step" in line]
+    assert len(steps) == (4 if logs == "logs" else 0), shown
+
+
+def test_plain_progress_is_a_start_a_heartbeat_and_a_done_line() -> None:
+    from neuronctl.cli._progress import PlainProgress
+
+    now = [0.0]
+    lines: list[str] = []
+    progress = PlainProgress(bytes_=True, write=lines.append, clock=lambda: now[0])
+    advance = progress.task("pull 5b85196557c5", total=4 * 2**30)
+    for _ in range(400):  # a 4 GiB pull in 10 MiB chunks over 60 s
+        now[0] += 0.15
+        advance(4 * 2**30 / 400)
+    assert lines == [
+        "pull 5b85196557c5 ...",
+        "pull 5b85196557c5: 50% (2.0 GiB of 4.0 GiB)",
+        "pull 5b85196557c5: done in 60.0 s",
+    ]
+
+
+def test_progress_off_a_terminal_prints_sparse_plain_lines(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A CI log got nothing at all from a long pull or compile (the bars were off when stderr
+    was not a terminal); now a plain line per step, with no control characters."""
+    path = _publish(Store(tmp_path), MODELS[0])
+    args = ["validate", path.name, "--deep", "--store", str(tmp_path)]
+    _, _, err = run_in_process(args, capsys, monkeypatch)
+    assert "verifying sha256 ...\n" in err and "verifying sha256: done in" in err
+    assert "\r" not in err and "\x1b" not in err
+    _, out, err = run_in_process([*args, "--json"], capsys, monkeypatch)
+    assert "verifying sha256" not in err  # --json: nothing but the document
