@@ -303,3 +303,36 @@ def test_progress_off_a_terminal_prints_sparse_plain_lines(
     assert "\r" not in err and "\x1b" not in err
     _, out, err = run_in_process([*args, "--json"], capsys, monkeypatch)
     assert "verifying sha256" not in err  # --json: nothing but the document
+
+
+@pytest.mark.parametrize("command", ["validate", "serve", "compile", "plan"])
+def test_help_paragraphs_wrap_once_at_80_columns(command: str) -> None:
+    """typer kept the docstrings' source line breaks, so at 80 columns each one broke again:
+    "...recorded size (with" then "--deep, its sha256 too)..." on the next line. A paragraph's
+    lines now fill the width; only its last may be short. Examples keep their own lines."""
+    from typer.testing import CliRunner
+
+    from neuronctl.cli.main import app
+
+    result = CliRunner().invoke(app, [command, "--help"], env={"COLUMNS": "80"})
+    assert result.exit_code == 0
+    head = result.output.split("╭", 1)[0]
+    paragraphs = [p.splitlines() for p in re.split(r"\n\s*\n", head) if p.strip()]
+    prose = [[line.rstrip() for line in p] for p in paragraphs if not p[0].startswith("   ")]
+    assert len(prose) >= 3
+    for lines in prose:
+        assert all(len(line) > 60 for line in lines[:-1]), lines
+
+
+def test_reflow_joins_prose_lines_and_keeps_examples() -> None:
+    from neuronctl.cli.main import reflow
+
+    text = """Summary.
+
+    Prose wrapped
+    by hand.
+
+      neuronctl x
+      neuronctl y
+    """
+    assert reflow(text) == "Summary.\n\nProse wrapped by hand.\n\n  neuronctl x\n  neuronctl y"
