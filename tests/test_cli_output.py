@@ -336,3 +336,22 @@ def test_reflow_joins_prose_lines_and_keeps_examples() -> None:
       neuronctl y
     """
     assert reflow(text) == "Summary.\n\nProse wrapped by hand.\n\n  neuronctl x\n  neuronctl y"
+
+
+def test_compile_prints_the_artifact_key_whole_within_80_columns(
+    compiled_artifact: Path,
+    tiny_llama: Path,
+    narrow: None,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """The key line carried the compile time after the 64-character key: 87 columns, so an
+    80-column terminal split the key. A cache hit here: nothing is compiled again."""
+    from tests.conftest import TINY_SPEC
+
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in TINY_SPEC.items()]
+    store = str(compiled_artifact.parent.parent)
+    out = _run(["compile", str(tiny_llama), *flags, "--store", store], capsys, monkeypatch)
+    keys = [line for line in out.splitlines() if line.startswith("artifact key ")]
+    assert len(keys) == 1 and re.fullmatch(r"artifact key [0-9a-f]{64}", keys[0]), out
+    assert str(compiled_artifact) in out
