@@ -280,15 +280,42 @@ def test_plain_progress_is_a_start_a_heartbeat_and_a_done_line() -> None:
     now = [0.0]
     lines: list[str] = []
     progress = PlainProgress(bytes_=True, write=lines.append, clock=lambda: now[0])
-    advance = progress.task("pull 5b85196557c5", total=4 * 2**30)
-    for _ in range(400):  # a 4 GiB pull in 10 MiB chunks over 60 s
+    pull = progress.task("pull 5b85196557c5", total=4 * 2**30)
+    graph = progress.task("inductor context_encoding_64", total=1)
+    for step in range(400):  # a 4 GiB pull in 10 MiB chunks over 60 s: no line per chunk
         now[0] += 0.15
-        advance(4 * 2**30 / 400)
+        pull(4 * 2**30 / 400)
+        if step == 199:
+            progress.heartbeat()  # what the heartbeat thread does every `interval` seconds
+    graph(1)
+    progress.heartbeat()  # nothing runs: nothing to say
     assert lines == [
         "pull 5b85196557c5 ...",
-        "pull 5b85196557c5: 50% (2.0 GiB of 4.0 GiB)",
+        "inductor context_encoding_64 ...",
+        "still running after 30 s: pull 5b85196557c5 50% (2.0 GiB of 4.0 GiB); "
+        "inductor context_encoding_64",
         "pull 5b85196557c5: done in 60.0 s",
+        "inductor context_encoding_64: done in 60.0 s",
     ]
+
+
+def test_plain_progress_beats_while_nothing_advances() -> None:
+    """A task that advances only at its end (an NxD Inference compile) still shows life."""
+    import threading
+
+    from neuronctl.cli._progress import PlainProgress
+
+    lines: list[str] = []
+    beat = threading.Event()
+    progress = PlainProgress(write=lambda line: (lines.append(line), beat.set()))
+    progress.interval = 0.01
+    with progress.heartbeats():
+        progress.task("NxD Inference compile", total=None)
+        assert beat.wait(timeout=60)  # set by the start line
+        beat.clear()
+        assert beat.wait(timeout=60)  # set by a heartbeat
+    assert lines[0] == "NxD Inference compile ..."
+    assert lines[1].startswith("still running after ") and "NxD Inference compile" in lines[1]
 
 
 def test_progress_off_a_terminal_prints_sparse_plain_lines(

@@ -5,8 +5,8 @@ go through rich too, or it scrolls the bars away and they are drawn again below 
 log line: neuronctl's log handler is pointed at rich's stderr while the bars are shown.
 
 Elsewhere (CI logs, a pipe, a file) a redraw is a control character the reader sees as garbage
-or as one line per update, so each task prints a line when it starts, at most one every
-`PlainProgress.interval` seconds while it runs, and one when it ends. --json prints nothing.
+or as one line per update, so each task prints a line when it starts and one when it ends, and
+every `PlainProgress.interval` seconds one line says what still runs. --json prints nothing.
 """
 
 from __future__ import annotations
@@ -45,9 +45,12 @@ class RichProgress:
 
 
 class PlainProgress:
-    """The Progress protocol as log lines: start, a heartbeat while it runs, done."""
+    """The Progress protocol as log lines: a line when a task starts, one when it ends, and
+    while any runs, one line every `interval` seconds saying what still runs (CI watchdogs
+    stop a job that prints nothing for minutes; a 15-minute compile advances only at its end).
+    """
 
-    interval = 30.0  # seconds between a running task's lines: CI watchdogs want a sign of life
+    interval = 30.0
 
     def __init__(
         self,
@@ -58,44 +61,74 @@ class PlainProgress:
         self._bytes = bytes_
         self._write = write or _write_stderr
         self._clock = clock
+        self._start = clock()
+        self._tasks: list[_PlainTask] = []
         self._lock = threading.Lock()  # graph workers report from their own threads
 
     def task(self, description: str, total: float | None = None) -> Callable[[float], None]:
-        self._write(f"{description} ...")
-        return _PlainTask(self, description, total).advance
+        task = _PlainTask(description, total, self._clock())
+        with self._lock:
+            self._tasks.append(task)
+            self._write(f"{description} ...")
 
-    def _so_far(self, done: float, total: float | None) -> str:
-        amount = human_size(done) if self._bytes else f"{done:g}"
-        if not total:
-            return f"{amount} so far"
-        whole = human_size(total) if self._bytes else f"{total:g}"
-        return f"{100 * done / total:.0f}% ({amount} of {whole})"
+        def advance(amount: float) -> None:
+            with self._lock:
+                if task.advance(amount):
+                    self._write(f"{description}: done in {self._clock() - task.start:.1f} s")
+
+        return advance
+
+    def heartbeat(self) -> None:
+        """One line naming what still runs, with how far each task with a total has got."""
+        with self._lock:
+            running = [self._status(t) for t in self._tasks if not t.finished]
+            if running:
+                after = self._clock() - self._start
+                self._write(f"still running after {after:.0f} s: " + "; ".join(running))
+
+    @contextmanager
+    def heartbeats(self) -> Iterator[PlainProgress]:
+        stop = threading.Event()
+
+        def beat() -> None:
+            while not stop.wait(self.interval):
+                self.heartbeat()
+
+        thread = threading.Thread(target=beat, name="progress-heartbeat", daemon=True)
+        thread.start()
+        try:
+            yield self
+        finally:
+            stop.set()
+            thread.join()
+
+    def _status(self, task: _PlainTask) -> str:
+        if not task.total or task.total <= 1:  # one step: there is no "how far"
+            return task.description
+        if self._bytes:
+            amounts = f"{human_size(task.done)} of {human_size(task.total)}"
+        else:
+            amounts = f"{task.done:g} of {task.total:g}"
+        return f"{task.description} {100 * task.done / task.total:.0f}% ({amounts})"
 
 
 class _PlainTask:
-    def __init__(self, owner: PlainProgress, description: str, total: float | None) -> None:
-        self.owner, self.description, self.total = owner, description, total
-        self.start = self.last = owner._clock()
+    def __init__(self, description: str, total: float | None, start: float) -> None:
+        self.description, self.total, self.start = description, total, start
         self.done = 0.0
         self.finished = False
 
-    def advance(self, amount: float) -> None:
-        owner = self.owner
-        with owner._lock:
-            if self.finished:
-                return
-            self.done += amount
-            now = owner._clock()
-            if self.total is not None and _reached(self.done, self.total):
-                self.finished = True
-                owner._write(f"{self.description}: done in {now - self.start:.1f} s")
-            elif now - self.last >= owner.interval:
-                self.last = now
-                owner._write(f"{self.description}: {owner._so_far(self.done, self.total)}")
-
-
-def _reached(done: float, total: float) -> bool:
-    return done >= total or math.isclose(done, total)  # fractional advances sum short
+    def advance(self, amount: float) -> bool:
+        """Count `amount`; True the one time this reaches the total."""
+        if self.finished:
+            return False
+        self.done += amount
+        # Fractional advances can sum a hair short of the total.
+        reached = self.total is not None and (
+            self.done >= self.total or math.isclose(self.done, self.total)
+        )
+        self.finished = reached
+        return reached
 
 
 def _write_stderr(line: str) -> None:
@@ -111,7 +144,8 @@ def progress_for(
         yield NullProgress()
         return
     if not err_console.is_terminal or err_console.is_dumb_terminal:  # TERM=dumb: no redraw
-        yield PlainProgress(bytes_)
+        with PlainProgress(bytes_).heartbeats() as plain:
+            yield plain
         return
     columns = [SpinnerColumn(), TextColumn("{task.description}"), BarColumn()]
     columns += [DownloadColumn()] if bytes_ else [TaskProgressColumn()]
