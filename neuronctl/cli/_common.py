@@ -11,14 +11,15 @@ import inspect
 import json
 import sys
 import typing
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
-from rich.table import Table
 from typer._click.core import ParameterSource
+
+from neuronctl.cli._table import Col, print_rows
 
 if TYPE_CHECKING:
     from neuronctl.store.signing import Vouch
@@ -226,13 +227,14 @@ def print_json(data: Any) -> None:
     sys.stdout.flush()
 
 
-def table(title: str | None, columns: list[str], rows: list[list[Any]]) -> Table:
-    t = Table(title=title, show_lines=False)
-    for col in columns:
-        t.add_column(col, overflow="fold")  # fold, never cut: keys and paths get copied
-    for row in rows:
-        t.add_row(*[str(v) for v in row])
-    return t
+def print_table(
+    title: str | None, columns: Sequence[str | Col], rows: Sequence[Sequence[Any]]
+) -> None:
+    """A borderless table that fits the terminal with every key and path whole (cli/_table.py);
+    the title (often a path) on its own line above it, never wrapped."""
+    if title:
+        console.print(title, style="bold", soft_wrap=True, markup=False)
+    print_rows(console, [c if isinstance(c, Col) else Col(c) for c in columns], rows)
 
 
 def human_size(n: float) -> str:

@@ -7,8 +7,9 @@ from typing import Any
 
 import typer
 
-from neuronctl.cli._common import JsonOpt, StoreOpt, console, human_size, print_json, table
+from neuronctl.cli._common import JsonOpt, StoreOpt, console, human_size, print_json, print_table
 from neuronctl.cli._groups import artifacts_app
+from neuronctl.cli._table import Col
 from neuronctl.errors import NeuronctlError
 from neuronctl.store.gc import collect, parse_duration, parse_size
 from neuronctl.store.lease import unused
@@ -37,8 +38,19 @@ def summary(path: Path, manifest: Manifest) -> dict[str, Any]:
 
 
 @artifacts_app.command("list")
-def list_command(store: StoreOpt = None, json_out: JsonOpt = False) -> None:
-    """List the artifacts in a store.
+def list_command(
+    store: StoreOpt = None,
+    no_trunc: bool = typer.Option(
+        False, "--no-trunc", help="Print whole keys and model names, every column, at any width."
+    ),
+    json_out: JsonOpt = False,
+) -> None:
+    """List the artifacts in a store, one per line.
+
+    As `docker images` does, keys show as their shortest unique prefix of at least 12
+    characters (every command takes it); --no-trunc and --json print them whole. On a narrow
+    terminal the created column is left out and long model names lose their start, never a
+    key.
 
     Example: neuronctl artifacts list --store /mnt/artifacts
     """
@@ -48,29 +60,48 @@ def list_command(store: StoreOpt = None, json_out: JsonOpt = False) -> None:
         print_json({"store": str(s.artifacts), "artifacts": rows})
         return
     if not rows:
-        console.print(f"no artifacts in {s.artifacts}")
+        console.print(f"no artifacts in {s.artifacts}", soft_wrap=True)
         return
-    columns = ["key", "model", "backend", "tp", "seq len", "batch", "dtype", "size", "created"]
-    console.print(
-        table(
-            str(s.artifacts),
-            columns,
-            [
-                [
-                    r["key"],
-                    r["model"],
-                    r["backend"],
-                    r["tp_degree"],
-                    r["seq_len"],
-                    r["batch_size"],
-                    r["dtype"],
-                    human_size(float(r["size"])),
-                    r["created"],
-                ]  # type: ignore[arg-type]
-                for r in rows
-            ],
-        )
-    )
+    keys = [str(r["key"]) for r in rows]
+    short = keys if no_trunc else unique_prefixes(keys)
+    columns = [
+        Col("key"),
+        Col("model", trim=0 if no_trunc else 20),
+        Col("backend"),
+        Col("tp"),
+        Col("batch"),
+        Col("seq len"),
+        Col("dtype"),
+        Col("size"),
+        Col("created", optional=not no_trunc),
+    ]
+    cells = [
+        [
+            key,
+            r["model"],
+            r["backend"],
+            r["tp_degree"],
+            r["batch_size"],
+            r["seq_len"],
+            SHORT_DTYPES.get(str(r["dtype"]), r["dtype"]),
+            human_size(float(r["size"])),
+            str(r["created"])[:10],  # the day; --json has the time
+        ]
+        for key, r in zip(short, rows, strict=True)
+    ]
+    print_table(str(s.artifacts), columns, cells)
+
+
+SHORT_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+SHORT_KEY = 12  # as `docker images` shows image ids
+
+
+def unique_prefixes(keys: list[str], least: int = SHORT_KEY) -> list[str]:
+    """Each key cut to one length, the shortest of at least `least` that tells them apart."""
+    length = least
+    while len({k[:length] for k in keys}) < len(set(keys)):
+        length += 1
+    return [k[:length] for k in keys]
 
 
 @artifacts_app.command("show")
@@ -91,9 +122,9 @@ def show_command(key: str = KeyArg, store: StoreOpt = None, json_out: JsonOpt = 
     rows += [[name, value] for name, value in manifest.keys.as_dict().items()]
     rows += [["source digest", manifest.source.digest], ["revision", manifest.source.revision]]
     rows += [[f"version {k}", v] for k, v in manifest.backend_versions.items()]
-    console.print(table(None, ["field", "value"], rows))
+    print_table(None, ["field", "value"], rows)
     files = [[n, human_size(e.size), e.sha256[:16]] for n, e in manifest.files.items()]
-    console.print(table("files", ["file", "size", "sha256"], files))
+    print_table("files", ["file", "size", "sha256"], files)
 
 
 @artifacts_app.command("rm")

@@ -16,8 +16,8 @@ from neuronctl.cli._common import (
     console,
     one_artifact,
     print_json,
+    print_table,
     say_vouch,
-    table,
 )
 from neuronctl.errors import NeuronctlError, UsageError
 
@@ -110,7 +110,7 @@ def _render(result: dict[str, Any]) -> None:
         f"{cfg['requests']} requests, concurrency {cfg['concurrency']} "
         f"(batch {cfg['batch_size']}), prompt {cfg['prompt_len']}, {cfg['max_tokens']} new tokens"
     )
-    console.print(table(title, ["ms", "p50", "p90", "p99", "avg"], rows))
+    print_table(title, ["ms", "p50", "p90", "p99", "avg"], rows)
     console.print(
         f"output: [bold]{result['output_tokens_per_s']:.1f} tokens/s[/bold], "
         f"{result['requests_per_s']:.2f} requests/s, {result['duration_s']:.2f} s"

@@ -114,10 +114,12 @@ def compile_command(
         return
     verb = "pulled" if outcome.pulled else "reused" if outcome.cache_hit else "compiled"
     extra = " (graphs reused, weights re-sharded)" if outcome.graphs_reused else ""
-    console.print(f"[green]{verb}[/green] {outcome.path}{extra}", soft_wrap=True)
     console.print(
-        f"artifact key {outcome.keys.artifact}  ({outcome.compile_seconds:.1f} s)", soft_wrap=True
+        f"[green]{verb}[/green] in {outcome.compile_seconds:.1f} s{extra}: {outcome.path}",
+        soft_wrap=True,
     )
+    # The 64-character key alone after its label, so 80 columns never split it.
+    console.print(f"artifact key {outcome.keys.artifact}", soft_wrap=True)
     console.print(f"[dim]export NEURON_COMPILED_ARTIFACTS={outcome.path}[/dim]", soft_wrap=True)
     if "accuracy" in data:
         console.print(accuracy_line(data["accuracy"]), soft_wrap=True)

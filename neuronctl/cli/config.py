@@ -6,7 +6,13 @@ from typing import Any
 
 import typer
 
-from neuronctl.cli._common import ConfigOpt, JsonOpt, console, print_json, table, with_spec_options
+from neuronctl.cli._common import (
+    ConfigOpt,
+    JsonOpt,
+    print_json,
+    print_table,
+    with_spec_options,
+)
 from neuronctl.cli._groups import config_app
 from neuronctl.spec import resolve_spec, spec_to_dict
 
@@ -32,7 +38,7 @@ def show(
         return
     columns = ["field", "value"] + (["source"] if explain else [])
     rows = [[k, _fmt(v)] + ([sources[k]] if explain else []) for k, v in values.items()]
-    console.print(table("Build spec", columns, rows))
+    print_table("Build spec", columns, rows)
 
 
 def _fmt(value: Any) -> str:

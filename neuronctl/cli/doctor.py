@@ -3,8 +3,9 @@
 from __future__ import annotations
 
 import typer
+from rich.markup import escape
 
-from neuronctl.cli._common import JsonOpt, StoreOpt, console, print_json, table
+from neuronctl.cli._common import JsonOpt, StoreOpt, console, print_json, print_table
 from neuronctl.doctor import BACKENDS, DoctorReport, diagnose
 from neuronctl.errors import EXIT_FAILED, EXIT_OK, UsageError
 
@@ -42,8 +43,19 @@ def doctor_command(
 
 
 def render(report: DoctorReport) -> None:
-    rows = [[_mark(c.ok, c.required), c.kind, c.name, c.reason, c.fix] for c in report.checks]
-    console.print(table(None, ["", "section", "name", "state", "fix"], rows))
+    """One row per check under its section's heading, its fix below its state: a section
+    and a fix column left the state too narrow for a path or URL at 80 columns."""
+    rows: list[list[str]] = []
+    section = None
+    for check in report.checks:
+        if check.kind != section:
+            section = check.kind
+            rows.append(["", f"[bold]{escape(section)}[/bold]", ""])
+        state = escape(check.reason)
+        if check.fix:
+            state += f"\n[dim]fix:[/dim] {escape(check.fix)}"
+        rows.append([_mark(check.ok, check.required), escape(check.name), state])
+    print_table(None, ["", "name", "state"], rows)
     if report.healthy:
         console.print(f"[green]ready[/green] for the {report.backend} backend")
     else:

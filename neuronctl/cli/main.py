@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import contextlib
 import importlib
+import inspect
 import logging
 import os
 import pkgutil
@@ -38,8 +39,8 @@ Typical flow:
 
   neuronctl -v compile ./model   (say what it does: key, cache hit or miss and why)
 
-Exit codes: 0 ok, 1 check failed / not found / build failed, 2 usage error,
-130 interrupted (Ctrl-C).
+Exit codes: 0 ok, 1 check failed / not found / build failed, 2 usage error, 130 interrupted
+(Ctrl-C).
 """
 
 
@@ -157,7 +158,33 @@ def _register_commands() -> None:
         module.register(app)
 
 
+def reflow(text: str) -> str:
+    """Join each paragraph's lines; keep indented ones (examples) as written.
+
+    Docstrings are wrapped for the source at 100 columns and typer keeps those line breaks
+    after a help's first paragraph, so at 80 columns every such line broke twice."""
+    paragraphs = inspect.cleandoc(text).split("\n\n")
+    return "\n\n".join(
+        p if any(line[:1].isspace() or line.startswith("\b") for line in p.splitlines())
+        else " ".join(p.split())
+        for p in paragraphs
+    )
+
+
+def _reflow_help(typer_app: typer.Typer) -> None:
+    if isinstance(typer_app.info.help, str):
+        typer_app.info.help = reflow(typer_app.info.help)
+    for command in typer_app.registered_commands:
+        text = command.help or inspect.getdoc(command.callback)
+        if text:
+            command.help = reflow(text)
+    for group in typer_app.registered_groups:
+        if group.typer_instance is not None:
+            _reflow_help(group.typer_instance)
+
+
 _register_commands()
+_reflow_help(app)
 
 
 def main() -> None:

@@ -10,7 +10,7 @@ from typing import Annotated
 
 import typer
 
-from neuronctl.cli._common import JsonOpt, console, err_console, print_json, table
+from neuronctl.cli._common import JsonOpt, console, err_console, print_json, print_table
 from neuronctl.cli._groups import config_app
 from neuronctl.errors import UsageError
 
@@ -78,8 +78,7 @@ def migrate_command(
         return
     rows = [[m["tnx"], m["nxdi"], json.dumps(m["value"]), m["note"]] for m in result.mapped]
     rows += [[d["tnx"], "dropped", json.dumps(d["value"]), d["note"]] for d in result.dropped]
-    console.print(table("Transformers NeuronX -> NxD Inference", ["TNx", "NxDI", "value", "note"],
-                        rows))
+    print_table("Transformers NeuronX -> NxD Inference", ["TNx", "NxDI", "value", "note"], rows)
     console.print("override_neuron_config for NxD Inference:")
     typer.echo(json.dumps(result.nxdi, indent=2, sort_keys=True))
     _spec, _override, notes = result.for_neuronctl()

@@ -7,7 +7,7 @@ from typing import Annotated
 
 import typer
 
-from neuronctl.cli._common import JsonOpt, StoreOpt, console, table
+from neuronctl.cli._common import JsonOpt, StoreOpt, print_table
 from neuronctl.errors import UsageError
 from neuronctl.plan import FORMATS, make_plan, render_github, render_gitlab, render_json
 
@@ -77,7 +77,7 @@ def plan_command(
         print(render_gitlab(plan, str(config)), end="")
     else:
         rows = [[b.entry.index, b.entry.name, b.dirname, _state(b.remote)] for b in plan.builds]
-        console.print(table(None, ["entry", "name", "key", "remote"], rows))
+        print_table(None, ["entry", "name", "key", "remote"], rows)
 
 
 def _state(remote: bool | None) -> str:

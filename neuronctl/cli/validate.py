@@ -17,7 +17,7 @@ from neuronctl.cli._common import (
     TrustKeyOpt,
     console,
     print_json,
-    table,
+    print_table,
     with_spec_options,
 )
 from neuronctl.cli._progress import progress_for
@@ -114,7 +114,7 @@ def resolve_target(
 
 def render(report: Report) -> None:
     rows = [[_mark(c.ok, c.kind), c.name, c.reason] for c in report.checks]
-    console.print(table(str(report.path), ["", "check", "reason"], rows))
+    print_table(str(report.path), ["", "check", "reason"], rows)
     if report.reusable:
         console.print("[green]reusable[/green]: this artifact will be used as-is")
     else:
