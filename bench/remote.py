@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))
 
 from neuronctl.store.local import Store  # noqa: E402
 from neuronctl.store.manifest import Manifest, Source  # noqa: E402
-from neuronctl.store.remote import open_remote  # noqa: E402
+from neuronctl.store.remote.client import open_remote  # noqa: E402
 from neuronctl.store.signing import Signer, TrustedKey, TrustPolicy, key_id  # noqa: E402
 
 # The pull path measured is the production one: a signed manifest, checked, then every byte.

@@ -178,7 +178,7 @@ def compile_with_remote(
 ) -> CompileOutcome:
     """A remote hit is pulled (signature checked against `policy`), not compiled; a fresh
     compile is pushed (signed by `signer` when given)."""
-    from neuronctl.store.remote import open_remote
+    from neuronctl.store.remote.client import open_remote
 
     started = time.monotonic()
     remote = open_remote(remote_url)

@@ -40,7 +40,7 @@ from neuronctl.errors import NeuronctlError, SpecError, UsageError
 from neuronctl.spec import FIELDS
 
 if TYPE_CHECKING:
-    from neuronctl.store.remote import RemoteStore
+    from neuronctl.store.remote.client import RemoteStore
 
 SPEC_KEYS = frozenset(FIELDS) - {"model", "revision"}
 ENTRY_KEYS = SPEC_KEYS | {"model", "revision", "name", "matrix"}

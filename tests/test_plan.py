@@ -15,7 +15,7 @@ import yaml
 from neuronctl.build import resolve_build
 from neuronctl.errors import SpecError, UsageError
 from neuronctl.plan import load_plan
-from neuronctl.store.remote import open_remote
+from neuronctl.store.remote.client import open_remote
 from tests.helpers import make_checkpoint
 from tests.test_remote import bucket, make_artifact, s3server  # noqa: F401  (fixtures)
 

@@ -20,12 +20,9 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from neuronctl.store.local import Store
 from neuronctl.store.manifest import MANIFEST, Manifest, Source, read_manifest
-from neuronctl.store.remote import (
-    RemoteArtifactError,
-    open_remote,
-    resolve_artifacts_arg,
-    split_artifact_url,
-)
+from neuronctl.store.remote.client import open_remote
+from neuronctl.store.remote.errors import RemoteArtifactError
+from neuronctl.store.remote.urls import resolve_artifacts_arg, split_artifact_url
 from neuronctl.store.signing import (
     PROVENANCE,
     SIGNATURE,
@@ -284,7 +281,7 @@ PULL_SCRIPT = """
 import json, sys, time
 from pathlib import Path
 from neuronctl.store.local import Store
-from neuronctl.store.remote import open_remote
+from neuronctl.store.remote.client import open_remote
 
 url, dirname, store_dir, marker, go, pause = sys.argv[1:7]
 
@@ -454,7 +451,7 @@ def test_a_download_stops_at_the_signed_size(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An object grown after its size was checked (512 MiB fetched for a 463 KB object)."""
-    from neuronctl.store.remote import RemoteStore
+    from neuronctl.store.remote.client import RemoteStore
 
     artifact, remote_dir = _pushed_to_mount(tmp_path)
     signed = read_manifest(artifact).files
@@ -514,17 +511,17 @@ def test_a_full_or_read_only_local_disk_is_not_blamed_on_the_remote(
 ) -> None:
     import errno
 
-    import neuronctl.store.remote as remote_module
-    from neuronctl.store.remote import LocalDiskError
+    import neuronctl.store.remote.pull as pull_module
+    from neuronctl.store.remote.errors import LocalDiskError
 
     artifact, _ = _pushed_to_mount(tmp_path)
     remote = open_remote(str(tmp_path / "mount"))
-    real_open = remote_module.open_output
-    monkeypatch.setattr(remote_module, "open_output", lambda dest: open("/dev/full", "wb"))
+    real_open = pull_module.open_output
+    monkeypatch.setattr(pull_module, "open_output", lambda dest: open("/dev/full", "wb"))
     with pytest.raises(LocalDiskError, match="on this host: No space left") as full:
         remote.pull(artifact.name, Store(tmp_path / "b"))
     assert "check the URL" not in str(full.value)
-    monkeypatch.setattr(remote_module, "open_output", real_open)
+    monkeypatch.setattr(pull_module, "open_output", real_open)
 
     def read_only(self: Store, dirname: str) -> Path:
         raise OSError(errno.EROFS, "Read-only file system", str(self.artifacts / ".staging"))

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from neuronctl.store.remote import open_remote
+from neuronctl.store.remote.client import open_remote
 from tests.helpers import cli
 from tests.test_remote import SIGNER, trusted_env  # noqa: F401  (fixture)
 

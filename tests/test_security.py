@@ -28,7 +28,8 @@ from neuronctl.store.manifest import (
     record_files,
     write_manifest,
 )
-from neuronctl.store.remote import RemoteArtifactError, open_remote
+from neuronctl.store.remote.client import open_remote
+from neuronctl.store.remote.errors import RemoteArtifactError
 from neuronctl.store.signing import SIGNATURE, sign
 from tests.conftest import TINY_SPEC
 from tests.helpers import cli

@@ -17,7 +17,8 @@ from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
 from neuronctl.store.local import Store
 from neuronctl.store.manifest import MANIFEST, FileEntry, Manifest, read_manifest
-from neuronctl.store.remote import RemoteArtifactError, open_remote
+from neuronctl.store.remote.client import open_remote
+from neuronctl.store.remote.errors import RemoteArtifactError
 from neuronctl.store.signing import (
     SIGNATURE,
     SIGNED,
@@ -399,7 +400,7 @@ def test_a_bare_name_never_resolves_to_a_directory_in_the_working_directory(
 def test_a_remote_key_is_compared_in_full(tmp_path: Path) -> None:
     """A URL whose key has the right 20-character directory name and a wrong tail named the
     artifact anyway: only the first 20 characters were compared."""
-    from neuronctl.store.remote import resolve_artifacts_arg
+    from neuronctl.store.remote.urls import resolve_artifacts_arg
 
     artifact = make_artifact(tmp_path / "a", sample_files(big=10_000))
     remote = tmp_path / "remote"

@@ -65,7 +65,7 @@ def plan_command(
         raise UsageError(f"--format: unknown format {fmt!r}", "use " + " | ".join(FORMATS))
     remote_store = None
     if remote:
-        from neuronctl.store.remote import open_remote
+        from neuronctl.store.remote.client import open_remote
 
         remote_store = open_remote(remote)
     plan = make_plan(config, remote_store, store)

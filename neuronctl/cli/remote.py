@@ -22,7 +22,8 @@ from neuronctl.cli._common import (
 from neuronctl.cli._groups import artifacts_app
 from neuronctl.cli._progress import progress_for
 from neuronctl.store.manifest import read_manifest
-from neuronctl.store.remote import open_remote, split_artifact_url
+from neuronctl.store.remote.client import open_remote
+from neuronctl.store.remote.urls import split_artifact_url
 from neuronctl.store.resolve import open_store
 from neuronctl.store.signing import (
     SIGNING_KEY_ENV,

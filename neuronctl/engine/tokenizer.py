@@ -117,7 +117,7 @@ class EngineTokenizer:
 
 
 class TokenizedText:
-    """The text side the server needs (server.app.TextModel), over `self.tokenizer`: shared by
+    """The text side the server needs (server.routes.TextModel), over `self.tokenizer`: shared by
     a loaded artifact and the tests' fake model, so both refuse and count text alike."""
 
     tokenizer: EngineTokenizer

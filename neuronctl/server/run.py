@@ -22,7 +22,8 @@ import uvicorn
 
 from neuronctl.engine.engine import Engine
 from neuronctl.errors import NeuronctlError
-from neuronctl.server.app import Limits, TextModel, create_app
+from neuronctl.server.app import Limits, create_app
+from neuronctl.server.routes import TextModel
 
 DRAIN_SECONDS = 300  # longest wait for in-flight requests at shutdown
 

@@ -62,7 +62,7 @@ def resolve_artifact(
         path = local.resolve(text)
         logger.info("artifact %s -> %s", text, path)
         return path
-    from neuronctl.store.remote import (
+    from neuronctl.store.remote.urls import (
         check_remote_trust,
         resolve_artifacts_arg,
         split_artifact_url,

@@ -1,0 +1,116 @@
+"""The guard in front of the model: before any body is read, refuse work while draining
+(503), check the API key (401) and cap the body's size (413), so an unauthenticated or huge
+body costs nothing. It also counts every request for /metrics."""
+
+from __future__ import annotations
+
+import hmac
+
+from fastapi import FastAPI
+from fastapi.responses import JSONResponse
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
+
+from neuronctl.server.errors import error_response
+from neuronctl.server.metrics import Metrics
+
+# Paths /metrics counts by name; every other path counts as "other".
+ENDPOINTS = (
+    "/v1/models",
+    "/v1/completions",
+    "/v1/chat/completions",
+    "/health",
+    "/metrics",
+    "/ping",
+    "/version",
+    "/tokenize",
+    "/detokenize",
+)
+
+
+def guarded(path: str) -> bool:
+    """The paths that run the model or its tokenizer: the API key and size limits apply
+    (vLLM leaves /tokenize open; here it costs tokenizer time, so it takes the key too)."""
+    return path.startswith("/v1") or path in ("/tokenize", "/detokenize")
+
+
+class Guard:
+    """ASGI middleware, before any body is read: draining (503), the API key on /v1 (401), the
+    body size (413, from Content-Length or while it streams in). Counts every request for
+    /metrics and how many /v1 requests are in flight (the drain waits for them)."""
+
+    def __init__(
+        self,
+        app: ASGIApp,
+        app_ref: FastAPI,
+        metrics: Metrics,
+        api_key: str | None,
+        max_body_bytes: int,
+    ) -> None:
+        self.app, self.app_ref, self.metrics = app, app_ref, metrics
+        self.expected = None if api_key is None else f"Bearer {api_key}".encode()
+        self.max_body = max_body_bytes
+        app_ref.state.in_flight = 0
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        path = scope["path"]
+        endpoint = path if path in ENDPOINTS else "other"
+        refusal = self._refusal(scope) if guarded(path) else None
+        if refusal is not None:
+            self.metrics.count_request(endpoint, refusal.status_code)
+            await refusal(scope, receive, send)
+            return
+        status, started, too_large = 500, False, False
+
+        async def send_and_note(message: Message) -> None:
+            nonlocal status, started
+            if too_large:  # the 413 went out already; the app's own answer goes nowhere
+                return
+            if message["type"] == "http.response.start":
+                status, started = message["status"], True
+            await send(message)
+
+        seen = 0
+
+        async def capped_receive() -> Message:
+            nonlocal seen, too_large, status
+            message = await receive()
+            if message["type"] == "http.request" and not too_large:
+                seen += len(message.get("body", b""))
+                if seen > self.max_body:  # answer now; the app sees the client gone
+                    too_large, status = True, 413
+                    await self._too_large()(scope, receive, send)
+                    return {"type": "http.disconnect"}
+            return message
+
+        state = self.app_ref.state
+        state.in_flight += 1
+        try:
+            await self.app(scope, capped_receive, send_and_note)
+        finally:
+            state.in_flight -= 1
+            self.metrics.count_request(endpoint, status)
+
+    def _refusal(self, scope: Scope) -> JSONResponse | None:
+        if self.app_ref.state.draining:
+            return error_response(503, "the server is shutting down")
+        headers = dict(scope["headers"])
+        if self.expected is not None:
+            given = headers.get(b"authorization", b"")
+            if not hmac.compare_digest(given, self.expected):
+                return error_response(
+                    401, "missing or wrong API key: send 'Authorization: Bearer KEY'"
+                )
+        length = headers.get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.max_body:
+            return self._too_large()
+        return None
+
+    def _too_large(self) -> JSONResponse:
+        return error_response(
+            413,
+            f"the request body is over this server's limit of {self.max_body} bytes",
+            code="body_too_large",
+        )

@@ -1,0 +1,201 @@
+"""The endpoints: OpenAI's /v1 (models, completions, chat completions), vLLM's /version,
+/tokenize and /detokenize, and /health, /ping and /metrics. A route checks its request,
+tokenizes in a worker thread and submits to the engine; streams.py shapes what comes back."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Callable, Sequence
+from dataclasses import replace
+from typing import Any, Protocol
+
+from fastapi import APIRouter, FastAPI, Request
+from fastapi.responses import JSONResponse, Response
+from starlette.concurrency import run_in_threadpool
+
+from neuronctl import __version__
+from neuronctl.engine.engine import Engine
+from neuronctl.engine.errors import RequestError
+from neuronctl.engine.sampling import SamplingParams
+from neuronctl.server.errors import ApiError
+from neuronctl.server.metrics import CONTENT_TYPE, Metrics
+from neuronctl.server.protocol import (
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    DetokenizeResponse,
+    ModelCard,
+    ModelList,
+    TokenizeRequest,
+    TokenizeResponse,
+)
+from neuronctl.server.streams import CompletionStream, Run, sse
+
+
+class TextModel(Protocol):
+    """What the API needs from a loaded artifact (engine.loader.LoadedArtifact)."""
+
+    def encode(self, text: str) -> list[int]: ...
+
+    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]: ...
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
+
+    def decode(self, token_ids: list[int]) -> str: ...
+
+    def token_str(self, token_id: int) -> str: ...
+
+
+def add_routes(
+    app: FastAPI,
+    engine: Engine,
+    model: TextModel,
+    served_model_name: str,
+    max_model_len: int | None,
+    max_chars: int,
+    metrics: Metrics,
+) -> None:
+    """Every endpoint; `max_chars` caps a prompt's characters before it is tokenized."""
+    card = ModelCard(id=served_model_name, created=int(time.time()), max_model_len=max_model_len)
+
+    def check_model(name: str | None) -> None:
+        if name is not None and name != served_model_name:
+            raise ApiError(
+                404,
+                f"model {name!r} does not exist; this server serves {served_model_name!r}",
+                "model",
+                "model_not_found",
+            )
+
+    def check_chars(n: int, param: str) -> None:
+        if n > max_chars:
+            raise RequestError(
+                f"the prompt has {n} characters; this server accepts at most {max_chars}",
+                param=param,
+                hint="start the server with a larger --max-prompt-chars",
+            )
+
+    v1 = APIRouter(prefix="/v1")
+
+    @v1.get("/models")
+    async def list_models() -> Response:
+        return typed(ModelList(data=[card]))
+
+    @v1.get("/models/{name:path}")
+    async def get_model(name: str) -> Response:
+        check_model(name)
+        return typed(card)
+
+    @v1.post("/completions")
+    async def completions(body: CompletionRequest, request: Request) -> Response:
+        check_model(body.model)
+        params = body.sampling(body.max_new_tokens)
+        per_prompt = body.sequences_within(engine.runner.batch_size)
+        texts = body.prompts()
+        check_chars(body.prompt_chars(), "prompt")
+        prompts = [await _encode(model.encode, p) if isinstance(p, str) else p for p in texts]
+        if per_prompt > body.choices_per_prompt and params.logprobs is None:
+            params = replace(params, logprobs=0)  # best_of ranks by cumulative logprob
+        run = Run(engine, jobs(prompts, params, per_prompt), metrics, prompts)
+        echo = [p if isinstance(p, str) else model.decode(p) for p in texts] if body.echo else None
+        stream = CompletionStream(run, served_model_name, body, model, echo)
+        if body.streaming:
+            return sse(stream.chunks())
+        return typed(await stream.whole(request))
+
+    @v1.post("/chat/completions")
+    async def chat(body: ChatRequest, request: Request) -> Response:
+        check_model(body.model)
+        body.check_messages()
+        params = body.sampling(body.max_new_tokens())
+        per_prompt = body.sequences_within(engine.runner.batch_size)
+        check_chars(body.prompt_chars(), "messages")
+        messages = [m.as_template_message() for m in body.messages]
+        prompt = await run_in_threadpool(model.encode_chat, messages)
+        run = Run(engine, jobs([prompt], params, per_prompt), metrics, [prompt])
+        stream = CompletionStream(run, served_model_name, body, model)
+        if body.streaming:
+            return sse(stream.chunks())
+        return typed(await stream.whole(request))
+
+    app.include_router(v1)
+    add_vllm_routes(app, model, check_model, check_chars, max_model_len or engine.runner.seq_len)
+
+    @app.get("/health")
+    async def health() -> JSONResponse:
+        if engine.death is not None:  # vLLM: EngineDeadError -> 503
+            return JSONResponse(
+                {"status": "engine failed", "error": engine.death, **engine.stats()},
+                status_code=503,
+            )
+        if app.state.draining:
+            return JSONResponse({"status": "draining", **engine.stats()}, status_code=503)
+        return JSONResponse({"status": "ok", **engine.stats()})
+
+    app.add_api_route("/ping", health, methods=["GET", "POST"])  # vLLM's liveness probe
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(metrics.render(), media_type=CONTENT_TYPE)
+
+
+def add_vllm_routes(
+    app: FastAPI,
+    model: TextModel,
+    check_model: Callable[[str | None], None],
+    check_chars: Callable[[int, str], None],
+    max_model_len: int,
+) -> None:
+    """vLLM's /version, /tokenize and /detokenize, with its request and response shapes."""
+
+    @app.get("/version")
+    async def version() -> JSONResponse:
+        return JSONResponse({"version": __version__})
+
+    @app.post("/tokenize")
+    async def tokenize(body: TokenizeRequest) -> Response:
+        check_model(body.model)
+        if (body.prompt is None) == (body.messages is None):
+            raise RequestError("send either prompt or messages", param="prompt")
+        if body.messages is not None:
+            messages = [m.as_template_message() for m in body.messages]
+            check_chars(sum(len(m["content"]) for m in messages), "messages")
+            ids = await run_in_threadpool(model.encode_chat, messages)
+        else:
+            check_chars(len(body.prompt or ""), "prompt")
+            special = body.add_special_tokens is not False
+            ids = await run_in_threadpool(model.tokenize, body.prompt or "", special)
+        strs = [model.token_str(t) for t in ids] if body.return_token_strs else None
+        return typed(TokenizeResponse(
+            count=len(ids), max_model_len=max_model_len, tokens=ids, token_strs=strs
+        ))  # fmt: skip
+
+    @app.post("/detokenize")
+    async def detokenize(body: DetokenizeRequest) -> Response:
+        check_model(body.model)
+        return typed(DetokenizeResponse(prompt=await run_in_threadpool(model.decode, body.tokens)))
+
+
+def jobs(
+    prompts: Sequence[Sequence[int]], params: SamplingParams, per_prompt: int
+) -> list[tuple[Sequence[int], SamplingParams]]:
+    """One engine request per choice: `per_prompt` for each prompt, in choice order. The
+    sequences of one prompt differ by seed (seed + j, as vLLM seeds parallel samples)."""
+    out = []
+    for prompt in prompts:
+        for j in range(per_prompt):
+            seed = None if params.seed is None else params.seed + j
+            out.append((prompt, replace(params, seed=seed) if j else params))
+    return out
+
+
+async def _encode(encode: Any, text: str) -> list[int]:
+    """Tokenize in a worker thread: a long prompt never stalls the event loop."""
+    ids: list[int] = await run_in_threadpool(encode, text)
+    if not ids:
+        raise RequestError("the prompt is empty", param="prompt")
+    return ids
+
+
+def typed(obj: Any) -> Response:
+    return Response(obj.model_dump_json(), media_type="application/json")
