@@ -22,7 +22,6 @@ from neuronctl.backends.torch.graphs import (
     GraphJob,
     example_inputs,
     module_for,
-    uses_kernel,
 )
 from neuronctl.backends.torch.runner import _load_kernel, _load_weights
 from neuronctl.errors import CheckpointError, NotFoundError
@@ -268,23 +267,36 @@ def _dequantizing_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     return out if bias is None else out + bias
 
 
-def test_only_float32_compute_on_avx2_inductor_graphs_use_the_kernel(tmp_path: Path) -> None:
-    args = modeling.args_from_config(read_config(make_checkpoint(tmp_path / "ckpt", "llama")))
+def test_by_the_rules_only_float32_compute_on_avx2_inductor_graphs_use_the_kernel(
+    tmp_path: Path,
+) -> None:
+    from neuronctl.backends.torch import opchoice
+    from neuronctl.spec import ModelShape, finalize, resolve_spec
+
+    config = read_config(make_checkpoint(tmp_path / "ckpt", "llama"))
     flags = "sse4_2 avx avx2 fma"
+
+    def layout(compute: str = "float32", flags: str = flags, **spec: object) -> str:
+        base = {"model": "m", "compiler": "inductor", "dtype": "float32", "seq_len": 64,
+                "batch_size": 1, **spec}
+        finalized = finalize(resolve_spec(base, None, {})[0], ModelShape.from_config(config))
+        target = opchoice.target_for(finalized, config, compute, flags)
+        return opchoice.by_rules(target).layout
+
     # float32 compute: fp32 weights, and bf16 or int8 ones on a CPU without bf16 units
-    assert uses_kernel("inductor", "float32", args, flags)
-    assert not uses_kernel("inductor", "bfloat16", args, flags)  # bf16 units: bf16 kernels
-    assert not uses_kernel("export", "float32", args, flags)
-    assert not uses_kernel("inductor", "float32", args, "sse4_2 avx")
-    odd = modeling.args_from_config({**read_config(tmp_path / "ckpt"), "vocab_size": 321})
-    assert not uses_kernel("inductor", "float32", odd, flags)
+    assert layout() == "blocked"
+    assert layout("bfloat16", dtype="bfloat16") == "plain"  # bf16 units: bf16 kernels
+    assert layout(compiler="export") == "plain"
+    assert layout(flags="sse4_2 avx") == "plain"
+    config["vocab_size"] = 321
+    assert layout() == "plain"
 
 
 def test_a_blocked_job_multiplies_by_the_kernel_in_both_graphs(tmp_path: Path) -> None:
     config = read_config(make_checkpoint(tmp_path / "ckpt", "llama"))
     for kind, batch in ((CONTEXT, 1), (TOKEN_GEN, 2), (TOKEN_GEN, 8), (TOKEN_GEN, 16)):
         job = GraphJob(kind, 64, config, batch, 128, "bfloat16", "inductor", str(tmp_path),
-                       compute="float32", blocked=True)
+                       compute="float32", layout="blocked", carries_kernel=True)
         assert module_for(job).linear is kernel.linear
         assert not job.packed
         if kind == TOKEN_GEN:
@@ -296,7 +308,7 @@ def test_blocked_token_generation_graphs_call_attend_once_a_layer(tmp_path: Path
     layers = modeling.args_from_config(config).num_layers
     for kind, calls in ((TOKEN_GEN, layers), (CONTEXT, 0)):
         job = GraphJob(kind, 16, config, 2, 32, "bfloat16", "inductor", str(tmp_path),
-                       compute="float32", blocked=True)
+                       compute="float32", layout="blocked", carries_kernel=True)
         with torch.no_grad():
             program = torch.export.export(module_for(job), example_inputs(job), strict=False)
         targets = [node.target for node in program.graph.nodes]
@@ -305,17 +317,16 @@ def test_blocked_token_generation_graphs_call_attend_once_a_layer(tmp_path: Path
 
 def test_the_artifact_names_its_matmul_and_attention_kernels(tmp_path: Path) -> None:
     from neuronctl.backends.torch import attention_choice, matmul_choice
+    from neuronctl.store.manifest import OpChoice, RowChoice
 
     config = read_config(make_checkpoint(tmp_path / "ckpt", "llama"))
-
-    def job(quantized: bool) -> GraphJob:
-        return GraphJob(TOKEN_GEN, 64, config, 1, 128, "bfloat16", "inductor", str(tmp_path),
-                        compute="float32", quantized=quantized, blocked=True)
-
-    assert "int16" in matmul_choice([job(True)])
-    assert "widened in registers" in matmul_choice([job(False)])
+    job = GraphJob(TOKEN_GEN, 64, config, 1, 128, "bfloat16", "inductor", str(tmp_path),
+                   compute="float32", quantized=True, layout="blocked", carries_kernel=True)
+    ops = OpChoice(layout="blocked", rows=[RowChoice(rows=1, path="kernel")], chosen_by="rules")
+    assert "int16" in matmul_choice(ops, quantized=True)
+    assert "widened in registers" in matmul_choice(ops, quantized=False)
     args = modeling.args_from_config(config)
-    assert attention_choice([job(True)], args).startswith("neuronctl::attend")
+    assert attention_choice([job], args).startswith("neuronctl::attend")
 
 
 def test_the_kernel_digest_covers_every_file_the_library_is_built_from() -> None:

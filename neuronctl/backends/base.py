@@ -25,7 +25,7 @@ if TYPE_CHECKING:
 
     from neuronctl.checkpoints import Checkpoint
     from neuronctl.spec import BuildSpec
-    from neuronctl.store.manifest import Manifest
+    from neuronctl.store.manifest import Manifest, OpChoice
 
 
 @dataclass
@@ -44,6 +44,7 @@ class BuildResult:
     graphs: list[str]  # relative paths of compiled graph files in staging
     graphs_reused: bool = False
     extra: dict[str, Any] = field(default_factory=dict)  # recorded in the manifest host facts
+    ops: OpChoice | None = None  # torch: the matmul paths chosen (manifest `ops`)
 
 
 @dataclass(frozen=True)
