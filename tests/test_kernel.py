@@ -280,7 +280,9 @@ def test_by_the_rules_only_float32_compute_on_avx2_inductor_graphs_use_the_kerne
         base = {"model": "m", "compiler": "inductor", "dtype": "float32", "seq_len": 64,
                 "batch_size": 1, **spec}
         finalized = finalize(resolve_spec(base, None, {})[0], ModelShape.from_config(config))
-        target = opchoice.target_for(finalized, config, compute, flags)
+        numerics = modeling.Numerics(getattr(torch, finalized.dtype), getattr(torch, compute))
+        args = modeling.args_from_config(config)
+        target = opchoice.target_for(finalized, args, numerics, (1, 64), flags)
         return opchoice.by_rules(target).layout
 
     # float32 compute: fp32 weights, and bf16 or int8 ones on a CPU without bf16 units

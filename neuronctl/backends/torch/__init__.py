@@ -339,10 +339,15 @@ def check_tensors(checkpoint: Checkpoint, args: modeling.ModelArgs) -> None:
 
 
 def op_target(spec: BuildSpec, config: dict[str, Any]) -> opchoice.Target:
-    from neuronctl.backends.torch import opchoice
+    from neuronctl.backends.torch import modeling, opchoice
+    from neuronctl.backends.torch.graphs import DTYPES, graph_rows
 
+    assert isinstance(spec.context_buckets, list)
     compute = compute_dtype(str(spec.dtype), spec.quantized, half_units())
-    return opchoice.target_for(spec, config, compute, _cpu_flags())
+    numerics = modeling.Numerics(DTYPES[str(spec.dtype)], DTYPES[compute], spec.quantized)
+    rows = graph_rows(spec.context_buckets, spec.batch_size)
+    args = modeling.args_from_config(config)
+    return opchoice.target_for(spec, args, numerics, rows, _cpu_flags())
 
 
 def choose_ops(spec: BuildSpec, config: dict[str, Any]) -> OpChoice:

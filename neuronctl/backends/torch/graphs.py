@@ -106,6 +106,14 @@ def prompt_counts(batch_size: int) -> list[int]:
     return [1] if batch_size == 1 else [1, batch_size]
 
 
+def graph_rows(context_buckets: list[int], batch_size: int) -> tuple[int, ...]:
+    """Rows per matmul of each graph, ascending: token generation's batch, and each context
+    bucket times the prompts a context-encoding graph takes."""
+    rows = {batch_size}
+    rows |= {b * n for b in context_buckets for n in prompt_counts(batch_size)}
+    return tuple(sorted(rows))
+
+
 def example_inputs(job: GraphJob) -> tuple[Any, ...]:
     """Inputs with the graph's static shapes; values are never read while tracing."""
     args = modeling.args_from_config(job.config)

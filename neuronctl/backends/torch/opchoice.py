@@ -96,25 +96,11 @@ class Target:
         return self.compiler == "inductor" and self.kernel
 
 
-def graph_rows(spec: BuildSpec) -> tuple[int, ...]:
-    """Rows per matmul of each graph: token generation's batch, each context bucket times
-    the prompts a context-encoding graph takes (graphs.prompt_counts)."""
-    from neuronctl.backends.torch.graphs import prompt_counts
-
-    assert isinstance(spec.context_buckets, list)
-    rows = {spec.batch_size}
-    rows |= {b * n for b in spec.context_buckets for n in prompt_counts(spec.batch_size)}
-    return tuple(sorted(rows))
-
-
 def target_for(
-    spec: BuildSpec, config: dict[str, Any], compute: str, cpu_flags: str | None = None
+    spec: BuildSpec, args: modeling.ModelArgs, numerics: modeling.Numerics,
+    rows: tuple[int, ...], cpu_flags: str | None = None,
 ) -> Target:
-    from neuronctl.backends.torch.graphs import DTYPES
-
-    args = modeling.args_from_config(config)
-    storage = DTYPES[str(spec.dtype)]
-    numerics = modeling.Numerics(storage, DTYPES[compute], spec.quantized)
+    """The choice's inputs for a spec: `rows` the graphs' (graphs.graph_rows)."""
     compiler = str(spec.compiler)
     flags = _cpu_flags() if cpu_flags is None else cpu_flags
     return Target(
@@ -122,10 +108,10 @@ def target_for(
         numerics=numerics,
         compiler=compiler,
         batch_size=spec.batch_size,
-        rows=graph_rows(spec),
+        rows=rows,
         kernel=compiler == "inductor" and kernel_runs_on(flags) and modeling.blockable(args),
         onednn=(compiler == "inductor" and not numerics.quantized
-                and numerics.storage == numerics.compute and modeling.can_pack(storage)),
+                and numerics.storage == numerics.compute and modeling.can_pack(numerics.storage)),
     )
 
 
