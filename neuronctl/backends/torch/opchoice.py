@@ -67,9 +67,11 @@ MAX_TIMED_ROWS = 256
 # timings of one path on a busy 2-core host vary by a few percent; below this margin two
 # builds of the same spec could pick differently for no real gain.
 MARGIN = 0.07
-REPS = 5  # timed calls per candidate, after one warm-up; the fastest counts
+REPS = 20  # timed calls per candidate, after one warm-up; the fastest counts (on a busy
+# host most calls of a 2-thread op wait for a descheduled thread: the fastest did not)
 
-Timer = Callable[["Target", str, int], float]  # (target, path, rows) -> ms per step
+# (target, rows) -> milliseconds one step's projections take by each available path
+Timer = Callable[["Target", int], dict[str, float]]
 
 
 @dataclass(frozen=True)
@@ -172,8 +174,7 @@ def measured(target: Target, timer: Timer) -> OpChoice:
     of all, is least; the rules' layout unless another beats it by MARGIN. Then per row
     count the fastest path reading it (the rules' path unless another beats it by MARGIN)."""
     timed_rows = {r: min(r, MAX_TIMED_ROWS) for r in target.rows}
-    ms: dict[int, dict[str, float]] = {
-        r: {p: timer(target, p, timed_rows[r]) for p in target.paths} for r in target.rows}
+    ms = {r: timer(target, timed_rows[r]) for r in target.rows}
     readers = {layout: [p for p in target.paths if layout in READS[p]] for layout in LAYOUTS}
 
     def best(layout: WeightLayout, r: int) -> float:
@@ -220,13 +221,17 @@ def projection_shapes(target: Target, rows: int) -> list[tuple[tuple[int, int], 
     return shapes
 
 
-def step_ms(target: Target, path: str, rows: int) -> float:
-    """Milliseconds one step's projections take by `path` at `rows` rows (eagerly, on
-    random weights in the artifact's storage dtype)."""
-    total = 0.0
+def step_ms(target: Target, rows: int) -> dict[str, float]:
+    """Milliseconds one step's projections take by each available path at `rows` rows
+    (eagerly, on random weights in the artifact's storage dtype). The paths take turns
+    within every repetition, so a burst of load elsewhere slows them alike."""
+    total: dict[str, float] = dict.fromkeys(target.paths, 0.0)
     with torch.no_grad():
         for shape, count in projection_shapes(target, rows):
-            total += count * _time_ms(_call(target, path, shape, rows))
+            calls: dict[str, Callable[[], Any]] = {
+                path: _call(target, path, shape, rows) for path in target.paths}
+            for path, ms in _time_ms(calls).items():
+                total[path] += count * ms
     return total
 
 
@@ -253,14 +258,18 @@ def _call(
     return lambda: linear(x, weight, None, scale)
 
 
-def _time_ms(call: Callable[[], Any]) -> float:
-    call()  # warm-up: first-touch pages, oneDNN's primitive cache, OpenMP's threads
-    times = []
-    for _ in range(REPS):
-        start = time.perf_counter()
+def _time_ms(calls: dict[str, Callable[[], Any]]) -> dict[str, float]:
+    """Each call's fastest of REPS runs, after a warm-up (first-touch pages, oneDNN's
+    primitive cache, OpenMP's threads)."""
+    best = dict.fromkeys(calls, float("inf"))
+    for call in calls.values():
         call()
-        times.append(time.perf_counter() - start)
-    return min(times) * 1000
+    for _ in range(REPS):
+        for path, call in calls.items():
+            start = time.perf_counter()
+            call()
+            best[path] = min(best[path], time.perf_counter() - start)
+    return {path: seconds * 1000 for path, seconds in best.items()}
 
 
 # --- what an artifact recorded ---------------------------------------------------------------
