@@ -40,7 +40,7 @@ def timings(table: dict[tuple[str, int], float], calls: list[int] | None = None
     def timer(target: opchoice.Target, rows: int) -> dict[str, float]:
         if calls is not None:
             calls.append(rows)
-        return {path: table[(path, rows)] for path in target.paths}
+        return {name: table[(name, rows)] for name in target.candidates}
 
     return timer
 
@@ -57,23 +57,24 @@ def measuring(monkeypatch: pytest.MonkeyPatch) -> None:
 def test_the_rules_layout_stays_unless_another_beats_it_by_the_margin(measuring: None) -> None:
     # float32 on an AVX2 host: the rules block the weights for the kernel. oneDNN 3 % faster
     # is within the noise the margin absorbs; 20 % faster is a real win.
-    close = {("kernel", 1): 1.0, ("onednn", 1): 0.97, ("aten", 1): 2.0,
-             ("kernel", 64): 10.0, ("onednn", 64): 9.7, ("aten", 64): 20.0}
+    close = {("kernel/blocked", 1): 1.0, ("kernel/plain", 1): 2.0, ("onednn/packed", 1): 0.97,
+             ("aten/plain", 1): 2.0, ("kernel/blocked", 64): 10.0, ("kernel/plain", 64): 20.0,
+             ("onednn/packed", 64): 9.7, ("aten/plain", 64): 20.0}
     choice = opchoice.choose(target(), timings(close))
     assert choice.layout == "blocked" and choice.chosen_by == "measure"
     assert by_rows(choice) == {1: "kernel", 64: "kernel"}
-    assert choice.rows[1].ms == {"kernel": 10.0, "onednn": 9.7, "aten": 20.0}
-    faster = {**close, ("onednn", 1): 0.8, ("onednn", 64): 8.0}
+    assert choice.rows[1].ms == {"kernel/blocked": 10.0, "kernel/plain": 20.0,
+                                 "onednn/packed": 9.7, "aten/plain": 20.0}
+    faster = {**close, ("onednn/packed", 1): 0.8, ("onednn/packed", 64): 8.0}
     choice = opchoice.choose(target(), timings(faster))
     assert choice.layout == "packed" and by_rows(choice) == {1: "onednn", 64: "onednn"}
 
 
-def test_each_row_count_takes_the_fastest_path_reading_the_layout(
-    measuring: None, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    # Two paths reading one layout: the kernel for one row, aten's GEMM for a bucket.
-    monkeypatch.setitem(opchoice.READS, "kernel", ("blocked", "plain"))
-    table = {("kernel", 1): 1.0, ("aten", 1): 3.0, ("kernel", 64): 10.0, ("aten", 64): 5.0}
+def test_each_row_count_takes_the_fastest_path_reading_the_layout(measuring: None) -> None:
+    # Two paths reading plain weights: the kernel (linear_rows) for one row, aten's GEMM for
+    # a bucket; the kernel on blocked weights is no faster at one row and slower at 64.
+    table = {("kernel/plain", 1): 1.0, ("kernel/blocked", 1): 1.0, ("aten/plain", 1): 3.0,
+             ("kernel/plain", 64): 10.0, ("kernel/blocked", 64): 10.0, ("aten/plain", 64): 5.0}
     choice = opchoice.choose(target(BF16_ON_AVX2, onednn=False), timings(table))
     assert choice.layout == "plain"
     assert by_rows(choice) == {1: "kernel", 64: "aten"}
@@ -81,7 +82,8 @@ def test_each_row_count_takes_the_fastest_path_reading_the_layout(
 
 def test_large_buckets_are_timed_at_the_cap_and_recorded_at_their_rows(measuring: None) -> None:
     calls: list[int] = []
-    table = {(p, r): 1.0 for p in ("kernel", "aten") for r in (4, opchoice.MAX_TIMED_ROWS)}
+    table = {(c, r): 1.0 for c in ("kernel/blocked", "kernel/plain", "aten/plain")
+             for r in (4, opchoice.MAX_TIMED_ROWS)}
     choice = opchoice.choose(target(BF16_ON_AVX2, rows=(4, 2048), onednn=False),
                              timings(table, calls))
     assert sorted(calls) == [4, opchoice.MAX_TIMED_ROWS]
@@ -113,8 +115,8 @@ def test_what_may_be_measured_where(measuring: None, monkeypatch: pytest.MonkeyP
     avx2 = "sse4_2 avx fma avx2"
     monkeypatch.setattr(torch_backend.platform, "machine", lambda: "x86_64")
     assert spec_target(avx2).measurable
-    assert spec_target(avx2).paths[0] == "kernel"
-    assert "onednn" not in spec_target(avx2, quantized=True).paths  # int8: never packed
+    assert spec_target(avx2).candidates[:2] == ["kernel/blocked", "kernel/plain"]
+    assert "onednn/packed" not in spec_target(avx2, quantized=True).candidates  # int8
     # export graphs run aten everywhere; a CPU the kernel does not run on keeps gemv, which
     # cannot be timed eagerly: both by the rules, no timing
     for untimed in (spec_target(avx2, compiler="export"), spec_target("sse4_2 avx")):
@@ -224,8 +226,9 @@ def test_an_injected_choice_is_honoured_and_a_graph_donor_passes_it_on(
     from tests.test_torch_parity import TOL, hf_logits, hf_model, load, random_ids
 
     # plain weights; the kernel at one row (token generation), aten at the 16-row bucket
-    table = {("kernel", 1): 1.0, ("aten", 1): 3.0, ("onednn", 1): 3.0,
-             ("kernel", 16): 10.0, ("aten", 16): 5.0, ("onednn", 16): 9.0}
+    table = {("kernel/plain", 1): 1.0, ("kernel/blocked", 1): 1.5, ("aten/plain", 1): 3.0,
+             ("onednn/packed", 1): 3.0, ("kernel/plain", 16): 10.0,
+             ("kernel/blocked", 16): 10.0, ("aten/plain", 16): 5.0, ("onednn/packed", 16): 9.0}
     monkeypatch.setattr(opchoice, "step_ms", timings(table))
     ckpt = make_checkpoint(tmp_path / "ckpt", "llama")
     path = compile_spec(ckpt, tmp_path / "store")
@@ -266,7 +269,9 @@ def test_the_real_measurement_is_recorded_and_honoured(
     path = compile_spec(ckpt, tmp_path / "store")
     ops = read_manifest(path).ops
     assert ops is not None and ops.chosen_by == "measure"
-    available = {"kernel", "aten"} | ({"onednn"} if modeling.can_pack(torch.float32) else set())
+    available = {"kernel/blocked", "kernel/plain", "aten/plain"}
+    if modeling.can_pack(torch.float32):
+        available.add("onednn/packed")
     for row in ops.rows:
         assert set(row.ms) == available and all(ms > 0 for ms in row.ms.values())
         assert ops.layout in opchoice.READS[row.path]

@@ -92,8 +92,8 @@ ChosenBy = Literal["measure", "rules"]
 
 class RowChoice(BaseModel):
     """The matmul path the graphs that run at `rows` rows take, and what each candidate
-    measured (ms for one step's projections, timed at `timed_rows`; empty when chosen by
-    rule)."""
+    (`path/layout`) measured: ms for one step's projections, timed at `timed_rows`; empty
+    when chosen by rule."""
 
     rows: int
     path: MatmulPath

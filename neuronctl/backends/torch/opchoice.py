@@ -1,8 +1,9 @@
 """Which path each graph's matmuls take: chosen on the build host, recorded in the manifest.
 
-Paths, and the one weight layout each reads (modeling.graph_sources):
+Paths, and the weight layouts each reads (modeling.graph_sources):
 
-- `kernel`: neuronctl::linear_blocked (kernel.py, gemv.cpp) on the `blocked` layout;
+- `kernel`: kernel.linear (gemv.cpp): neuronctl::linear_blocked on the `blocked` layout,
+  neuronctl::linear_rows on the `plain` one;
 - `onednn`: modeling.packed_linear on oneDNN-prepacked (`packed`) weights;
 - `aten`: modeling.linear on `plain` [N, K] weights (int8 token generation:
   modeling.int8_linear);
@@ -14,9 +15,10 @@ An artifact holds its weights once, in one layout; per row count its graphs take
 fastest path that reads that layout. The row counts are those the graphs run at: the
 token-generation batch and each context bucket times the prompts per call.
 
-`measure` (the default; NEURONCTL_OP_CHOICE) times every available path eagerly on random
-weights of the model's projection shapes, and picks the layout whose paths are fastest
-over the row counts, then each row count's fastest path reading it. It measures only where
+`measure` (the default; NEURONCTL_OP_CHOICE) times every available path on every layout it
+reads (a candidate, `path/layout`) eagerly on random weights of the model's projection
+shapes, and picks the layout whose candidates are fastest over the row counts, then each
+row count's fastest candidate on it. It measures only where
 AOTInductor compiles and the kernel runs (elsewhere the untimed gemv would compete).
 `rules` picks as the ISA rules below do, without timing: identical artifacts across the
 builds of one host class, whatever the load.
@@ -52,7 +54,7 @@ PLAIN: Final = "plain"
 LAYOUTS: tuple[WeightLayout, ...] = (BLOCKED, PACKED, PLAIN)
 # The layouts each path reads.
 READS: dict[MatmulPath, tuple[WeightLayout, ...]] = {
-    KERNEL: (BLOCKED,), ONEDNN: (PACKED,), ATEN: (PLAIN,), GEMV: (PLAIN,)}
+    KERNEL: (BLOCKED, PLAIN), ONEDNN: (PACKED,), ATEN: (PLAIN,), GEMV: (PLAIN,)}
 # The GEMV's batch range (rules): measured on a 2-core AVX-512 host, it streams weights at
 # full bandwidth up to 4 rows, aten's GEMM wins beyond (docs/torch-backend.md). Weights
 # stored narrower than they compute (bf16 on a CPU without bf16 units) it widens as it
@@ -70,7 +72,7 @@ MARGIN = 0.07
 REPS = 20  # timed calls per candidate, after one warm-up; the fastest counts (on a busy
 # host most calls of a 2-thread op wait for a descheduled thread: the fastest did not)
 
-# (target, rows) -> milliseconds one step's projections take by each available path
+# (target, rows) -> milliseconds one step's projections take by each candidate
 Timer = Callable[["Target", int], dict[str, float]]
 
 
@@ -94,8 +96,22 @@ class Target:
         return [path for path, ok in available if ok]
 
     @property
+    def candidates(self) -> list[str]:
+        """What is timed: each available path on each layout it reads (`candidate`)."""
+        return [candidate(path, layout) for path in self.paths for layout in READS[path]]
+
+    @property
     def measurable(self) -> bool:
         return self.compiler == "inductor" and self.kernel
+
+
+def candidate(path: str, layout: str) -> str:
+    return f"{path}/{layout}"
+
+
+def split(name: str) -> tuple[MatmulPath, WeightLayout]:
+    path, layout = name.split("/")
+    return path, layout  # type: ignore[return-value]
 
 
 def target_for(
@@ -170,15 +186,17 @@ def by_rules(target: Target, layout: WeightLayout | None = None) -> OpChoice:
 
 
 def measured(target: Target, timer: Timer) -> OpChoice:
-    """The layout whose fastest paths, summed over the row counts relative to the fastest
-    of all, is least; the rules' layout unless another beats it by MARGIN. Then per row
-    count the fastest path reading it (the rules' path unless another beats it by MARGIN)."""
+    """The layout whose fastest candidates, summed over the row counts relative to the
+    fastest of all, is least; the rules' layout unless another beats it by MARGIN. Then per
+    row count the fastest candidate on it (the rules' path unless another beats it by
+    MARGIN)."""
     timed_rows = {r: min(r, MAX_TIMED_ROWS) for r in target.rows}
     ms = {r: timer(target, timed_rows[r]) for r in target.rows}
-    readers = {layout: [p for p in target.paths if layout in READS[p]] for layout in LAYOUTS}
+    readers = {layout: [c for c in target.candidates if split(c)[1] == layout]
+               for layout in LAYOUTS}
 
     def best(layout: WeightLayout, r: int) -> float:
-        return min(ms[r][p] for p in readers[layout])
+        return min(ms[r][c] for c in readers[layout])
 
     scores = {layout: sum(best(layout, r) / min(ms[r].values()) for r in target.rows)
               for layout in readers if readers[layout]}
@@ -188,22 +206,21 @@ def measured(target: Target, timer: Timer) -> OpChoice:
         layout = default
     rows = []
     for r in target.rows:
-        path = _fastest(ms[r], readers[layout], rule_path(target, layout, r))
+        preferred = candidate(rule_path(target, layout, r), layout)
+        path = split(_fastest(ms[r], readers[layout], preferred))[0]
         rows.append(RowChoice(rows=r, path=path, timed_rows=timed_rows[r], ms=_rounded(ms[r])))
     return OpChoice(layout=layout, rows=rows, chosen_by=MEASURE)
 
 
-def _fastest(
-    ms: dict[str, float], paths: list[MatmulPath], preferred: MatmulPath
-) -> MatmulPath:
-    fastest = min(paths, key=lambda p: ms[p])
-    if preferred in paths and ms[fastest] > ms[preferred] * (1 - MARGIN):
+def _fastest(ms: dict[str, float], candidates: list[str], preferred: str) -> str:
+    fastest = min(candidates, key=lambda c: ms[c])
+    if preferred in candidates and ms[fastest] > ms[preferred] * (1 - MARGIN):
         return preferred
     return fastest
 
 
 def _rounded(ms: dict[str, float]) -> dict[str, float]:
-    return {path: round(value, 3) for path, value in ms.items()}
+    return {name: round(value, 3) for name, value in ms.items()}
 
 
 def projection_shapes(target: Target, rows: int) -> list[tuple[tuple[int, int], int]]:
@@ -222,22 +239,23 @@ def projection_shapes(target: Target, rows: int) -> list[tuple[tuple[int, int], 
 
 
 def step_ms(target: Target, rows: int) -> dict[str, float]:
-    """Milliseconds one step's projections take by each available path at `rows` rows
-    (eagerly, on random weights in the artifact's storage dtype). The paths take turns
-    within every repetition, so a burst of load elsewhere slows them alike."""
-    total: dict[str, float] = dict.fromkeys(target.paths, 0.0)
+    """Milliseconds one step's projections take by each candidate at `rows` rows (eagerly,
+    on random weights in the artifact's storage dtype). The candidates take turns within
+    every repetition, so a burst of load elsewhere slows them alike."""
+    total: dict[str, float] = dict.fromkeys(target.candidates, 0.0)
     with torch.no_grad():
         for shape, count in projection_shapes(target, rows):
             calls: dict[str, Callable[[], Any]] = {
-                path: _call(target, path, shape, rows) for path in target.paths}
+                name: _call(target, name, shape, rows) for name in target.candidates}
             for path, ms in _time_ms(calls).items():
                 total[path] += count * ms
     return total
 
 
 def _call(
-    target: Target, path: str, shape: tuple[int, int], rows: int
+    target: Target, name: str, shape: tuple[int, int], rows: int
 ) -> Callable[[], torch.Tensor]:
+    path, layout = split(name)
     numerics = target.numerics
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(shape, generator=generator)
@@ -249,8 +267,8 @@ def _call(
     x = torch.randn(rows, shape[1], generator=generator).to(numerics.compute)
     if path == KERNEL:
         kernel.load()
-        blocked = kernel.block(weight)
-        return lambda: kernel.linear(x, blocked, None, scale)
+        laid_out = kernel.block(weight) if layout == BLOCKED else weight
+        return lambda: kernel.linear(x, laid_out, None, scale)
     if path == ONEDNN:
         packed = modeling.pack_weight(weight, target.batch_size)
         return lambda: modeling.packed_linear(x, packed)
