@@ -24,6 +24,7 @@ from neuronctl.spec import BuildSpec, finalize, resolve_spec
 from neuronctl.store.local import Published, Store, default_store_root
 from neuronctl.store.manifest import (
     Manifest,
+    OpChoice,
     Source,
     host_facts,
     intact_problem,
@@ -154,7 +155,7 @@ def compile_model(
         from neuronctl.checkpoints.hub import copy_model_files
 
         copy_model_files(build.checkpoint.path, staging)
-        return new_manifest(build, result.graphs, result.extra)
+        return new_manifest(build, result.graphs, result.extra, result.ops)
 
     published: Published = build.store.publish(
         build.keys.dirname, fill, reuse=is_intact, on_step=_log_step
@@ -204,7 +205,10 @@ def _log_step(name: str) -> None:
     logger.info("publish: %s", name)
 
 
-def new_manifest(build: ResolvedBuild, graphs: list[str], extra: Mapping[str, Any]) -> Manifest:
+def new_manifest(
+    build: ResolvedBuild, graphs: list[str], extra: Mapping[str, Any],
+    ops: OpChoice | None = None,
+) -> Manifest:
     checkpoint = build.checkpoint
     return Manifest(
         backend=build.spec.backend,
@@ -220,6 +224,7 @@ def new_manifest(build: ResolvedBuild, graphs: list[str], extra: Mapping[str, An
         ),
         architecture=dict(checkpoint.config),
         graphs=graphs,
+        ops=ops,
     )
 
 

@@ -15,6 +15,10 @@ os.environ.setdefault("TRANSFORMERS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_DISABLE_TELEMETRY", "1")
 # Session fixtures run before the per-test isolation below: keep them off the user's cache too.
 os.environ["XDG_CACHE_HOME"] = tempfile.mkdtemp(prefix="neuronctl-test-cache-")
+# The torch backend's matmul paths by the ISA rules, not timed: timings on a loaded test host
+# are noise and cost seconds per build. tests/test_opchoice.py measures where it means to.
+OP_CHOICE_RULES = {"NEURONCTL_OP_CHOICE": "rules"}
+os.environ.update(OP_CHOICE_RULES)
 
 # The spec of the shared tiny artifact: small buckets so several graphs exist, 4 slots so
 # continuous batching has something to do, the fast export compiler.
@@ -45,6 +49,8 @@ def _isolated_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
         "NEURONCTL_LOG_LEVEL",
     ):
         monkeypatch.delenv(var, raising=False)
+    for var, value in OP_CHOICE_RULES.items():
+        monkeypatch.setenv(var, value)
 
 
 @pytest.fixture(scope="session")

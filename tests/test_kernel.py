@@ -23,11 +23,12 @@ from neuronctl.backends.torch.graphs import (
     GraphJob,
     example_inputs,
     module_for,
-    uses_kernel,
 )
 from neuronctl.backends.torch.runner import _load_kernel, _load_weights
 from neuronctl.errors import CheckpointError, NotFoundError
 from tests.helpers import make_checkpoint, read_config
+
+Scale = torch.Tensor | None  # int8 weights' one scale per output row
 
 pytestmark = [
     pytest.mark.skipif(not kernel_runs_on(_cpu_flags()),
@@ -55,31 +56,73 @@ def as_int16(x: torch.Tensor) -> torch.Tensor:
     return torch.round(x * inv).double() * (most / 32767).double()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.int8])
-@pytest.mark.parametrize("rows", [1, 2, 3, 4, 5, 8, 67])
-def test_blocked_linear_is_the_float32_product(dtype: torch.dtype, rows: int) -> None:
-    # Every row count takes a different path (1, 2, threes and their remainders); 67 is a
-    # context bucket's worth. Leading dimensions are kept, as the graphs pass [B, T, K].
-    gen = torch.Generator().manual_seed(rows)
-    n, k = 52, 96
-    w = (torch.randn(n, k, generator=gen) * 30).to(dtype)
-    x = torch.randn(rows, 1, k, generator=gen)
+LAYOUTS = {"blocked": kernel.block, "plain": lambda w: w}  # linear_blocked, linear_rows
+DTYPES = [torch.float32, torch.bfloat16, torch.int8]
+ROWS = [1, 2, 3, 4, 5, 7, 64]  # 1; 2; threes and a remainder of 1 or 2; a context bucket
+
+
+def weights(n: int, k: int, dtype: torch.dtype, seed: int) -> tuple[torch.Tensor, Scale]:
+    """A random [N, K] weight in dtype (int8: all of its range) and, for int8, bf16 scales."""
+    gen = torch.Generator().manual_seed(seed)
+    w = (torch.randn(n, k, generator=gen) * 40).clamp(-127, 127).to(dtype)
     scale = torch.rand(n, generator=gen).to(torch.bfloat16) if dtype == torch.int8 else None
-    got = torch.ops.neuronctl.linear_blocked(x, kernel.block(w), scale)
-    xs = as_int16(x) if dtype == torch.int8 else x
-    want = reference(xs, w.float(), None if scale is None else scale.float())
+    return w, scale
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+@pytest.mark.parametrize("with_bias", [False, True])
+def test_linear_is_the_float32_product(
+    layout: str, dtype: torch.dtype, rows: int, with_bias: bool
+) -> None:
+    """kernel.linear on either layout against a float64 reference, element by element.
+
+    Every row count takes a different path. Leading dimensions are kept, as the graphs pass
+    [B, T, K]. The bound: bf16 and int8 weights widen to float32 exactly, so the kernel
+    computes the float32 dot product of x (int8: x rounded to int16 as `as_int16` models, its
+    products summed exactly in int32) and w. Each output sums K products in 8 lanes, each lane
+    in order by FMA, then adds the 8 lanes: fewer than K + 3 roundings of a partial sum, so
+    the error is at most (K + 3) u sum|x||w|, u = 2^-24 (the bound for recursive summation,
+    Higham, Accuracy and Stability of Numerical Algorithms, 2nd ed., section 3.1). int8 adds
+    three roundings (the int32 sum to float, the activation and the weight scale); the bias
+    one more, of the result."""
+    n, k = 52, 96
+    w, scale = weights(n, k, dtype, seed=rows)
+    gen = torch.Generator().manual_seed(rows + 1)
+    x = torch.randn(rows, 1, k, generator=gen)
+    bias = torch.randn(n, generator=gen) if with_bias else None
+    got = kernel.linear(x, LAYOUTS[layout](w), bias, scale)
+    xs = as_int16(x) if dtype == torch.int8 else x.double()
+    s = torch.ones(n, dtype=torch.float64) if scale is None else scale.double()
+    want = reference(xs, w.float(), None) * s + (0 if bias is None else bias.double())
+    u = 2.0**-24
+    bound = (k + 6) * u * (xs.abs() @ w.double().abs().T) * s + u * want.abs()
     assert got.shape == (rows, 1, n) and got.dtype == torch.float32
-    assert (got.double() - want).abs().max() <= 1e-5 * want.abs().max()
+    assert ((got.double() - want).abs() <= bound).all()
 
 
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize("rows", ROWS)
+def test_both_layouts_give_the_same_bits(dtype: torch.dtype, rows: int) -> None:
+    # One code over two layouts: the same products summed in the same order, so equal to the
+    # bit. K = 2096 is 131 chunks: an odd count (one int8 row goes two a step) and a second
+    # span of int8 sums.
+    w, scale = weights(36, 2096, dtype, seed=rows)
+    x = torch.randn(rows, 2096, generator=torch.Generator().manual_seed(rows))
+    blocked = torch.ops.neuronctl.linear_blocked(x, kernel.block(w), scale)
+    assert torch.equal(torch.ops.neuronctl.linear_rows(x, w, scale), blocked)
+
+
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("k", [16, 112, 2096])
-def test_one_int8_row_takes_any_count_of_chunks(k: int) -> None:
+def test_one_int8_row_takes_any_count_of_chunks(layout: str, k: int) -> None:
     # One row goes two 16-column chunks a step: a lone chunk, an odd count (7), and a
     # second span of sums (128 chunks, then 3) must all land exactly where the model says.
     gen = torch.Generator().manual_seed(k)
     w = (torch.randn(12, k, generator=gen) * 40).clamp(-127, 127).to(torch.int8)
     x = torch.randn(1, k, generator=gen)
-    got = torch.ops.neuronctl.linear_blocked(x, kernel.block(w), None).double()
+    got = kernel.linear(x, LAYOUTS[layout](w)).double()
     want = reference(as_int16(x), w.float(), None)
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
 
@@ -94,14 +137,15 @@ def test_int8_products_stay_within_the_int16_rounding_of_the_activations() -> No
     assert ((got - reference(x, w, None)).abs() <= bound * 1.001 + 1e-4).all()
 
 
+@pytest.mark.parametrize("layout", LAYOUTS)
 @pytest.mark.parametrize("value", [127, -128])
 @pytest.mark.parametrize("rows", [1, 2])
-def test_int8_sums_do_not_overflow_on_long_rows(value: int, rows: int) -> None:
+def test_int8_sums_do_not_overflow_on_long_rows(layout: str, value: int, rows: int) -> None:
     # 8208 columns (four spans of 128 chunks and one more) of extreme weights by activations
     # at 32767: 2^32 in one int32 lane had the sums not moved into float on the way. One
     # row and several take different loops.
     w = torch.full((4, 8208), value, dtype=torch.int8)
-    got = torch.ops.neuronctl.linear_blocked(torch.ones(rows, 8208), kernel.block(w), None)
+    got = kernel.linear(torch.ones(rows, 8208), LAYOUTS[layout](w))
     assert torch.equal(got, torch.full((rows, 4), float(value * 8208)))
 
 
@@ -113,20 +157,13 @@ def test_int8_takes_rows_of_zeros() -> None:
     assert torch.equal(got, torch.tensor([[0.0] * 4, [32.0] * 4]))
 
 
-def test_linear_adds_bias_and_returns_the_activations_dtype() -> None:
+@pytest.mark.parametrize("layout", LAYOUTS)
+def test_linear_adds_bias_and_returns_the_activations_dtype(layout: str) -> None:
     w = torch.randn(8, 32).to(torch.bfloat16)
     x, bias = torch.randn(2, 32), torch.randn(8)
-    got = kernel.linear(x, kernel.block(w), bias)
+    got = kernel.linear(x, LAYOUTS[layout](w), bias)
     assert torch.allclose(got, x @ w.float().T + bias, atol=1e-5)
-    assert kernel.linear(x.bfloat16(), kernel.block(w)).dtype == torch.bfloat16
-
-
-def test_block_is_reversible_and_fits_only_unpadded_shapes() -> None:
-    w = torch.arange(8 * 32).reshape(8, 32)
-    assert kernel.block(w).shape == (2, 2, 4, 16)
-    blocked = kernel.block(w)
-    assert torch.equal(blocked.transpose(1, 2).reshape(8, 32), w)  # the inverse
-    assert kernel.fits((8, 32)) and not kernel.fits((6, 32)) and not kernel.fits((8, 40))
+    assert kernel.linear(x.bfloat16(), LAYOUTS[layout](w)).dtype == torch.bfloat16
 
 
 def test_kernel_refuses_what_it_cannot_multiply() -> None:
@@ -137,6 +174,24 @@ def test_kernel_refuses_what_it_cannot_multiply() -> None:
         torch.ops.neuronctl.linear_blocked(torch.randn(1, 32), torch.randn(8, 32), None)
     with pytest.raises(RuntimeError, match="float32 activations"):
         torch.ops.neuronctl.linear_blocked(torch.randn(1, 32).bfloat16(), w, None)
+
+
+@pytest.mark.parametrize(("x", "w", "scale", "message"), [
+    (torch.randn(1, 48), torch.randn(8, 32), None, "activations have 48 columns, weights 32"),
+    (torch.randn(1, 32), torch.randn(6, 32), None, r"\[6, 32\] weight does not fit.* of 4 "),
+    (torch.randn(1, 40), torch.randn(8, 40), None, r"\[8, 40\] weight does not fit.*K of 16"),
+    (torch.randn(1, 32), torch.randn(2, 4, 32), None, r"not a contiguous \[N, K\] matrix"),
+    (torch.randn(1, 32), torch.randn(32, 8).T, None, "not contiguous"),
+    (torch.randn(1, 32), torch.randn(8, 32).double(), None, "float32, bfloat16 or int8"),
+    (torch.randn(1, 32).bfloat16(), torch.randn(8, 32), None, "float32 activations"),
+    (torch.randn(1, 32), torch.ones(8, 32, dtype=torch.int8), torch.ones(4), "one scale per"),
+])
+def test_linear_rows_refuses_what_it_cannot_multiply(
+    x: torch.Tensor, w: torch.Tensor, scale: Scale, message: str
+) -> None:
+    with pytest.raises(RuntimeError, match=message) as raised:
+        torch.ops.neuronctl.linear_rows(x, w, scale)
+    assert "linear_rows" in str(raised.value)
 
 
 def _attention_args(heads: int, kv_heads: int, head_dim: int) -> modeling.ModelArgs:
@@ -269,23 +324,38 @@ def _dequantizing_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
     return out if bias is None else out + bias
 
 
-def test_only_float32_compute_on_avx2_inductor_graphs_use_the_kernel(tmp_path: Path) -> None:
-    args = modeling.args_from_config(read_config(make_checkpoint(tmp_path / "ckpt", "llama")))
+def test_by_the_rules_only_float32_compute_on_avx2_inductor_graphs_use_the_kernel(
+    tmp_path: Path,
+) -> None:
+    from neuronctl.backends.torch import opchoice
+    from neuronctl.spec import ModelShape, finalize, resolve_spec
+
+    config = read_config(make_checkpoint(tmp_path / "ckpt", "llama"))
     flags = "sse4_2 avx avx2 fma"
+
+    def layout(compute: str = "float32", flags: str = flags, **spec: object) -> str:
+        base = {"model": "m", "compiler": "inductor", "dtype": "float32", "seq_len": 64,
+                "batch_size": 1, **spec}
+        finalized = finalize(resolve_spec(base, None, {})[0], ModelShape.from_config(config))
+        numerics = modeling.Numerics(getattr(torch, finalized.dtype), getattr(torch, compute))
+        args = modeling.args_from_config(config)
+        target = opchoice.target_for(finalized, args, numerics, (1, 64), flags)
+        return opchoice.by_rules(target).layout
+
     # float32 compute: fp32 weights, and bf16 or int8 ones on a CPU without bf16 units
-    assert uses_kernel("inductor", "float32", args, flags)
-    assert not uses_kernel("inductor", "bfloat16", args, flags)  # bf16 units: bf16 kernels
-    assert not uses_kernel("export", "float32", args, flags)
-    assert not uses_kernel("inductor", "float32", args, "sse4_2 avx")
-    odd = modeling.args_from_config({**read_config(tmp_path / "ckpt"), "vocab_size": 321})
-    assert not uses_kernel("inductor", "float32", odd, flags)
+    assert layout() == "blocked"
+    assert layout("bfloat16", dtype="bfloat16") == "plain"  # bf16 units: bf16 kernels
+    assert layout(compiler="export") == "plain"
+    assert layout(flags="sse4_2 avx") == "plain"
+    config["vocab_size"] = 321
+    assert layout() == "plain"
 
 
 def test_a_blocked_job_multiplies_by_the_kernel_in_both_graphs(tmp_path: Path) -> None:
     config = read_config(make_checkpoint(tmp_path / "ckpt", "llama"))
     for kind, batch in ((CONTEXT, 1), (TOKEN_GEN, 2), (TOKEN_GEN, 8), (TOKEN_GEN, 16)):
         job = GraphJob(kind, 64, config, batch, 128, "bfloat16", "inductor", str(tmp_path),
-                       compute="float32", blocked=True)
+                       compute="float32", layout="blocked", carries_kernel=True)
         assert module_for(job).linear is kernel.linear
         assert not job.packed
         if kind == TOKEN_GEN:
@@ -297,7 +367,7 @@ def test_blocked_token_generation_graphs_call_attend_once_a_layer(tmp_path: Path
     layers = modeling.args_from_config(config).num_layers
     for kind, calls in ((TOKEN_GEN, layers), (CONTEXT, 0)):
         job = GraphJob(kind, 16, config, 2, 32, "bfloat16", "inductor", str(tmp_path),
-                       compute="float32", blocked=True)
+                       compute="float32", layout="blocked", carries_kernel=True)
         with torch.no_grad():
             program = torch.export.export(module_for(job), example_inputs(job), strict=False)
         targets = [node.target for node in program.graph.nodes]
@@ -306,17 +376,16 @@ def test_blocked_token_generation_graphs_call_attend_once_a_layer(tmp_path: Path
 
 def test_the_artifact_names_its_matmul_and_attention_kernels(tmp_path: Path) -> None:
     from neuronctl.backends.torch import attention_choice, matmul_choice
+    from neuronctl.store.manifest import OpChoice, RowChoice
 
     config = read_config(make_checkpoint(tmp_path / "ckpt", "llama"))
-
-    def job(quantized: bool) -> GraphJob:
-        return GraphJob(TOKEN_GEN, 64, config, 1, 128, "bfloat16", "inductor", str(tmp_path),
-                        compute="float32", quantized=quantized, blocked=True)
-
-    assert "int16" in matmul_choice([job(True)])
-    assert "widened in registers" in matmul_choice([job(False)])
+    job = GraphJob(TOKEN_GEN, 64, config, 1, 128, "bfloat16", "inductor", str(tmp_path),
+                   compute="float32", quantized=True, layout="blocked", carries_kernel=True)
+    ops = OpChoice(layout="blocked", rows=[RowChoice(rows=1, path="kernel")], chosen_by="rules")
+    assert "int16" in matmul_choice(ops, quantized=True)
+    assert "widened in registers" in matmul_choice(ops, quantized=False)
     args = modeling.args_from_config(config)
-    assert attention_choice([job(True)], args).startswith("neuronctl::attend")
+    assert attention_choice([job], args).startswith("neuronctl::attend")
 
 
 def test_the_kernel_digest_covers_every_file_the_library_is_built_from() -> None:

@@ -221,11 +221,12 @@ def test_inductor_keys_hold_the_isa_and_the_kernel_only_where_used(cpu_class) ->
     xeon, xeon_key = torch_keys(cpu_class, XEON_FLAGS, compiler="inductor", dtype="float32")
     assert epyc["cpu_isa"] == "avx2" and xeon["cpu_isa"] == "avx512 avx512_vnni amx_tile"
     assert epyc_key != xeon_key
-    assert "kernel" in epyc and "kernel" in xeon  # float32 compute: the kernel may be called
+    assert "kernel" in epyc and "kernel" in xeon  # the op choice may pick the kernel
     assert "cpu_half_units" not in epyc  # float32 computes in float32 everywhere
-    # bf16 native on the Xeon: the graphs call oneDNN, never neuronctl's kernel.
+    # bf16 native on the Xeon: the measured choice may still pick the kernel (it computes
+    # in float32 and rounds to bf16), and a key never depends on a measurement.
     native, _ = torch_keys(cpu_class, XEON_FLAGS, compiler="inductor", dtype="bfloat16")
-    assert "kernel" not in native and native["cpu_half_units"] == "bf16"
+    assert "kernel" in native and native["cpu_half_units"] == "bf16"
     # A CPU without AVX2+FMA never runs the kernel.
     old, _ = torch_keys(cpu_class, "sse4_2 avx", compiler="inductor", dtype="float32")
     assert old["cpu_isa"] == "none" and "kernel" not in old
@@ -241,3 +242,12 @@ def test_the_isa_in_a_key_does_not_depend_on_a_compiler(cpu_class, monkeypatch) 
     assert with_gxx["cpu_isa"] == "avx2"
     monkeypatch.setenv("PATH", "")
     assert torch_keys(cpu_class, EPYC_FLAGS, compiler="inductor", dtype="float32")[1] == key
+
+
+def test_the_op_choice_mode_changes_no_key(cpu_class, monkeypatch) -> None:
+    # Measured or by the rules, the graphs of one spec share a key: a graph donor's graphs
+    # come with its recorded choice (opchoice), which a reusing build adopts.
+    monkeypatch.setenv("NEURONCTL_OP_CHOICE", "measure")
+    measured = torch_keys(cpu_class, EPYC_FLAGS, compiler="inductor", dtype="bfloat16")
+    monkeypatch.setenv("NEURONCTL_OP_CHOICE", "rules")
+    assert torch_keys(cpu_class, EPYC_FLAGS, compiler="inductor", dtype="bfloat16") == measured

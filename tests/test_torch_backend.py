@@ -136,7 +136,7 @@ def test_a_failing_graph_names_its_bucket_and_keeps_a_log(
     [
         ("bfloat16", "float32", False, 8, "gemv"),  # widened as it streams (AVX2 host)
         ("bfloat16", "float32", False, 16, "linear"),
-        ("float32", "", False, 8, "packed_linear"),  # native: oneDNN's packed GEMM
+        ("float32", "", False, 8, "packed_linear"),  # packed: oneDNN's packed GEMM
         ("float32", "", False, 4, "gemv"),
         ("bfloat16", "float32", True, 8, "int8_linear"),
     ],
@@ -146,13 +146,13 @@ def test_token_generation_picks_its_matmul_by_rows_and_numerics(
 ) -> None:
     from neuronctl.backends.torch.graphs import module_for
 
+    # The rules' paths (opchoice.rule_path) for the layout the rules give these numerics
+    # where the kernel does not run.
     ckpt = make_checkpoint(tmp_path / "ckpt", "llama")
+    layout = "packed" if kernel == "packed_linear" else "plain"
     job = GraphJob(TOKEN_GEN, 64, read_config(ckpt), batch, 128, dtype, "inductor",
-                   str(tmp_path), compute=compute, quantized=quantized)  # fmt: skip
-    linear = module_for(job).linear
-    if kernel == "packed_linear" and not modeling.can_pack(torch.float32):
-        kernel = "linear"  # no oneDNN in this torch build
-    assert linear.__name__ == kernel
+                   str(tmp_path), compute=compute, quantized=quantized, layout=layout)
+    assert module_for(job).linear.__name__ == kernel
 
 
 def test_runner_refuses_prompts_and_positions_beyond_its_buckets(

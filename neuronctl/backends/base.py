@@ -26,7 +26,7 @@ if TYPE_CHECKING:
     from neuronctl.checkpoints import Checkpoint
     from neuronctl.checks import Check
     from neuronctl.spec import BuildSpec
-    from neuronctl.store.manifest import Manifest
+    from neuronctl.store.manifest import Manifest, OpChoice
 
 # An artifact's settings file, under NxD Inference's name: nxdi's compile writes it, the torch
 # backend writes its own in the same place so that tools reading artifacts find one file name.
@@ -49,6 +49,7 @@ class BuildResult:
     graphs: list[str]  # relative paths of compiled graph files in staging
     graphs_reused: bool = False
     extra: dict[str, Any] = field(default_factory=dict)  # recorded in the manifest host facts
+    ops: OpChoice | None = None  # torch: the matmul paths chosen (manifest `ops`)
 
 
 class Runner(Protocol):

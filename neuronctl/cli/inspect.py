@@ -2,11 +2,21 @@
 
 from __future__ import annotations
 
-from typing import Annotated
+from pathlib import Path
+from typing import Annotated, Any
 
 import typer
 
-from neuronctl.cli._common import JsonOpt, ModelArg, RevisionOpt, console, human_size, print_json
+from neuronctl.cli._common import (
+    JsonOpt,
+    ModelArg,
+    RevisionOpt,
+    console,
+    human_size,
+    print_json,
+    table,
+)
+from neuronctl.store.manifest import MANIFEST, Manifest, read_manifest
 
 ORDER = 15
 
@@ -22,9 +32,11 @@ def inspect_command(
     allow_pickle: AllowPickleOpt = False,
     json_out: JsonOpt = False,
 ) -> None:
-    """Show a checkpoint's architecture, size, dtype, supported backends and tp degrees.
+    """Show a checkpoint's architecture, size, dtype, supported backends and tp degrees;
+    or an artifact's matmul paths (what each row count runs, what each candidate measured).
 
-    A Hub id is downloaded first (or read from the cache with HF_HUB_OFFLINE=1).
+    A Hub id is downloaded first (or read from the cache with HF_HUB_OFFLINE=1). A directory
+    with a manifest.json is an artifact.
 
     Examples:
 
@@ -32,11 +44,17 @@ def inspect_command(
 
       neuronctl inspect meta-llama/Llama-3.2-1B --json
 
+      neuronctl inspect ~/.cache/neuronctl/artifacts/3f9a2c...
+
     Exit codes: 0 ok, 1 unreadable or unsupported checkpoint, 2 usage error.
     """
     from neuronctl.checkpoints import open_checkpoint
     from neuronctl.checkpoints.summary import summarize
 
+    local = Path(model).expanduser()
+    if (local / MANIFEST).is_file():
+        show_artifact(local, read_manifest(local), json_out)
+        return
     info = summarize(open_checkpoint(model, revision, allow_pickle=allow_pickle))
     if json_out:
         print_json(info)
@@ -59,6 +77,33 @@ def inspect_command(
     console.print(f"[bold]{info['model']}[/bold]  {info['path']}")
     for name, value in rows:
         console.print(f"  {name:<17} {value}")
+
+
+def op_rows(manifest: Manifest) -> tuple[list[str], list[list[Any]]]:
+    """The op-choice table: per row count the path taken and each candidate's time."""
+    ops = manifest.ops
+    assert ops is not None
+    candidates = list(dict.fromkeys(path for row in ops.rows for path in row.ms))
+    columns = ["rows", "path", "timed at", *(f"{path} ms" for path in candidates)]
+    rows = [[row.rows, row.path, row.timed_rows or "-",
+             *(f"{row.ms[p]:.3f}" if p in row.ms else "-" for p in candidates)]
+            for row in ops.rows]
+    return columns, rows
+
+
+def show_artifact(path: Path, manifest: Manifest, json_out: bool) -> None:
+    ops = manifest.ops
+    if json_out:
+        print_json({"artifact": str(path), "backend": manifest.backend,
+                    "ops": ops.model_dump(mode="json") if ops else None})
+        return
+    console.print(f"[bold]{manifest.source.model}[/bold]  {path}  ({manifest.backend})")
+    if ops is None:
+        console.print("  op choice: not recorded (another backend, or built before it was)")
+        return
+    console.print(f"  weights layout    {ops.layout}")
+    console.print(f"  chosen by         {ops.chosen_by}")
+    console.print(table("matmul path per row count", *op_rows(manifest)))
 
 
 def register(app: typer.Typer) -> None:

@@ -11,7 +11,8 @@ The path rule, for every file a manifest names (applied when a manifest is read,
 validate, load, push and pull all get it): relative, POSIX separators only, no `..` or `.`
 component, not manifest.json or its .tmp. On disk every listed file is a regular file reached
 through no symlink. `record_sha256` covers what the build recorded (spec, keys, backend and
-versions, architecture, source, graphs): an edited spec is noticed before any load.
+versions, architecture, source, graphs, the torch backend's op choice): an edited spec is
+noticed before any load.
 """
 
 from __future__ import annotations
@@ -24,7 +25,7 @@ import stat
 from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 from pydantic import (
     BaseModel,
@@ -53,7 +54,7 @@ LOADER_SUFFIXES = (".safetensors", ".pt", ".pt2", ".neff", ".json", ".bin", ".so
 # What record_sha256 covers: what the build decided. Not files (their own sha256s), host
 # facts or timestamps.
 RECORDED = ("format_version", "backend", "backend_versions", "spec", "keys", "source",
-            "architecture", "graphs")
+            "architecture", "graphs", "ops")
 
 
 def path_rule(rel: str) -> str | None:
@@ -84,6 +85,42 @@ class Source(BaseModel):
     digest: str  # the checkpoint content digest (see checkpoints)
 
 
+MatmulPath = Literal["kernel", "onednn", "aten", "gemv"]
+WeightLayout = Literal["plain", "packed", "blocked"]
+ChosenBy = Literal["measure", "rules"]
+
+
+class RowChoice(BaseModel):
+    """The matmul path the graphs that run at `rows` rows take, and what each candidate
+    (`path/layout`) measured: ms for one step's projections, timed at `timed_rows`; empty
+    when chosen by rule."""
+
+    rows: int
+    path: MatmulPath
+    timed_rows: int | None = None
+    ms: dict[str, float] = Field(default_factory=dict)
+
+
+class OpChoice(BaseModel):
+    """How a torch artifact's graphs multiply (backends/torch/opchoice.py): the one layout
+    its weights are read in, and per row count the path reading it. Decides how the weights
+    are laid out at load, so it is part of the record."""
+
+    layout: WeightLayout
+    rows: list[RowChoice]
+    chosen_by: ChosenBy
+
+    def path_for(self, rows: int) -> str:
+        for row in self.rows:
+            if row.rows == rows:
+                return row.path
+        raise KeyError(rows)
+
+    @property
+    def paths(self) -> set[str]:
+        return {row.path for row in self.rows}
+
+
 class Manifest(BaseModel):
     """Typed: `spec` is the finalized BuildSpec, `keys` the Keys, `shape` the parsed model
     shape. On disk the same JSON as ever (keys spelled graph_key/weights_key/artifact_key)."""
@@ -100,6 +137,7 @@ class Manifest(BaseModel):
     architecture: dict[str, Any]  # the model's config.json as compiled
     graphs: list[str] = Field(default_factory=list)  # relative paths of compiled graphs
     files: dict[str, FileEntry] = Field(default_factory=dict)
+    ops: OpChoice | None = None  # torch: the matmul paths (None before they were recorded)
     record_sha256: str | None = None  # over RECORDED; None in manifests made before it
 
     @field_validator("files")
@@ -141,6 +179,8 @@ class Manifest(BaseModel):
 
     def recorded_sha256(self) -> str:
         data = self.model_dump(mode="json", include=set(RECORDED))
+        if data.get("ops") is None:  # a manifest from before the field: its digest as made
+            data.pop("ops", None)
         return hashlib.sha256(canonical_json(data).encode()).hexdigest()
 
     def record_problem(self) -> str | None:

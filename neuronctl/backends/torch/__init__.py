@@ -26,11 +26,11 @@ from neuronctl.errors import BuildError, CheckpointError, SpecError
 from neuronctl.store.local import user_cache_store
 
 if TYPE_CHECKING:
-    from neuronctl.backends.torch import modeling
+    from neuronctl.backends.torch import modeling, opchoice
     from neuronctl.backends.torch.runner import TorchRunner
     from neuronctl.checkpoints import Checkpoint
     from neuronctl.spec import BuildSpec
-    from neuronctl.store.manifest import Manifest
+    from neuronctl.store.manifest import Manifest, OpChoice
 
 # Bump when modeling.py or the graph signatures change what a graph computes or takes.
 MODELING_VERSION = "6"
@@ -181,8 +181,8 @@ def graph_versions(compiler: str, dtype: str, quantized: bool) -> dict[str, str]
       decide whether the graphs compute in it or in float32);
     - `cpu_isa` only for AOTInductor, which generates code for it (an exported program runs
       the same on every CPU);
-    - `kernel`, the digest of neuronctl's ops, only where the graphs may call them
-      (`kernel_may_run`).
+    - `kernel`, the digest of neuronctl's ops, wherever the op choice may pick them
+      (`kernel_may_run`): the choice is measured at build time and must not change the key.
 
     Read without importing torch or probing a compiler: validate and `plan` answer from it.
     """
@@ -191,7 +191,7 @@ def graph_versions(compiler: str, dtype: str, quantized: bool) -> dict[str, str]
         versions["cpu_half_units"] = half_units()
     if compiler == "inductor":
         versions["cpu_isa"] = cpu_isa()
-        if kernel_may_run(compiler, compute_dtype(dtype, quantized, half_units())):
+        if kernel_may_run(compiler):
             versions["kernel"] = kernel_digest()
     return versions
 
@@ -201,10 +201,11 @@ def kernel_runs_on(cpu_flags: str) -> bool:
     return is_x86() and {"avx2", "fma"} <= set(cpu_flags.split())
 
 
-def kernel_may_run(compiler: str, compute: str) -> bool:
-    """Whether graphs compiled here may call neuronctl's ops (graphs.uses_kernel decides, from
-    the model's shapes too): AOTInductor computing in float32 on a CPU the kernel runs on."""
-    return compiler == "inductor" and compute == "float32" and kernel_runs_on(_cpu_flags())
+def kernel_may_run(compiler: str) -> bool:
+    """Whether graphs compiled here may call neuronctl's ops (opchoice decides, from the
+    model's shapes and timings too): AOTInductor on a CPU the kernel runs on, whatever the
+    compute dtype (the kernel computes in float32 and rounds its result to it)."""
+    return compiler == "inductor" and kernel_runs_on(_cpu_flags())
 
 
 def cpu_runs(isa: str) -> bool:
@@ -280,14 +281,16 @@ class TorchBackend:
         from neuronctl.backends.torch import modeling
 
         check_tensors(request.checkpoint, modeling.args_from_config(config))
-        jobs = graph_jobs(spec, config, staging)
-        reused = request.reuse_graphs_from is not None
-        if reused:
-            graphs = copy_graphs(request.reuse_graphs_from, staging, jobs)  # type: ignore[arg-type]
+        donor = request.reuse_graphs_from
+        # A donor's graphs were compiled for its choice: adopt it, never measure again.
+        ops = donor_choice(donor, spec, config) if donor else choose_ops(spec, config)
+        jobs = graph_jobs(spec, config, staging, ops)
+        if donor is not None:
+            graphs = copy_graphs(donor, staging, jobs)
         else:
             graphs = build_graphs(jobs, request.jobs, request.progress)
-        write_neuron_config(staging, spec, config, jobs)
-        if jobs[0].blocked:
+        write_neuron_config(staging, spec, config, jobs, ops)
+        if jobs[0].carries_kernel:
             carry_kernel(staging)
         checkpoint = request.checkpoint
         if spec.quantized:
@@ -301,14 +304,16 @@ class TorchBackend:
             staging / "weights",
             request.progress,
         )
-        return BuildResult(graphs=graphs, graphs_reused=reused, extra=build_facts(spec))
+        return BuildResult(graphs=graphs, graphs_reused=donor is not None,
+                           extra=build_facts(spec), ops=ops)
 
     def load(self, path: Path, manifest: Manifest) -> TorchRunner:
         from neuronctl.backends.torch.runner import TorchRunner
         from neuronctl.backends.torch.safeload import check_artifact
 
         check_artifact(path, manifest)  # every graph, though each loads only when first used
-        return TorchRunner(path, manifest.spec, manifest.architecture, manifest.graphs)
+        return TorchRunner(path, manifest.spec, manifest.architecture, manifest.graphs,
+                           ops=manifest.ops, versions=manifest.backend_versions)
 
     def host_checks(self, manifest: Manifest) -> list[Check]:
         return host_checks(manifest, {"cpu_isa": cpu_isa(), "cpu_half_units": half_units()})
@@ -334,25 +339,53 @@ def check_tensors(checkpoint: Checkpoint, args: modeling.ModelArgs) -> None:
             )
 
 
-def graph_jobs(spec: BuildSpec, config: dict[str, Any], staging: Path) -> list[Any]:
-    from neuronctl.backends.torch import modeling
-    from neuronctl.backends.torch.graphs import (
-        CONTEXT,
-        TOKEN_GEN,
-        GraphJob,
-        prompt_counts,
-        uses_kernel,
-    )
+def op_target(spec: BuildSpec, config: dict[str, Any]) -> opchoice.Target:
+    from neuronctl.backends.torch import modeling, opchoice
+    from neuronctl.backends.torch.graphs import DTYPES, graph_rows
+
+    assert isinstance(spec.context_buckets, list)
+    compute = compute_dtype(str(spec.dtype), spec.quantized, half_units())
+    numerics = modeling.Numerics(DTYPES[str(spec.dtype)], DTYPES[compute], spec.quantized)
+    rows = graph_rows(spec.context_buckets, spec.batch_size)
+    args = modeling.args_from_config(config)
+    return opchoice.target_for(spec, args, numerics, rows, _cpu_flags())
+
+
+def choose_ops(spec: BuildSpec, config: dict[str, Any]) -> OpChoice:
+    """The matmul paths of a fresh build (opchoice: measured here, or by the rules)."""
+    from neuronctl.backends.torch import opchoice
+
+    return opchoice.choose(op_target(spec, config))
+
+
+def donor_choice(donor: Path, spec: BuildSpec, config: dict[str, Any]) -> OpChoice:
+    """The choice a graph donor's graphs were compiled for: its manifest's record, or for a
+    donor from before the record, the rules applied to the layout its neuron_config names."""
+    from neuronctl.backends.torch import opchoice
+    from neuronctl.store.manifest import read_manifest
+
+    recorded = read_manifest(donor).ops
+    if recorded is not None:
+        return recorded
+    from neuronctl.backends.torch.runner import _neuron_config
+
+    layout = opchoice.legacy_layout(_neuron_config(donor))
+    return opchoice.by_rules(op_target(spec, config), layout)
+
+
+def graph_jobs(
+    spec: BuildSpec, config: dict[str, Any], staging: Path, ops: OpChoice
+) -> list[Any]:
+    from neuronctl.backends.torch.graphs import CONTEXT, TOKEN_GEN, GraphJob, prompt_counts
 
     assert isinstance(spec.context_buckets, list) and isinstance(spec.token_gen_buckets, list)
     kinds = [(CONTEXT, b, n) for b in spec.context_buckets for n in prompt_counts(spec.batch_size)]
     kinds += [(TOKEN_GEN, b, 1) for b in spec.token_gen_buckets]
     compute = compute_dtype(str(spec.dtype), spec.quantized, half_units())
-    blocked = uses_kernel(
-        str(spec.compiler), compute, modeling.args_from_config(config), _cpu_flags()
-    )
-    return [
-        GraphJob(
+    jobs = []
+    for kind, bucket, prompts in kinds:
+        rows = spec.batch_size if kind == TOKEN_GEN else bucket * prompts
+        jobs.append(GraphJob(
             kind,
             bucket,
             config,
@@ -364,10 +397,11 @@ def graph_jobs(spec: BuildSpec, config: dict[str, Any], staging: Path) -> list[A
             compute=compute,
             quantized=spec.quantized,
             prompts=prompts,
-            blocked=blocked,
-        )
-        for kind, bucket, prompts in kinds
-    ]
+            layout=ops.layout,
+            path=ops.path_for(rows),
+            carries_kernel="kernel" in ops.paths,
+        ))
+    return jobs
 
 
 def carry_kernel(staging: Path) -> None:
@@ -394,7 +428,7 @@ def copy_graphs(donor: Path, staging: Path, jobs: list[Any]) -> list[str]:
 
 
 def write_neuron_config(
-    staging: Path, spec: BuildSpec, config: dict[str, Any], jobs: list[Any]
+    staging: Path, spec: BuildSpec, config: dict[str, Any], jobs: list[Any], ops: OpChoice
 ) -> None:
     """The backend-native description: spec, KV layout and graph files (relative paths)."""
     from neuronctl.backends.torch import modeling
@@ -410,7 +444,7 @@ def write_neuron_config(
             "storage": str(spec.dtype),
             "compute": str(numerics.compute).removeprefix("torch."),
             "quantized": "int8 " + spec.quantization_type if spec.quantized else None,
-            "matmul": matmul_choice(jobs),
+            "matmul": matmul_choice(ops, spec.quantized),
             "attention": attention_choice(jobs, args),
         },
         "kv_cache": {
@@ -420,12 +454,6 @@ def write_neuron_config(
             "dtype": str(spec.dtype),
         },
         "graphs": {job.name: job.relpath for job in jobs},
-        # The graphs read oneDNN-prepacked projection weights (and a tied head as
-        # lm_head.weight): the runner packs them at load time (modeling.packed_linear).
-        "packed_weights": any(job.packed for job in jobs),
-        # The graphs call neuronctl::linear_blocked (kernel.py) on weights the runner blocks
-        # at load time; it loads the kernel, built from this digest, before any graph.
-        "blocked_weights": kernel_digest() if jobs[0].blocked else None,
         "graph_inputs": {
             "context_encoding": "weights, inv_freq, k_cache[L], v_cache[L], token_ids[P,bucket],"
             " lengths[P], slots[P] -> logits[P,vocab] (graph name suffix xP when P > 1)",
@@ -440,7 +468,7 @@ def attention_choice(jobs: list[Any], args: Any) -> str:
     """How the graphs attend, in words (neuron_config numerics)."""
     from neuronctl.backends.torch import kernel
 
-    if jobs[0].blocked and kernel.attention_fits(args.head_dim, jobs[0].numerics.storage):
+    if jobs[0].carries_kernel and kernel.attention_fits(args.head_dim, jobs[0].numerics.storage):
         return (
             "neuronctl::attend for token generation (AVX2+FMA; the cache read as stored, "
             "float32 softmax); masked batched matmuls for context encoding"
@@ -448,24 +476,27 @@ def attention_choice(jobs: list[Any], args: Any) -> str:
     return "masked batched matmuls, the cache widened to the compute dtype"
 
 
-def matmul_choice(jobs: list[Any]) -> str:
-    """The matmul kernels an artifact's graphs use, in words (neuron_config numerics)."""
-    job = jobs[0]
-    if job.blocked and job.numerics.quantized:
-        return (
-            "neuronctl::linear_blocked (AVX2; int8 weights blocked 4x16 at load, times "
-            "activations rounded to int16 per row, int32 sums, float32 scales)"
-        )
-    if job.blocked:
-        return (
-            "neuronctl::linear_blocked (AVX2+FMA; weights blocked 4x16 at load, widened "
-            "in registers, float32 accumulation)"
-        )
-    if job.compiler != "inductor":
-        return "aten (traced graph, run by torch.export)"
-    if any(j.packed for j in jobs):
-        return "oneDNN on prepacked weights (token generation), aten elsewhere"
-    return "inductor fused GEMV (token generation), aten elsewhere"
+MATMULS = {
+    "kernel": "neuronctl's kernel (AVX2+FMA; weights widened in registers, float32 "
+              "accumulation)",
+    "onednn": "oneDNN on prepacked weights",
+    "aten": "aten",
+    "gemv": "inductor fused GEMV",
+}
+
+
+def matmul_choice(ops: OpChoice, quantized: bool) -> str:
+    """The matmul kernels an artifact's graphs use, in words (neuron_config numerics; the
+    manifest's `ops` is the record)."""
+    kernel = MATMULS["kernel"]
+    if quantized:
+        kernel = ("neuronctl's kernel (AVX2; int8 weights times activations rounded to int16 "
+                  "per row, int32 sums, float32 scales)")
+    words = {**MATMULS, "kernel": kernel}
+    if quantized:
+        words["aten"] = "aten (int8 weight-only kernel for token generation)"
+    rows = "; ".join(f"{row.rows} rows: {words[row.path]}" for row in ops.rows)
+    return f"{ops.layout} weights, chosen by {ops.chosen_by}; {rows}"
 
 
 def build_facts(spec: BuildSpec) -> dict[str, Any]:

@@ -1,5 +1,6 @@
-// neuronctl::linear_blocked: x @ W.T for float32 activations and float32, bfloat16 or int8
-// weights, on AVX2 + FMA. Built at first use by kernel.py (torch.utils.cpp_extension).
+// neuronctl::linear_blocked and neuronctl::linear_rows: x @ W.T for float32 activations and
+// float32, bfloat16 or int8 weights, on AVX2 + FMA, from a blocked or a plain [N, K] weight.
+// Built at first use by kernel.py (torch.utils.cpp_extension).
 //
 // Why: on a CPU without bf16 units, aten and inductor either widen a bf16 matrix to float32
 // before every matmul (a full extra write and read of the weights) or widen it lane by lane
@@ -9,8 +10,12 @@
 // to the result): one sign extension and one multiply-add sum 16 products exactly in int32,
 // a third of the instructions of widening int8 to float, which left int8 short of its bytes.
 //
-// Weights are blocked at load time (kernel.block): [N/4][K/16][4][16], so the 4 rows one
-// thread works on are one sequential stream. bf16 weights need the activations in their
+// linear_blocked reads weights blocked at load time (kernel.block): [N/4][K/16][4][16], so the
+// 4 rows one thread works on are one sequential stream. linear_rows reads the plain row-major
+// [N, K] that aten and oneDNN read too, so one copy of the weights serves whichever path is
+// faster at a row count: the same 4 rows are then 4 streams, each prefetched. One code serves
+// both layouts; a layout only says where row i's chunk at column k starts (Blocked, Plain).
+// bf16 weights need the activations in their
 // lane order (each 16-chunk as its 8 even then its 8 odd elements): copied once per call.
 // Rows of x are taken 1, 2 or 3 at a time against each block of 4 weight rows, so one pass
 // over the weights serves every row, and larger M (context encoding) keeps the block in L1.
@@ -50,21 +55,54 @@ inline float hmax(__m256 v) {
 template <typename W>
 constexpr int kAhead = std::is_same_v<W, float> ? 0 : std::is_same_v<W, int8_t> ? 2048 : 1024;
 
+// Where weight row i (0..3) of a block's 4 rows has its chunk at column k (a multiple of 16),
+// from the block's start (w + b * 4 * K elements in both layouts); kp is K.
+struct Blocked {  // [N/4][K/16][4][16]: the block's chunks one after another
+  template <typename W>
+  static const W* at(const W* wb, int64_t kp, int i, int64_t k) {
+    return wb + k * kRows + i * kChunk;
+  }
+};
+struct Plain {  // [N][K]: row i of the block K elements after row i - 1
+  template <typename W>
+  static const W* at(const W* wb, int64_t kp, int i, int64_t k) {
+    return wb + i * kp + k;
+  }
+};
+
+// Plain rows are 4 streams: each gets a hint kAheadRow bytes ahead, once per cache line of its
+// stream (a float32 chunk of a row is one line; bf16 two chunks, int8 four). A quarter of
+// kAhead: the same number of chunks ahead as the blocked stream, so the same time ahead.
+template <typename W>
+constexpr int kAheadRow = kAhead<W> / kRows;
+
+// Hint the bytes a few chunks past column k of the block into L1 (kAhead, kAheadRow).
+template <typename L, typename W>
+inline void prefetch(const W* wb, int64_t kp, int64_t k) {
+  if constexpr (std::is_same_v<L, Blocked>) {
+    if constexpr (kAhead<W> > 0)
+      for (int b = 0; b < kRows * kChunk * int(sizeof(W)); b += 64)
+        _mm_prefetch(reinterpret_cast<const char*>(L::at(wb, kp, 0, k)) + kAhead<W> + b,
+                     _MM_HINT_T0);
+  } else if constexpr (kAheadRow<W> > 0) {
+    if ((k * int64_t(sizeof(W))) % 64 == 0)
+      for (int i = 0; i < kRows; i++)
+        _mm_prefetch(reinterpret_cast<const char*>(L::at(wb, kp, i, k)) + kAheadRow<W>,
+                     _MM_HINT_T0);
+  }
+}
+
 // What the activations are multiplied as: int16 for int8 weights, float32 otherwise.
 template <typename W>
 using Act = std::conditional_t<std::is_same_v<W, int8_t>, int16_t, float>;
 
 // acc[i][m] = lane sums of weight row i times activation row m over the whole K.
-template <typename W, int MG>
+template <typename L, typename W, int MG>
 inline void block_dot(const float* xs, int64_t kp, const W* wb, __m256 (&acc)[kRows][MG]) {
   for (int i = 0; i < kRows; i++)
     for (int m = 0; m < MG; m++) acc[i][m] = _mm256_setzero_ps();
   for (int64_t k = 0; k < kp; k += kChunk) {
-    const W* p = wb + k * kRows;
-    constexpr int kBytes = kRows * kChunk * sizeof(W);
-    if constexpr (kAhead<W> > 0)
-      for (int b = 0; b < kBytes; b += 64)
-        _mm_prefetch(reinterpret_cast<const char*>(p) + kAhead<W> + b, _MM_HINT_T0);
+    prefetch<L>(wb, kp, k);
 #pragma GCC unroll 2
     for (int h = 0; h < 2; h++) {
       __m256 xv[MG];
@@ -72,7 +110,7 @@ inline void block_dot(const float* xs, int64_t kp, const W* wb, __m256 (&acc)[kR
       for (int m = 0; m < MG; m++) xv[m] = _mm256_loadu_ps(xs + m * kp + k + h * 8);
 #pragma GCC unroll 4
       for (int i = 0; i < kRows; i++) {
-        __m256 wv = half8(p + i * kChunk, h);
+        __m256 wv = half8(L::at(wb, kp, i, k), h);
 #pragma GCC unroll 4
         for (int m = 0; m < MG; m++) acc[i][m] = _mm256_fmadd_ps(wv, xv[m], acc[i][m]);
       }
@@ -84,7 +122,7 @@ inline void block_dot(const float* xs, int64_t kp, const W* wb, __m256 (&acc)[kR
 // chunk, so sums move into float every kSpan chunks, far below 2^31.
 constexpr int64_t kSpan = 128;
 
-template <int MG>
+template <typename L, int MG>
 inline void block_dot_i8(const int16_t* xs, int64_t kp, const int8_t* wb,
                          __m256 (&acc)[kRows][MG]) {
   for (int i = 0; i < kRows; i++)
@@ -95,8 +133,7 @@ inline void block_dot_i8(const int16_t* xs, int64_t kp, const int8_t* wb,
       for (int m = 0; m < MG; m++) sum[i][m] = _mm256_setzero_si256();
     const int64_t k1 = std::min(kp, k0 + kSpan * kChunk);
     for (int64_t k = k0; k < k1; k += kChunk) {
-      const int8_t* p = wb + k * kRows;
-      _mm_prefetch(reinterpret_cast<const char*>(p) + kAhead<int8_t>, _MM_HINT_T0);
+      prefetch<L>(wb, kp, k);
       __m256i xv[MG];
 #pragma GCC unroll 4
       for (int m = 0; m < MG; m++)
@@ -104,7 +141,7 @@ inline void block_dot_i8(const int16_t* xs, int64_t kp, const int8_t* wb,
 #pragma GCC unroll 4
       for (int i = 0; i < kRows; i++) {
         __m256i wv = _mm256_cvtepi8_epi16(
-            _mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i * kChunk)));
+            _mm_loadu_si128(reinterpret_cast<const __m128i*>(L::at(wb, kp, i, k))));
 #pragma GCC unroll 4
         for (int m = 0; m < MG; m++)
           sum[i][m] = _mm256_add_epi32(sum[i][m], _mm256_madd_epi16(wv, xv[m]));
@@ -120,38 +157,37 @@ inline void block_dot_i8(const int16_t* xs, int64_t kp, const int8_t* wb,
 // sums are four named registers, tied to themselves once a step: with an array of them GCC 12
 // added into fresh registers and copied each back, a third more vector instructions in a
 // loop that is bound by them. 8-12 % faster over a decode step's matrices.
+template <typename L>
 inline void block_dot_i8_row(const int16_t* xs, int64_t kp, const int8_t* wb,
                              __m256 (&acc)[kRows][1]) {
-  auto weights = [](const int8_t* p, int i) {
-    return _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p + i * kChunk)));
-  };
-  auto product = [&](const int8_t* p, int i, __m256i x) {
-    return _mm256_madd_epi16(weights(p, i), x);
+  auto product = [&](int64_t k, int i, __m256i x) {
+    const int8_t* p = L::at(wb, kp, i, k);
+    return _mm256_madd_epi16(
+        _mm256_cvtepi8_epi16(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p))), x);
   };
   for (int i = 0; i < kRows; i++) acc[i][0] = _mm256_setzero_ps();
   for (int64_t k0 = 0; k0 < kp; k0 += kSpan * kChunk) {
     __m256i s0 = _mm256_setzero_si256(), s1 = s0, s2 = s0, s3 = s0;
     const int64_t k1 = std::min(kp, k0 + kSpan * kChunk);
-    const int8_t* p = wb + k0 * kRows;
     int64_t k = k0;
-    for (; k + 2 * kChunk <= k1; k += 2 * kChunk, p += 2 * kRows * kChunk) {
-      _mm_prefetch(reinterpret_cast<const char*>(p) + kAhead<int8_t>, _MM_HINT_T0);
-      _mm_prefetch(reinterpret_cast<const char*>(p) + kAhead<int8_t> + 64, _MM_HINT_T0);
+    for (; k + 2 * kChunk <= k1; k += 2 * kChunk) {
+      prefetch<L>(wb, kp, k);
+      prefetch<L>(wb, kp, k + kChunk);
       const __m256i xa = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs + k));
       const __m256i xb = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs + k + kChunk));
-      const int8_t* q = p + kRows * kChunk;
-      s0 = _mm256_add_epi32(s0, _mm256_add_epi32(product(p, 0, xa), product(q, 0, xb)));
-      s1 = _mm256_add_epi32(s1, _mm256_add_epi32(product(p, 1, xa), product(q, 1, xb)));
-      s2 = _mm256_add_epi32(s2, _mm256_add_epi32(product(p, 2, xa), product(q, 2, xb)));
-      s3 = _mm256_add_epi32(s3, _mm256_add_epi32(product(p, 3, xa), product(q, 3, xb)));
+      const int64_t k2 = k + kChunk;
+      s0 = _mm256_add_epi32(s0, _mm256_add_epi32(product(k, 0, xa), product(k2, 0, xb)));
+      s1 = _mm256_add_epi32(s1, _mm256_add_epi32(product(k, 1, xa), product(k2, 1, xb)));
+      s2 = _mm256_add_epi32(s2, _mm256_add_epi32(product(k, 2, xa), product(k2, 2, xb)));
+      s3 = _mm256_add_epi32(s3, _mm256_add_epi32(product(k, 3, xa), product(k2, 3, xb)));
       asm("" : "+x"(s0), "+x"(s1), "+x"(s2), "+x"(s3));
     }
     if (k < k1) {  // an odd chunk left in this span
       const __m256i x = _mm256_loadu_si256(reinterpret_cast<const __m256i*>(xs + k));
-      s0 = _mm256_add_epi32(s0, product(p, 0, x));
-      s1 = _mm256_add_epi32(s1, product(p, 1, x));
-      s2 = _mm256_add_epi32(s2, product(p, 2, x));
-      s3 = _mm256_add_epi32(s3, product(p, 3, x));
+      s0 = _mm256_add_epi32(s0, product(k, 0, x));
+      s1 = _mm256_add_epi32(s1, product(k, 1, x));
+      s2 = _mm256_add_epi32(s2, product(k, 2, x));
+      s3 = _mm256_add_epi32(s3, product(k, 3, x));
     }
     acc[0][0] = _mm256_add_ps(acc[0][0], _mm256_cvtepi32_ps(s0));
     acc[1][0] = _mm256_add_ps(acc[1][0], _mm256_cvtepi32_ps(s1));
@@ -191,16 +227,16 @@ inline float bf16_to_float(uint16_t v) {
 
 // wscale: one bf16 per output row (int8 weights), read as it is: no converted copy per call.
 // xscale: one float per activation row (int16 activations), else none.
-template <typename W, int MG>
+template <typename L, typename W, int MG>
 inline void store(const Act<W>* xs, const float* xscale, int64_t kp, const W* wb, int64_t n0,
                   int64_t n, const uint16_t* wscale, float* out) {
   __m256 acc[kRows][MG];
   if constexpr (std::is_same_v<W, int8_t> && MG == 1)
-    block_dot_i8_row(xs, kp, wb, acc);
+    block_dot_i8_row<L>(xs, kp, wb, acc);
   else if constexpr (std::is_same_v<W, int8_t>)
-    block_dot_i8<MG>(xs, kp, wb, acc);
+    block_dot_i8<L, MG>(xs, kp, wb, acc);
   else
-    block_dot<W, MG>(xs, kp, wb, acc);
+    block_dot<L, W, MG>(xs, kp, wb, acc);
   for (int i = 0; i < kRows; i++)
     for (int m = 0; m < MG; m++) {
       float s = hsum(acc[i][m]);
@@ -211,36 +247,36 @@ inline void store(const Act<W>* xs, const float* xscale, int64_t kp, const W* wb
 
 // Every activation row against one block: threes while they last (12 accumulators fit the
 // 16 registers), then the remainder.
-template <typename W>
+template <typename L, typename W>
 void one_block(const Act<W>* xs, const float* xscale, int64_t m_rows, int64_t kp, const W* wb,
                int64_t n0, int64_t n, const uint16_t* wscale, float* out) {
   auto at = [&](int64_t m) { return xscale ? xscale + m : nullptr; };
   int64_t m = 0;
   for (; m + 3 <= m_rows; m += 3)
-    store<W, 3>(xs + m * kp, at(m), kp, wb, n0, n, wscale, out + m * n);
-  if (m_rows - m == 2) store<W, 2>(xs + m * kp, at(m), kp, wb, n0, n, wscale, out + m * n);
-  if (m_rows - m == 1) store<W, 1>(xs + m * kp, at(m), kp, wb, n0, n, wscale, out + m * n);
+    store<L, W, 3>(xs + m * kp, at(m), kp, wb, n0, n, wscale, out + m * n);
+  if (m_rows - m == 2) store<L, W, 2>(xs + m * kp, at(m), kp, wb, n0, n, wscale, out + m * n);
+  if (m_rows - m == 1) store<L, W, 1>(xs + m * kp, at(m), kp, wb, n0, n, wscale, out + m * n);
 }
 
-template <typename W>
+template <typename L, typename W>
 void run(const Act<W>* xs, const float* xscale, int64_t m_rows, int64_t kp, const W* w,
          int64_t n, const uint16_t* wscale, float* out) {
   int64_t blocks = n / kRows;
-  // OpenMP, as inductor's own kernels: the team torch.set_num_threads sized. (at::parallel_for
+  // Block b's rows start at w + b * 4 * K in either layout. OpenMP, as inductor's own kernels: the team torch.set_num_threads sized. (at::parallel_for
   // measured 1.5x slower here for these ~10 us calls.)
 #pragma omp parallel for schedule(static)
   for (int64_t b = 0; b < blocks; b++)
-    one_block<W>(xs, xscale, m_rows, kp, w + b * kRows * kp, b * kRows, n, wscale, out);
+    one_block<L, W>(xs, xscale, m_rows, kp, w + b * kRows * kp, b * kRows, n, wscale, out);
 }
 
-// x [..., K] float32; w [N/4, K/16, 4, 16]; scale [N] (int8 weights) or none -> [..., N].
-at::Tensor linear_blocked(const at::Tensor& x, const at::Tensor& w,
-                          const std::optional<at::Tensor>& scale) {
-  TORCH_CHECK(x.scalar_type() == at::kFloat, "linear_blocked takes float32 activations");
-  TORCH_CHECK(w.dim() == 4 && w.size(2) == kRows && w.size(3) == kChunk && w.is_contiguous(),
-              "linear_blocked: the weight is not blocked [N/4, K/16, 4, 16]");
-  const int64_t k = x.size(-1), n = w.size(0) * kRows, kp = w.size(1) * kChunk;
-  TORCH_CHECK(k == kp, "linear_blocked: activations have ", k, " columns, weights ", kp);
+// x [..., K] float32 times w, in layout L, of n rows and kp columns (checked by the callers);
+// scale [N] (int8 weights) or none -> [..., N]. `op` names the op in errors.
+template <typename L>
+at::Tensor multiply(const char* op, const at::Tensor& x, const at::Tensor& w, int64_t n,
+                    int64_t kp, const std::optional<at::Tensor>& scale) {
+  TORCH_CHECK(x.scalar_type() == at::kFloat, op, " takes float32 activations");
+  const int64_t k = x.size(-1);
+  TORCH_CHECK(k == kp, op, ": activations have ", k, " columns, weights ", kp);
   const int64_t m_rows = k ? x.numel() / k : 0;
   auto xc = x.contiguous();
   const float* xs = xc.data_ptr<float>();
@@ -257,33 +293,60 @@ at::Tensor linear_blocked(const at::Tensor& x, const at::Tensor& w,
   at::Tensor sc;
   const uint16_t* sp = nullptr;
   if (scale.has_value()) {
-    TORCH_CHECK(scale->numel() == n, "linear_blocked: one scale per output row");
+    TORCH_CHECK(scale->numel() == n, op, ": one scale per output row (", n, "), got ",
+                scale->numel());
     sc = scale->to(at::kBFloat16).contiguous();  // a no-op for the bf16 scales graphs pass
     sp = static_cast<const uint16_t*>(sc.data_ptr());
   }
-  float* op = out.data_ptr<float>();
+  float* o = out.data_ptr<float>();
   switch (w.scalar_type()) {
     case at::kFloat:
-      run<float>(xs, nullptr, m_rows, kp, w.data_ptr<float>(), n, sp, op);
+      run<L, float>(xs, nullptr, m_rows, kp, w.data_ptr<float>(), n, sp, o);
       break;
     case at::kBFloat16:
-      run<uint16_t>(xs, nullptr, m_rows, kp, static_cast<const uint16_t*>(w.data_ptr()), n,
-                    sp, op);
+      run<L, uint16_t>(xs, nullptr, m_rows, kp, static_cast<const uint16_t*>(w.data_ptr()), n,
+                       sp, o);
       break;
     case at::kChar: {
       std::vector<int16_t> q(m_rows * k);
       std::vector<float> xscale(m_rows);
       to_int16(xs, m_rows, k, q.data(), xscale.data());
-      run<int8_t>(q.data(), xscale.data(), m_rows, kp, w.data_ptr<int8_t>(), n, sp, op);
+      run<L, int8_t>(q.data(), xscale.data(), m_rows, kp, w.data_ptr<int8_t>(), n, sp, o);
       break;
     }
     default:
-      TORCH_CHECK(false, "linear_blocked: weights are float32, bfloat16 or int8");
+      TORCH_CHECK(false, op, ": weights are float32, bfloat16 or int8, not ", w.scalar_type());
   }
   return out;
+}
+
+// w blocked [N/4, K/16, 4, 16] (kernel.block).
+at::Tensor linear_blocked(const at::Tensor& x, const at::Tensor& w,
+                          const std::optional<at::Tensor>& scale) {
+  TORCH_CHECK(w.dim() == 4 && w.size(2) == kRows && w.size(3) == kChunk && w.is_contiguous(),
+              "linear_blocked: the weight is not blocked [N/4, K/16, 4, 16] (kernel.block); "
+              "a plain [N, K] weight goes to linear_rows");
+  return multiply<Blocked>("linear_blocked", x, w, w.size(0) * kRows, w.size(1) * kChunk,
+                           scale);
+}
+
+// w plain row-major [N, K], N a multiple of 4 and K of 16 (kernel.fits).
+at::Tensor linear_rows(const at::Tensor& x, const at::Tensor& w,
+                       const std::optional<at::Tensor>& scale) {
+  TORCH_CHECK(w.dim() == 2 && w.is_contiguous(),
+              "linear_rows: the weight is not a contiguous [N, K] matrix (got ", w.dim(),
+              " dimensions", w.is_contiguous() ? "" : ", not contiguous",
+              "); a blocked weight goes to linear_blocked");
+  TORCH_CHECK(w.size(0) % kRows == 0 && w.size(1) % kChunk == 0, "linear_rows: a [",
+              w.size(0), ", ", w.size(1), "] weight does not fit: N must be a multiple of ",
+              kRows, " and K of ", kChunk, " (kernel.fits); use F.linear for this one");
+  return multiply<Plain>("linear_rows", x, w, w.size(0), w.size(1), scale);
 }
 }  // namespace
 
 // The schema is defined in Python (kernel.py) with its shape function, so graphs trace
 // and export without this library; serving loads it before any graph.
-TORCH_LIBRARY_IMPL(neuronctl, CPU, m) { m.impl("linear_blocked", linear_blocked); }
+TORCH_LIBRARY_IMPL(neuronctl, CPU, m) {
+  m.impl("linear_blocked", linear_blocked);
+  m.impl("linear_rows", linear_rows);
+}

@@ -22,7 +22,7 @@ from typing import Any
 
 import torch
 
-from neuronctl.backends.torch import kernel, kernel_runs_on, modeling
+from neuronctl.backends.torch import kernel, modeling, opchoice
 from neuronctl.errors import BuildError
 from neuronctl.progress import Progress
 from neuronctl.workers import die_with_parent
@@ -31,11 +31,6 @@ GRAPHS_DIR = "graphs"
 REPORT_DIR = "report"
 CONTEXT = "context_encoding"
 TOKEN_GEN = "token_generation"
-GEMV_MAX_BATCH = 4
-# Weights stored narrower than they compute (bf16 on a CPU without bf16 units): the GEMV widens
-# them as it streams, once for every row, where the alternative widens the whole matrix per
-# matmul. At 8 rows, one 1536x576 projection on an AVX2 EPYC: 0.62 ms against 1.28 ms.
-GEMV_MAX_WIDENED_BATCH = 8
 DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
@@ -54,7 +49,9 @@ class GraphJob:
     compute: str = ""  # activations' dtype; "" = the storage dtype (modeling.Numerics)
     quantized: bool = False  # int8 projections with per-channel scales
     prompts: int = 1  # context encoding: prompts per call (prefill_batch)
-    blocked: bool = False  # projections by kernel.linear on blocked weights (uses_kernel)
+    layout: str = opchoice.PLAIN  # the artifact's weight layout (opchoice.READS)
+    path: str = ""  # the matmul path at this graph's rows; "" = the rules' (opchoice)
+    carries_kernel: bool = False  # some graph calls the kernel: token generation attends by it
 
     @property
     def name(self) -> str:
@@ -72,36 +69,27 @@ class GraphJob:
 
     @property
     def packed(self) -> bool:
-        return not self.blocked and packs_weights(self.compiler, self.batch_size, self.numerics)
+        return self.layout == opchoice.PACKED
 
+    @property
+    def blocked(self) -> bool:
+        return self.layout == opchoice.BLOCKED
 
-def uses_kernel(compiler: str, compute: str, args: modeling.ModelArgs, cpu_flags: str) -> bool:
-    """Whether an artifact's graphs multiply by neuronctl's kernel (kernel.py, gemv.cpp).
+    @property
+    def rows(self) -> int:
+        """Rows per matmul: the batch, or the bucket's positions of every prompt."""
+        return self.batch_size if self.kind == TOKEN_GEN else self.bucket * self.prompts
 
-    AOTInductor artifacts that compute in float32 on an AVX2 host: float32 weights, bf16
-    ones on a CPU without bf16 units and int8 ones. On an AVX2 EPYC it streams bf16 weights
-    at 0.9 of the read bandwidth where inductor's reduction reaches 0.6, and at 64 rows it
-    is level with MKL's float32 GEMM without widening anything (docs/torch-backend.md).
-    """
-    return (compiler == "inductor" and compute == "float32" and kernel_runs_on(cpu_flags)
-            and modeling.blockable(args))
+    @property
+    def linear(self) -> modeling.Linear:
+        path = self.path or opchoice.rule_path(self.target(), self.layout, self.rows)
+        return modeling.linear_for(path, self.quantized, self.kind == TOKEN_GEN)
 
-
-def packs_weights(compiler: str, batch_size: int, numerics: modeling.Numerics) -> bool:
-    """Whether an artifact's graphs read oneDNN-prepacked weights (modeling.packed_linear).
-
-    AOTInductor artifacts above the GEMV's batch range whose weights are in the dtype they
-    compute in, where oneDNN runs it natively here: its blocked-layout GEMM is 1.7x (bf16) to
-    ~3x (fp32) faster than aten's at 8 rows. Narrower storage (int8, bf16 computed in fp32)
-    is widened per matmul instead (modeling.linear).
-    """
-    return (
-        compiler == "inductor"
-        and batch_size > GEMV_MAX_BATCH
-        and not numerics.quantized
-        and numerics.storage == numerics.compute
-        and modeling.can_pack(numerics.compute)
-    )
+    def target(self) -> opchoice.Target:
+        """The rules' view of this job (rule_path reads the numerics, compiler, batch)."""
+        args = modeling.args_from_config(self.config)
+        return opchoice.Target(args, self.numerics, self.compiler, self.batch_size,
+                               (self.rows,), kernel=self.blocked, onednn=self.packed)
 
 
 def graph_name(kind: str, bucket: int, prompts: int = 1) -> str:
@@ -116,6 +104,14 @@ def prompt_counts(batch_size: int) -> list[int]:
     rows; smaller groups go one prompt per call.
     """
     return [1] if batch_size == 1 else [1, batch_size]
+
+
+def graph_rows(context_buckets: list[int], batch_size: int) -> tuple[int, ...]:
+    """Rows per matmul of each graph, ascending: token generation's batch, and each context
+    bucket times the prompts a context-encoding graph takes."""
+    rows = {batch_size}
+    rows |= {b * n for b in context_buckets for n in prompt_counts(batch_size)}
+    return tuple(sorted(rows))
 
 
 def example_inputs(job: GraphJob) -> tuple[Any, ...]:
@@ -146,17 +142,9 @@ def example_inputs(job: GraphJob) -> tuple[Any, ...]:
 def module_for(job: GraphJob) -> torch.nn.Module:
     args = modeling.args_from_config(job.config)
     if job.kind == CONTEXT:
-        return modeling.ContextEncoding(args, job.numerics, job.packed, job.blocked)
-    # Measured on a 2-core AVX-512 host: the fused GEMV streams weights at full bandwidth up
-    # to 4 rows; beyond that aten's GEMM wins (docs/torch-backend.md), unless the weights
-    # must be widened first.
-    numerics = job.numerics
-    widened = numerics.storage != numerics.compute and not numerics.quantized
-    most = GEMV_MAX_WIDENED_BATCH if widened else GEMV_MAX_BATCH
-    use_gemv = job.compiler == "inductor" and job.batch_size <= most
-    return modeling.TokenGeneration(
-        args, job.bucket, job.numerics, use_gemv, job.packed, job.blocked
-    )
+        return modeling.ContextEncoding(args, job.numerics, job.linear)
+    return modeling.TokenGeneration(args, job.bucket, job.numerics, job.linear,
+                                    fused_attention=job.carries_kernel)
 
 
 def build_graph(job: GraphJob) -> str:
@@ -169,7 +157,7 @@ def build_graph(job: GraphJob) -> str:
     handler = logging.FileHandler(log_path)
     torch_logger = logging.getLogger("torch")
     torch_logger.addHandler(handler)
-    if job.blocked:
+    if job.carries_kernel:
         kernel.load()  # fails here, not on the serving host, if it cannot be built
     try:
         with torch.no_grad():

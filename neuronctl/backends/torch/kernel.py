@@ -1,12 +1,16 @@
 """neuronctl's own CPU ops for float32 compute, one library built from two sources
 (and simd.h, the header they share).
 
-- `neuronctl::linear_blocked` (gemv.cpp), the matmul. On a CPU without bf16 units, bf16
-  weights must be widened to float32 somewhere. aten and inductor do it per matmul or lane by
-  lane; gemv.cpp does it in registers as the weights stream, from a blocked layout the runner
-  makes at load time (`block`). int8 weights multiply the activations rounded to int16, with
-  exact int32 sums. One kernel serves token generation (a few rows) and context encoding (a
-  bucket of rows), so the weights are held once, in one layout.
+- `neuronctl::linear_blocked` and `neuronctl::linear_rows` (gemv.cpp), the matmul, one code
+  over two weight layouts. On a CPU without bf16 units, bf16 weights must be widened to
+  float32 somewhere. aten and inductor do it per matmul or lane by lane; gemv.cpp does it in
+  registers as the weights stream. int8 weights multiply the activations rounded to int16,
+  with exact int32 sums. linear_blocked reads a blocked layout the runner makes at load time
+  (`block`: each 4 output rows one stream); linear_rows reads the plain [N, K] matrix that
+  aten and oneDNN read too, so where a measured choice gives one row count to the kernel and
+  another to aten, one copy of the weights serves both. `linear` is the one entry: it takes
+  either layout. One kernel serves token generation (a few rows) and context encoding (a
+  bucket of rows).
 - `neuronctl::attend` (attention.cpp), token generation's attention: one new token per row
   over the cache as it is stored (bf16 widened in registers), in one parallel region, where
   the traced graph widened the whole bucket of K and V and ran two MKL batched matmuls and a
@@ -106,8 +110,12 @@ def into_huge_pages(weights: dict[str, Tensor], names: list[str]) -> None:
 def linear(
     x: Tensor, weight: Tensor, bias: Tensor | None = None, scale: Tensor | None = None
 ) -> Tensor:
-    """linear() on a blocked weight: products and sums in float32, the result in x's dtype."""
-    out = torch.ops.neuronctl.linear_blocked(x.float(), weight, scale).to(x.dtype)
+    """linear() by the kernel on a blocked [N/4, K/16, 4, 16] weight (`block`) or a plain
+    [N, K] one that `fits`: products and sums in float32, the result in x's dtype. `scale`:
+    int8 weights' one scale per output row."""
+    ops = torch.ops.neuronctl
+    op = ops.linear_rows if weight.dim() == 2 else ops.linear_blocked
+    out = op(x.float(), weight, scale).to(x.dtype)
     return out if bias is None else out + bias.to(x.dtype)
 
 
@@ -132,12 +140,19 @@ def define() -> None:
         "neuronctl::linear_blocked", "(Tensor x, Tensor w, Tensor? scale) -> Tensor"
     )
     torch.library.define(
+        "neuronctl::linear_rows", "(Tensor x, Tensor w, Tensor? scale) -> Tensor"
+    )
+    torch.library.define(
         "neuronctl::attend", "(Tensor q, Tensor k, Tensor v, Tensor lengths) -> Tensor"
     )
 
     @torch.library.register_fake("neuronctl::linear_blocked")
     def _shape(x: Tensor, w: Tensor, scale: Tensor | None) -> Tensor:
         return x.new_empty((*x.shape[:-1], w.shape[0] * w.shape[2]))
+
+    @torch.library.register_fake("neuronctl::linear_rows")
+    def _rows_shape(x: Tensor, w: Tensor, scale: Tensor | None) -> Tensor:
+        return x.new_empty((*x.shape[:-1], w.shape[0]))
 
     @torch.library.register_fake("neuronctl::attend")
     def _attend_shape(q: Tensor, k: Tensor, v: Tensor, lengths: Tensor) -> Tensor:

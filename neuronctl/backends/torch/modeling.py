@@ -472,6 +472,18 @@ def int8_linear(
     return out if bias is None else out + bias.to(x.dtype)
 
 
+def linear_for(path: str, quantized: bool, token_generation: bool) -> Linear:
+    """The matmul of an op-choice path (opchoice.py): kernel (blocked or, with linear_rows,
+    plain weights), onednn (packed), gemv, aten (int8 token generation by int8_linear)."""
+    if path == "kernel":
+        return kernel.linear
+    if path == "onednn":
+        return packed_linear
+    if path == "gemv":
+        return gemv
+    return int8_linear if quantized and token_generation else linear
+
+
 def rope_tables(freq: Tensor, positions: Tensor, dtype: torch.dtype) -> tuple[Tensor, Tensor]:
     """cos/sin of shape [B, 1, T, head_dim] for integer positions [B, T]."""
     angles = positions[..., None].float() * freq
@@ -667,15 +679,15 @@ def _o_bias(w: Weights, p: str, args: ModelArgs) -> Tensor | None:
 
 
 class ContextEncoding(torch.nn.Module):
-    """Holds no tensors: weights, rope frequencies and the KV cache are all inputs."""
+    """Holds no tensors: weights, rope frequencies and the KV cache are all inputs.
 
-    def __init__(
-        self, args: ModelArgs, numerics: Numerics, packed: bool = False, blocked: bool = False
-    ) -> None:
+    `linear` is the artifact's matmul at this graph's rows (linear_for)."""
+
+    def __init__(self, args: ModelArgs, numerics: Numerics, linear: Linear = linear) -> None:
         super().__init__()
         self.args = args
         self.compute = numerics.compute
-        self.linear = kernel.linear if blocked else packed_linear if packed else linear
+        self.linear = linear
 
     def forward(
         self,
@@ -695,16 +707,15 @@ class ContextEncoding(torch.nn.Module):
 
 class TokenGeneration(torch.nn.Module):
     def __init__(
-        self, args: ModelArgs, bucket: int, numerics: Numerics, use_gemv: bool = False,
-        packed: bool = False, blocked: bool = False,
+        self, args: ModelArgs, bucket: int, numerics: Numerics, linear: Linear = linear,
+        fused_attention: bool = False,
     ) -> None:
         super().__init__()
         self.args = args
         self.bucket = bucket
         self.compute = numerics.compute
-        self.linear: Linear = (kernel.linear if blocked else int8_linear if numerics.quantized
-                               else gemv if use_gemv else packed_linear if packed else linear)
-        self.fused_attention = blocked  # the library that has linear_blocked has attend
+        self.linear = linear
+        self.fused_attention = fused_attention
 
     def forward(
         self,

@@ -4,19 +4,20 @@ from __future__ import annotations
 
 import bisect
 import json
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from neuronctl.backends.torch import modeling
+from neuronctl.backends.torch import modeling, opchoice
 from neuronctl.backends.torch.graphs import CONTEXT, DTYPES, TOKEN_GEN, graph_name, prompt_counts
 from neuronctl.backends.torch.safeload import load_export_graph
 from neuronctl.errors import CheckpointError, NotFoundError, UsageError
 
 if TYPE_CHECKING:
     from neuronctl.spec import BuildSpec
+    from neuronctl.store.manifest import OpChoice
 
 NEURON_CONFIG = "neuron_config.json"
 Graph = Callable[[list[torch.Tensor]], Any]
@@ -26,7 +27,8 @@ class TorchRunner:
     """Implements base.Runner. Not thread-safe: one engine drives it, one step at a time."""
 
     def __init__(
-        self, path: Path, spec: BuildSpec, config: dict[str, Any], graphs: Sequence[str]
+        self, path: Path, spec: BuildSpec, config: dict[str, Any], graphs: Sequence[str],
+        ops: OpChoice | None = None, versions: Mapping[str, str] | None = None,
     ) -> None:
         assert isinstance(spec.context_buckets, list) and isinstance(spec.token_gen_buckets, list)
         self.path = path
@@ -39,14 +41,13 @@ class TorchRunner:
         self.vocab_size = self.args.vocab_size
         self.dtype = DTYPES[str(spec.dtype)]
         self.compiler = str(spec.compiler)
-        config_data = _neuron_config(path)
-        # Inductor artifacts above the GEMV's batch range read oneDNN-prepacked weights
-        # (modeling.packed_linear); the graph files are the same whatever the weights.
-        self.packed = bool(config_data.get("packed_weights", False))
-        # Graphs that call neuronctl's kernel read blocked weights (kernel.block).
-        self.blocked = bool(config_data.get("blocked_weights"))
-        if self.blocked:
-            _load_kernel(str(config_data["blocked_weights"]), path)
+        # The manifest's op choice says how the graphs read the weights: oneDNN-prepacked
+        # (modeling.packed_linear), blocked for neuronctl's kernel (kernel.block) or plain.
+        layout, kernel_digest = _matmul_record(path, ops, versions or {})
+        self.packed = layout == opchoice.PACKED
+        self.blocked = layout == opchoice.BLOCKED
+        if kernel_digest is not None:
+            _load_kernel(kernel_digest, path)
         self.quantized = bool(spec.quantized)
         self.weights = _load_weights(path / "weights", self.args, self.dtype, self.packed,
                                      self.batch_size, self.quantized, self.blocked)
@@ -188,6 +189,27 @@ def _neuron_config(path: Path) -> dict[str, Any]:
         return dict(json.loads((path / NEURON_CONFIG).read_text()))
     except FileNotFoundError:
         raise NotFoundError(f"{path} has no {NEURON_CONFIG}", "recompile the artifact") from None
+
+
+def _matmul_record(
+    path: Path, ops: OpChoice | None, versions: Mapping[str, str]
+) -> tuple[str, str | None]:
+    """(the weights' layout, the kernel digest its graphs were built with, or None where no
+    graph calls the kernel), from the manifest's record; artifacts from before it say both
+    in neuron_config.json."""
+    if ops is None:
+        legacy = _neuron_config(path)
+        digest = legacy.get("blocked_weights")
+        return opchoice.legacy_layout(legacy), str(digest) if digest else None
+    if opchoice.KERNEL not in ops.paths:
+        return ops.layout, None
+    digest = versions.get("kernel")
+    if not digest:
+        raise CheckpointError(
+            "this artifact's graphs call neuronctl's kernel, its manifest records no kernel "
+            "version", "recompile the artifact",
+        )
+    return ops.layout, digest
 
 
 def _load_kernel(built_with: str, path: Path) -> None:

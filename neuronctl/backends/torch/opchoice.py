@@ -1,0 +1,300 @@
+"""Which path each graph's matmuls take: chosen on the build host, recorded in the manifest.
+
+Paths, and the weight layouts each reads (modeling.graph_sources):
+
+- `kernel`: kernel.linear (gemv.cpp): neuronctl::linear_blocked on the `blocked` layout,
+  neuronctl::linear_rows on the `plain` one;
+- `onednn`: modeling.packed_linear on oneDNN-prepacked (`packed`) weights;
+- `aten`: modeling.linear on `plain` [N, K] weights (int8 token generation:
+  modeling.int8_linear);
+- `gemv`: modeling.gemv, inductor's fused reduction, on `plain` weights. It exists only
+  compiled, so it is never timed: it is the rule's choice for a few rows where the kernel
+  does not run (arm64, x86 without AVX2).
+
+An artifact holds its weights once, in one layout; per row count its graphs take the
+fastest path that reads that layout. The row counts are those the graphs run at: the
+token-generation batch and each context bucket times the prompts per call.
+
+`measure` (the default; NEURONCTL_OP_CHOICE) times every available path on every layout it
+reads (a candidate, `path/layout`) eagerly on random weights of the model's projection
+shapes, and picks the layout whose candidates are fastest over the row counts, then each
+row count's fastest candidate on it. It measures only where
+AOTInductor compiles and the kernel runs (elsewhere the untimed gemv would compete).
+`rules` picks as the ISA rules below do, without timing: identical artifacts across the
+builds of one host class, whatever the load.
+"""
+
+from __future__ import annotations
+
+import os
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any, Final
+
+import torch
+
+from neuronctl.backends.torch import _cpu_flags, kernel, kernel_runs_on, modeling
+from neuronctl.errors import UsageError
+from neuronctl.store.manifest import MatmulPath, OpChoice, RowChoice, WeightLayout
+
+if TYPE_CHECKING:
+    from neuronctl.spec import BuildSpec
+
+ENV = "NEURONCTL_OP_CHOICE"
+MEASURE: Final = "measure"
+RULES: Final = "rules"
+KERNEL: Final = "kernel"
+ONEDNN: Final = "onednn"
+ATEN: Final = "aten"
+GEMV: Final = "gemv"
+BLOCKED: Final = "blocked"
+PACKED: Final = "packed"
+PLAIN: Final = "plain"
+LAYOUTS: tuple[WeightLayout, ...] = (BLOCKED, PACKED, PLAIN)
+# The layouts each path reads.
+READS: dict[MatmulPath, tuple[WeightLayout, ...]] = {
+    KERNEL: (BLOCKED, PLAIN), ONEDNN: (PACKED,), ATEN: (PLAIN,), GEMV: (PLAIN,)}
+# The GEMV's batch range (rules): measured on a 2-core AVX-512 host, it streams weights at
+# full bandwidth up to 4 rows, aten's GEMM wins beyond (docs/torch-backend.md). Weights
+# stored narrower than they compute (bf16 on a CPU without bf16 units) it widens as it
+# streams: at 8 rows, one 1536x576 projection on an AVX2 EPYC took 0.62 ms against 1.28 ms.
+GEMV_MAX_BATCH = 4
+GEMV_MAX_WIDENED_BATCH = 8
+# Context buckets run at up to thousands of rows. Each path is compute-bound long before 256
+# rows (every path's tile loop is saturated), so its rank there is its rank at more rows, and
+# timing 256 keeps the measurement to seconds for a 30-layer model.
+MAX_TIMED_ROWS = 256
+# A layout (or a path) other than the rules' must be this much faster to be chosen. Repeated
+# timings of one path on a busy 2-core host vary by a few percent; below this margin two
+# builds of the same spec could pick differently for no real gain.
+MARGIN = 0.07
+REPS = 20  # timed calls per candidate, after one warm-up; the fastest counts (on a busy
+# host most calls of a 2-thread op wait for a descheduled thread: the fastest did not)
+
+# (target, rows) -> milliseconds one step's projections take by each candidate
+Timer = Callable[["Target", int], dict[str, float]]
+
+
+@dataclass(frozen=True)
+class Target:
+    """What the choice depends on besides timings."""
+
+    args: modeling.ModelArgs
+    numerics: modeling.Numerics
+    compiler: str
+    batch_size: int
+    rows: tuple[int, ...]  # the row counts the graphs run at, ascending
+    kernel: bool  # neuronctl's kernel runs here and takes every matrix unpadded
+    onednn: bool  # oneDNN's packed GEMM runs these numerics natively here
+
+    @property
+    def paths(self) -> list[MatmulPath]:
+        """The paths that can be timed here, rules' first."""
+        available: list[tuple[MatmulPath, bool]] = [
+            (KERNEL, self.kernel), (ONEDNN, self.onednn), (ATEN, True)]
+        return [path for path, ok in available if ok]
+
+    @property
+    def candidates(self) -> list[str]:
+        """What is timed: each available path on each layout it reads (`candidate`)."""
+        return [candidate(path, layout) for path in self.paths for layout in READS[path]]
+
+    @property
+    def measurable(self) -> bool:
+        return self.compiler == "inductor" and self.kernel
+
+
+def candidate(path: str, layout: str) -> str:
+    return f"{path}/{layout}"
+
+
+def split(name: str) -> tuple[MatmulPath, WeightLayout]:
+    path, layout = name.split("/")
+    return path, layout  # type: ignore[return-value]
+
+
+def target_for(
+    spec: BuildSpec, args: modeling.ModelArgs, numerics: modeling.Numerics,
+    rows: tuple[int, ...], cpu_flags: str | None = None,
+) -> Target:
+    """The choice's inputs for a spec: `rows` the graphs' (graphs.graph_rows)."""
+    compiler = str(spec.compiler)
+    flags = _cpu_flags() if cpu_flags is None else cpu_flags
+    return Target(
+        args=args,
+        numerics=numerics,
+        compiler=compiler,
+        batch_size=spec.batch_size,
+        rows=rows,
+        kernel=compiler == "inductor" and kernel_runs_on(flags) and modeling.blockable(args),
+        onednn=(compiler == "inductor" and not numerics.quantized
+                and numerics.storage == numerics.compute and modeling.can_pack(numerics.storage)),
+    )
+
+
+def mode() -> str:
+    value = os.environ.get(ENV, "") or MEASURE
+    if value not in (MEASURE, RULES):
+        raise UsageError(f"{ENV}={value!r} is not one of {MEASURE}, {RULES}",
+                         f"{ENV}={RULES} picks by the ISA rules, without timing")
+    return value
+
+
+def choose(target: Target, timer: Timer | None = None) -> OpChoice:
+    """The artifact's choice: measured where it can be and the mode asks for it."""
+    if target.measurable and mode() == MEASURE:
+        return measured(target, timer or step_ms)
+    return by_rules(target)
+
+
+# --- the rules -------------------------------------------------------------------------------
+
+
+def rule_layout(target: Target) -> WeightLayout:
+    """Blocked where the kernel runs and the graphs compute in float32 (it widens bf16 and
+    int8 in registers as they stream); packed for batches above the GEMV's range whose
+    weights are in the dtype oneDNN computes natively; plain elsewhere."""
+    if target.kernel and target.numerics.compute == torch.float32:
+        return BLOCKED
+    if target.onednn and target.batch_size > GEMV_MAX_BATCH:
+        return PACKED
+    return PLAIN
+
+
+def rule_path(target: Target, layout: str, rows: int) -> MatmulPath:
+    if layout == BLOCKED:
+        return KERNEL
+    if layout == PACKED:
+        return ONEDNN
+    numerics = target.numerics
+    widened = numerics.storage != numerics.compute and not numerics.quantized
+    most = GEMV_MAX_WIDENED_BATCH if widened else GEMV_MAX_BATCH
+    token_gen = rows == target.batch_size
+    if token_gen and target.compiler == "inductor" and not numerics.quantized and rows <= most:
+        return GEMV
+    return ATEN  # int8 token generation: aten's int8 kernel (modeling.linear_for)
+
+
+def by_rules(target: Target, layout: WeightLayout | None = None) -> OpChoice:
+    layout = layout or rule_layout(target)
+    rows = [RowChoice(rows=r, path=rule_path(target, layout, r)) for r in target.rows]
+    return OpChoice(layout=layout, rows=rows, chosen_by=RULES)
+
+
+# --- measuring -------------------------------------------------------------------------------
+
+
+def measured(target: Target, timer: Timer) -> OpChoice:
+    """The layout whose fastest candidates, summed over the row counts relative to the
+    fastest of all, is least; the rules' layout unless another beats it by MARGIN. Then per
+    row count the fastest candidate on it (the rules' path unless another beats it by
+    MARGIN)."""
+    timed_rows = {r: min(r, MAX_TIMED_ROWS) for r in target.rows}
+    ms = {r: timer(target, timed_rows[r]) for r in target.rows}
+    readers = {layout: [c for c in target.candidates if split(c)[1] == layout]
+               for layout in LAYOUTS}
+
+    def best(layout: WeightLayout, r: int) -> float:
+        return min(ms[r][c] for c in readers[layout])
+
+    scores = {layout: sum(best(layout, r) / min(ms[r].values()) for r in target.rows)
+              for layout in readers if readers[layout]}
+    default = rule_layout(target)
+    layout = min(scores, key=lambda name: (scores[name], name != default))
+    if scores[layout] > scores[default] * (1 - MARGIN):
+        layout = default
+    rows = []
+    for r in target.rows:
+        preferred = candidate(rule_path(target, layout, r), layout)
+        path = split(_fastest(ms[r], readers[layout], preferred))[0]
+        rows.append(RowChoice(rows=r, path=path, timed_rows=timed_rows[r], ms=_rounded(ms[r])))
+    return OpChoice(layout=layout, rows=rows, chosen_by=MEASURE)
+
+
+def _fastest(ms: dict[str, float], candidates: list[str], preferred: str) -> str:
+    fastest = min(candidates, key=lambda c: ms[c])
+    if preferred in candidates and ms[fastest] > ms[preferred] * (1 - MARGIN):
+        return preferred
+    return fastest
+
+
+def _rounded(ms: dict[str, float]) -> dict[str, float]:
+    return {name: round(value, 3) for name, value in ms.items()}
+
+
+def projection_shapes(target: Target, rows: int) -> list[tuple[tuple[int, int], int]]:
+    """([N, K], how many per step) of every matrix a step multiplies by at `rows` rows: the
+    fused projections once per layer, the LM head at token generation's rows (a context
+    graph applies it to one row per prompt)."""
+    args = target.args
+    h, q = args.hidden_size, args.num_heads * args.head_dim
+    kv = args.num_kv_heads * args.head_dim
+    layers = args.num_layers
+    shapes = [((q + 2 * kv, h), layers), ((h, q), layers),
+              ((2 * args.intermediate_size, h), layers), ((h, args.intermediate_size), layers)]
+    if rows == min(target.batch_size, MAX_TIMED_ROWS):
+        shapes.append(((args.vocab_size, h), 1))
+    return shapes
+
+
+def step_ms(target: Target, rows: int) -> dict[str, float]:
+    """Milliseconds one step's projections take by each candidate at `rows` rows (eagerly,
+    on random weights in the artifact's storage dtype). The candidates take turns within
+    every repetition, so a burst of load elsewhere slows them alike."""
+    total: dict[str, float] = dict.fromkeys(target.candidates, 0.0)
+    with torch.no_grad():
+        for shape, count in projection_shapes(target, rows):
+            calls: dict[str, Callable[[], Any]] = {
+                name: _call(target, name, shape, rows) for name in target.candidates}
+            for path, ms in _time_ms(calls).items():
+                total[path] += count * ms
+    return total
+
+
+def _call(
+    target: Target, name: str, shape: tuple[int, int], rows: int
+) -> Callable[[], torch.Tensor]:
+    path, layout = split(name)
+    numerics = target.numerics
+    generator = torch.Generator().manual_seed(0)
+    weight = torch.randn(shape, generator=generator)
+    scale = None
+    if numerics.quantized:
+        weight, scale = modeling.quantize(weight, per_channel=True)
+    else:
+        weight = weight.to(numerics.storage)
+    x = torch.randn(rows, shape[1], generator=generator).to(numerics.compute)
+    if path == KERNEL:
+        kernel.load()
+        laid_out = kernel.block(weight) if layout == BLOCKED else weight
+        return lambda: kernel.linear(x, laid_out, None, scale)
+    if path == ONEDNN:
+        packed = modeling.pack_weight(weight, target.batch_size)
+        return lambda: modeling.packed_linear(x, packed)
+    linear = modeling.linear_for(ATEN, numerics.quantized, rows == target.batch_size)
+    return lambda: linear(x, weight, None, scale)
+
+
+def _time_ms(calls: dict[str, Callable[[], Any]]) -> dict[str, float]:
+    """Each call's fastest of REPS runs, after a warm-up (first-touch pages, oneDNN's
+    primitive cache, OpenMP's threads)."""
+    best = dict.fromkeys(calls, float("inf"))
+    for call in calls.values():
+        call()
+    for _ in range(REPS):
+        for path, call in calls.items():
+            start = time.perf_counter()
+            call()
+            best[path] = min(best[path], time.perf_counter() - start)
+    return {path: seconds * 1000 for path, seconds in best.items()}
+
+
+# --- what an artifact recorded ---------------------------------------------------------------
+
+
+def legacy_layout(neuron_config: dict[str, Any]) -> WeightLayout:
+    """An artifact from before the manifest recorded its op choice: its neuron_config keys."""
+    if neuron_config.get("blocked_weights"):
+        return BLOCKED
+    return PACKED if neuron_config.get("packed_weights") else PLAIN
