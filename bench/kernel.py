@@ -13,7 +13,7 @@ context bucket's worth. Each round runs, back to back:
   per-row-count choice of path keeps, which the torch systems below read too;
 - aten's F.linear with the weight widened to the float32 of the activations per call
   (modeling.linear: what a float32 graph without the kernel runs);
-- for int8, aten._weight_int8pack_mm (aten's weight-only int8 kernel);
+- for int8 up to 8 rows, aten._weight_int8pack_mm (aten's weight-only int8 kernel);
 - where oneDNN runs the dtype natively (modeling.can_pack: float32, and bf16 on a CPU with
   bf16 units), oneDNN's linear on weights packed for the row count (modeling.packed_linear);
 - a float32 sum over as many bytes: the read bandwidth this minute.
@@ -65,6 +65,11 @@ def plain_weights(dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor |
     return out
 
 
+# aten's weight-only int8 kernel serves token generation (modeling.int8_linear); at a context
+# bucket (64 rows) it takes ~30 s a step on an AVX2 host, so it is left out above this.
+WEIGHT_ONLY_ROWS = 8
+
+
 def systems(dtype: torch.dtype, rows: int) -> dict[str, Callable[[], object]]:
     """name -> one decode step's matmuls."""
     plain = plain_weights(dtype)
@@ -94,7 +99,7 @@ def systems(dtype: torch.dtype, rows: int) -> dict[str, Callable[[], object]]:
         "aten F.linear, widened": run(lambda xi, w, s: modeling.linear(xi, w, None, s),
                                       [w for w, _ in steps]),
     }
-    if dtype == torch.int8:
+    if dtype == torch.int8 and rows <= WEIGHT_ONLY_ROWS:
         out["aten int8 weight-only"] = run(
             lambda xi, w, s: torch.ops.aten._weight_int8pack_mm(xi, w, s.float()),
             [w for w, _ in steps])
