@@ -15,8 +15,9 @@
 // [N, K] that aten and oneDNN read too, so one copy of the weights serves whichever path is
 // faster at a row count: the same 4 rows are then 4 streams, each prefetched. One code serves
 // both layouts; a layout only says where row i's chunk at column k starts (Blocked, Plain).
-// bf16 weights need the activations in their
-// lane order (each 16-chunk as its 8 even then its 8 odd elements): copied once per call.
+// On the AVX2 EPYC plain ran 0.85-0.92x blocked for float32 and bf16 at 1 row, 0.52x for int8
+// (bench/kernel.py, docs/performance.md). bf16 weights need the activations in their lane
+// order (each 16-chunk as its 8 even then its 8 odd elements): copied once per call.
 // Rows of x are taken 1, 2 or 3 at a time against each block of 4 weight rows, so one pass
 // over the weights serves every row, and larger M (context encoding) keeps the block in L1.
 #include <immintrin.h>
