@@ -1,20 +1,24 @@
-"""neuronctl's matmul kernel alone, over one decode step's matrices, against torch's own.
+"""neuronctl's matmul kernel alone, over one decode step's matrices, on both weight layouts,
+against torch's own.
 
-    python bench/kernel.py                # float32, bf16, int8; batch 1 and 8 (about 2 minutes)
+    python bench/kernel.py                # float32, bf16, int8; 1, 8 and 64 rows (a few minutes)
     python bench/kernel.py --dtypes float32 --rows 1
 
 The matrices are a decode step's for the SmolLM2-135M shape (bench/decode.py's SHAPE: q/k/v
-and gate/up fused as the graphs hold them, every layer, the LM head), random. Each round
-runs, back to back:
-- the kernel on blocked weights in one 2 MiB-page mapping, as the runner holds them
-  (kernel.into_huge_pages);
-- the kernel on the same blocked weights in ordinary 4 KiB pages;
-- torch's own matmul on plain weights: F.linear for float32 and bf16 (a bf16 matmul, what a
-  bf16 graph without the kernel runs), aten._weight_int8pack_mm for int8;
+and gate/up fused as the graphs hold them, every layer, the LM head), random; 64 rows is a
+context bucket's worth. Each round runs, back to back:
+- the kernel on blocked weights (linear_blocked) in one 2 MiB-page mapping, as the runner
+  holds them (kernel.into_huge_pages), and the same blocked weights in ordinary 4 KiB pages;
+- the kernel on the plain [N, K] weights (linear_rows), also in 2 MiB pages: the one copy a
+  per-row-count choice of path keeps, which the torch systems below read too;
+- aten's F.linear with the weight widened to the float32 of the activations per call
+  (modeling.linear: what a float32 graph without the kernel runs);
+- for int8 up to 8 rows, aten._weight_int8pack_mm (aten's weight-only int8 kernel);
+- where oneDNN runs the dtype natively (modeling.can_pack: float32, and bf16 on a CPU with
+  bf16 units), oneDNN's linear on weights packed for the row count (modeling.packed_linear);
 - a float32 sum over as many bytes: the read bandwidth this minute.
-Every figure is the median over the rounds (the best is printed too). Ratios are the
-kernel's speed over the others' (> 1: the kernel is faster); "of the read bandwidth" is the
-kernel's bytes per second over the sum's.
+Every figure is the median over the rounds (JSON lines give the best too). GB/s counts each
+weight byte once per step, so above a few rows (compute-bound) it is a speed, not traffic.
 """
 
 from __future__ import annotations
@@ -28,14 +32,13 @@ from collections.abc import Callable
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 
 HERE = Path(__file__).resolve().parent
 sys.path[:0] = [str(HERE.parent), str(HERE)]
 from decode import SHAPE  # noqa: E402
 from peers import host_facts  # noqa: E402
 
-from neuronctl.backends.torch import kernel  # noqa: E402
+from neuronctl.backends.torch import kernel, modeling  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
 
@@ -62,28 +65,50 @@ def plain_weights(dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor |
     return out
 
 
+# aten's weight-only int8 kernel serves token generation (modeling.int8_linear); at a context
+# bucket (64 rows) it takes ~30 s a step on an AVX2 host, so it is left out above this.
+WEIGHT_ONLY_ROWS = 8
+
+
 def systems(dtype: torch.dtype, rows: int) -> dict[str, Callable[[], object]]:
     """name -> one decode step's matmuls."""
     plain = plain_weights(dtype)
     blocked = {str(i): kernel.block(w) for i, (w, _) in enumerate(plain)}
     huge = dict(blocked)
     kernel.into_huge_pages(huge, list(huge))
+    rows_huge = {str(i): w for i, (w, _) in enumerate(plain)}
+    kernel.into_huge_pages(rows_huge, list(rows_huge))
+    steps = [(rows_huge[str(i)], s) for i, (_, s) in enumerate(plain)]  # plain, 2 MiB pages
     x = {k: torch.randn(rows, k) for k in {k for _, k in step_shapes()}}
-    op = torch.ops.neuronctl.linear_blocked
 
-    def run_kernel(weights: dict[str, torch.Tensor]) -> Callable[[], object]:
-        pairs = [(weights[str(i)], s, x[w.shape[1]]) for i, (w, s) in enumerate(plain)]
-        return lambda: [op(xi, w, s) for w, s, xi in pairs]
+    def run(op: Callable[..., object], weights: list[torch.Tensor],
+            act: torch.dtype = torch.float32) -> Callable[[], object]:
+        """op(x, w, scale) over the step, activations in `act`."""
+        calls = [(w, s, x[k].to(act))
+                 for w, (_, s), (_, k) in zip(weights, plain, step_shapes(), strict=True)]
+        return lambda: [op(xi, w, s) for w, s, xi in calls]
 
-    if dtype == torch.int8:
-        pack = [(w, s.float(), x[w.shape[1]]) for w, s in plain]
-        aten = lambda: [torch.ops.aten._weight_int8pack_mm(xi, w, s) for w, s, xi in pack]  # noqa: E731
-    else:
-        lin = [(w, x[w.shape[1]].to(dtype)) for w, _ in plain]
-        aten = lambda: [F.linear(xi, w) for w, xi in lin]  # noqa: E731
+    def blocked_list(weights: dict[str, torch.Tensor]) -> list[torch.Tensor]:
+        return [weights[str(i)] for i in range(len(plain))]
+
+    out = {
+        "kernel blocked": run(torch.ops.neuronctl.linear_blocked, blocked_list(huge)),
+        "kernel blocked, 4 KiB pages": run(torch.ops.neuronctl.linear_blocked,
+                                           blocked_list(blocked)),
+        "kernel plain": run(torch.ops.neuronctl.linear_rows, [w for w, _ in steps]),
+        "aten F.linear, widened": run(lambda xi, w, s: modeling.linear(xi, w, None, s),
+                                      [w for w, _ in steps]),
+    }
+    if dtype == torch.int8 and rows <= WEIGHT_ONLY_ROWS:
+        out["aten int8 weight-only"] = run(
+            lambda xi, w, s: torch.ops.aten._weight_int8pack_mm(xi, w, s.float()),
+            [w for w, _ in steps])
+    if modeling.can_pack(dtype):
+        packed = [modeling.pack_weight(w, rows) for w, _ in steps]
+        out["oneDNN packed"] = run(lambda xi, w, s: modeling.packed_linear(xi, w), packed, dtype)
     ones = torch.ones(sum(w.nbytes for w, _ in plain) // 4)
-    return {"kernel, 2 MiB pages": run_kernel(huge), "kernel, 4 KiB pages": run_kernel(blocked),
-            "torch": aten, "read (float32 sum)": lambda: ones.sum()}
+    out["read (float32 sum)"] = lambda: ones.sum()
+    return out
 
 
 def measure(dtype_name: str, rows: int, rounds: int) -> dict[str, dict[str, float]]:
@@ -105,10 +130,30 @@ def measure(dtype_name: str, rows: int, rounds: int) -> dict[str, dict[str, floa
     return out
 
 
+COLUMNS = ["kernel blocked", "kernel blocked, 4 KiB pages", "kernel plain",
+           "aten F.linear, widened", "aten int8 weight-only", "oneDNN packed"]
+
+
+def table(results: list[tuple[str, int, dict[str, dict[str, float]]]]) -> list[str]:
+    """A markdown table: per dtype and row count, each system's ms and GB/s, plain's speed
+    over blocked's, and the read bandwidth."""
+    shown = [c for c in COLUMNS if any(c in got for _, _, got in results)]
+    lines = ["| weights | rows | " + " | ".join(f"{c} ms (GB/s)" for c in shown)
+             + " | plain / blocked | read GB/s |",
+             "| --- | --- |" + " --- |" * (len(shown) + 2)]
+    for dtype, rows, got in results:
+        cells = [f"{got[c]['median_ms']:.1f} ({got[c]['gbs']:.1f})" if c in got else "–"
+                 for c in shown]
+        ratio = got["kernel blocked"]["median_ms"] / got["kernel plain"]["median_ms"]
+        lines.append(f"| {dtype} | {rows} | " + " | ".join(cells)
+                     + f" | {ratio:.2f}x | {got['read (float32 sum)']['gbs']:.1f} |")
+    return lines
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--dtypes", default="float32,bfloat16,int8")
-    parser.add_argument("--rows", default="1,8", help="activation rows (the batch)")
+    parser.add_argument("--rows", default="1,8,64", help="activation rows (batch, bucket)")
     parser.add_argument("--rounds", type=int, default=15)
     opts = parser.parse_args()
     kernel.load()
@@ -116,22 +161,13 @@ def main() -> None:
     thp = Path("/sys/kernel/mm/transparent_hugepage/enabled")
     facts["transparent_hugepages"] = thp.read_text().strip() if thp.exists() else "none"
     print(json.dumps({"host": facts}), flush=True)
-    table = []
-    for dtype in opts.dtypes.split(","):
-        for rows in map(int, opts.rows.split(",")):
-            got = measure(dtype, rows, opts.rounds)
-            k = got["kernel, 2 MiB pages"]["median_ms"]
-            table.append((dtype, rows, got["kernel, 2 MiB pages"]["gbs"],
-                          got["kernel, 4 KiB pages"]["median_ms"] / k,
-                          got["torch"]["median_ms"] / k,
-                          got["kernel, 2 MiB pages"]["gbs"] / got["read (float32 sum)"]["gbs"]))
+    results = [(dtype, rows, measure(dtype, rows, opts.rounds))
+               for dtype in opts.dtypes.split(",") for rows in map(int, opts.rows.split(","))]
     print(f"\nhost: {facts['cpu']}; ISA {facts['isa']}; {facts['threads']} threads; "
           f"transparent huge pages {facts['transparent_hugepages']}; torch {facts['torch']}\n")
-    print("| weights | rows | kernel GB/s | vs 4 KiB pages | vs torch | of the read bandwidth |")
-    print("| --- | --- | --- | --- | --- | --- |")
-    for dtype, rows, gbs, pages, aten, share in table:
-        print(f"| {dtype} | {rows} | {gbs:.1f} | {pages:.2f}x | {aten:.2f}x | {share:.2f} |")
-    print("\nmedians over the rounds; ratios are the kernel's speed over the other's")
+    print("\n".join(table(results)))
+    print("\nmedians over the rounds; plain / blocked is the plain layout's speed over the "
+          "blocked one's (> 1: plain is faster)")
 
 
 if __name__ == "__main__":

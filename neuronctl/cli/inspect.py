@@ -14,7 +14,7 @@ from neuronctl.cli._common import (
     console,
     human_size,
     print_json,
-    table,
+    print_table,
 )
 from neuronctl.store.manifest import MANIFEST, Manifest, read_manifest
 
@@ -103,7 +103,7 @@ def show_artifact(path: Path, manifest: Manifest, json_out: bool) -> None:
         return
     console.print(f"  weights layout    {ops.layout}")
     console.print(f"  chosen by         {ops.chosen_by}")
-    console.print(table("matmul path per row count", *op_rows(manifest)))
+    print_table("matmul path per row count", *op_rows(manifest))
 
 
 def register(app: typer.Typer) -> None:

@@ -15,8 +15,9 @@
 // [N, K] that aten and oneDNN read too, so one copy of the weights serves whichever path is
 // faster at a row count: the same 4 rows are then 4 streams, each prefetched. One code serves
 // both layouts; a layout only says where row i's chunk at column k starts (Blocked, Plain).
-// bf16 weights need the activations in their
-// lane order (each 16-chunk as its 8 even then its 8 odd elements): copied once per call.
+// On the AVX2 EPYC plain ran 0.85-0.92x blocked for float32 and bf16 at 1 row, 0.52x for int8
+// (bench/kernel.py, docs/performance.md). bf16 weights need the activations in their lane
+// order (each 16-chunk as its 8 even then its 8 odd elements): copied once per call.
 // Rows of x are taken 1, 2 or 3 at a time against each block of 4 weight rows, so one pass
 // over the weights serves every row, and larger M (context encoding) keeps the block in L1.
 #include <immintrin.h>
@@ -70,9 +71,8 @@ struct Plain {  // [N][K]: row i of the block K elements after row i - 1
   }
 };
 
-// Plain rows are 4 streams: each gets a hint kAheadRow bytes ahead, once per cache line of its
-// stream (a float32 chunk of a row is one line; bf16 two chunks, int8 four). A quarter of
-// kAhead: the same number of chunks ahead as the blocked stream, so the same time ahead.
+// Plain rows are 4 streams: each gets one hint per cache line of its stream, kAheadRow bytes
+// ahead (a quarter of kAhead: as many chunks ahead as the blocked stream, so as long ahead).
 template <typename W>
 constexpr int kAheadRow = kAhead<W> / kRows;
 
@@ -85,10 +85,15 @@ inline void prefetch(const W* wb, int64_t kp, int64_t k) {
         _mm_prefetch(reinterpret_cast<const char*>(L::at(wb, kp, 0, k)) + kAhead<W> + b,
                      _MM_HINT_T0);
   } else if constexpr (kAheadRow<W> > 0) {
-    if ((k * int64_t(sizeof(W))) % 64 == 0)
-      for (int i = 0; i < kRows; i++)
-        _mm_prefetch(reinterpret_cast<const char*>(L::at(wb, kp, i, k)) + kAheadRow<W>,
-                     _MM_HINT_T0);
+    // A row's line holds 2 bf16 or 4 int8 chunks: each chunk hints the next rows in turn, so
+    // every row gets one hint a line with no branch. (Hints under a test of k, e.g. "k is
+    // at a line", were dropped from the loop by GCC 12 at -O1 and up, condition and all.)
+    constexpr int per_line = 64 / (kChunk * sizeof(W));
+    constexpr int rows = kRows / per_line;
+    const int first = int((k / kChunk) % per_line) * rows;
+    for (int j = 0; j < rows; j++)
+      _mm_prefetch(reinterpret_cast<const char*>(L::at(wb, kp, first + j, k)) + kAheadRow<W>,
+                   _MM_HINT_T0);
   }
 }
 
