@@ -160,6 +160,22 @@ def test_the_manifest_records_the_choice_and_inspect_shows_it(
     assert code == 0 and "matmul path per row count" in out and "plain" in out
 
 
+def test_inspect_finds_an_artifact_by_its_store_key(
+    compiled_artifact: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A key prefix names the artifact in --store, as in validate and generate; a bare name
+    that is no key stays a model id."""
+    manifest = read_manifest(compiled_artifact)
+    store = compiled_artifact.parent.parent  # <store>/neuron-compiled-artifacts/<dir>
+    argv = ["inspect", manifest.artifact_key[:12], "--store", str(store), "--json"]
+    code, out, _ = run_in_process(argv, capsys, monkeypatch)
+    assert code == 0, out
+    assert json.loads(out)["artifact"] == str(compiled_artifact)
+    argv = ["inspect", "ffffffffffff", "--store", str(store)]
+    code, out, err = run_in_process(argv, capsys, monkeypatch)
+    assert code == 1 and "ffffffffffff" in out + err
+
+
 def test_the_choice_is_part_of_the_record(compiled_artifact: Path, tmp_path: Path) -> None:
     # It decides how the weights are read: an edited choice must not pass for the build's.
     from neuronctl.store.manifest import intact_problem

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 from typing import Annotated, Any
 
@@ -11,6 +12,7 @@ from neuronctl.cli._common import (
     JsonOpt,
     ModelArg,
     RevisionOpt,
+    StoreOpt,
     console,
     human_size,
     print_json,
@@ -30,13 +32,15 @@ def inspect_command(
     model: ModelArg,
     revision: RevisionOpt = None,
     allow_pickle: AllowPickleOpt = False,
+    store: StoreOpt = None,
     json_out: JsonOpt = False,
 ) -> None:
     """Show a checkpoint's architecture, size, dtype, supported backends and tp degrees;
     or an artifact's matmul paths (what each row count runs, what each candidate measured).
 
     A Hub id is downloaded first (or read from the cache with HF_HUB_OFFLINE=1). A directory
-    with a manifest.json is an artifact.
+    with a manifest.json is an artifact, and so is a key (or unique prefix of one, 8 hex
+    digits or more) of an artifact in the store.
 
     Examples:
 
@@ -44,16 +48,16 @@ def inspect_command(
 
       neuronctl inspect meta-llama/Llama-3.2-1B --json
 
-      neuronctl inspect ~/.cache/neuronctl/artifacts/3f9a2c...
+      neuronctl inspect 3f9a2c41
 
     Exit codes: 0 ok, 1 unreadable or unsupported checkpoint, 2 usage error.
     """
     from neuronctl.checkpoints import open_checkpoint
     from neuronctl.checkpoints.summary import summarize
 
-    local = Path(model).expanduser()
-    if (local / MANIFEST).is_file():
-        show_artifact(local, read_manifest(local), json_out)
+    artifact = artifact_named(model, store)
+    if artifact is not None:
+        show_artifact(artifact, read_manifest(artifact), json_out)
         return
     info = summarize(open_checkpoint(model, revision, allow_pickle=allow_pickle))
     if json_out:
@@ -77,6 +81,19 @@ def inspect_command(
     console.print(f"[bold]{info['model']}[/bold]  {info['path']}")
     for name, value in rows:
         console.print(f"  {name:<17} {value}")
+
+
+def artifact_named(model: str, store: Path | None) -> Path | None:
+    """The artifact `model` names: a directory with a manifest, or a store key (prefix).
+    Reading a manifest loads no code, so no trust decision is needed here."""
+    local = Path(model).expanduser()
+    if (local / MANIFEST).is_file():
+        return local
+    if local.exists() or not re.fullmatch(r"[0-9a-f]{8,64}", model):
+        return None
+    from neuronctl.store.resolve import open_store
+
+    return open_store(store).find(model)
 
 
 def op_rows(manifest: Manifest) -> tuple[list[str], list[list[Any]]]:

@@ -19,7 +19,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from neuronctl.backends.base import BuildRequest, BuildResult
+from neuronctl.backends.base import NEURON_CONFIG, BuildRequest, BuildResult
 from neuronctl.checks import Check
 from neuronctl.doctor import available_cpus
 from neuronctl.errors import BuildError, CheckpointError, SpecError
@@ -34,7 +34,6 @@ if TYPE_CHECKING:
 
 # Bump when modeling.py or the graph signatures change what a graph computes or takes.
 MODELING_VERSION = "6"
-NEURON_CONFIG = "neuron_config.json"
 # neuronctl's own CPU ops, one library (kernel.py): the matmul and decode attention, and
 # the header they share (in the digest, not compiled on its own).
 KERNEL_SOURCES = tuple(Path(__file__).with_name(n) for n in ("simd.h", "gemv.cpp", "attention.cpp"))

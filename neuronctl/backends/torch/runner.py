@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
+from neuronctl.backends.base import NEURON_CONFIG
 from neuronctl.backends.torch import modeling, opchoice
 from neuronctl.backends.torch.graphs import CONTEXT, DTYPES, TOKEN_GEN, graph_name, prompt_counts
 from neuronctl.backends.torch.safeload import load_export_graph
@@ -19,7 +20,6 @@ if TYPE_CHECKING:
     from neuronctl.spec import BuildSpec
     from neuronctl.store.manifest import OpChoice
 
-NEURON_CONFIG = "neuron_config.json"
 Graph = Callable[[list[torch.Tensor]], Any]
 
 
