@@ -4,7 +4,8 @@
     python bench/coldstart.py --compiler export --runs 5
 
 The SmolLM2-135M-shaped bench checkpoint (bench/decode.py's, with its byte-level tokenizer) is
-compiled bf16 at batch 1 with bench/peers.py's buckets, then the two commands run in turn,
+compiled bf16 at batch 1 with bench/peers.py's buckets, in its work directory (a peers run's
+artifact is a cache hit here), then the two commands run in turn,
 each in a fresh process, the same way bench/peers.py's cold-start row runs them (its
 `cold_start`: process start to exit). Each figure is the best over the runs, since other
 work on a shared host only ever adds time; the CPU seconds (user + system, the process and its
@@ -48,7 +49,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--runs", type=int, default=7)
     parser.add_argument("--compiler", default="inductor", choices=["inductor", "export"])
-    parser.add_argument("--work", type=Path, default=Path("/tmp/neuronctl-bench-coldstart"))
+    parser.add_argument("--work", type=Path, default=Path("/tmp/neuronctl-bench-peers"),
+                        help="bench/peers.py's by default: its artifact is reused")
     opts = parser.parse_args()
     ckpt = make_checkpoint(opts.work / "smollm2-135m-shape")
     built = compile_artifact(ckpt, opts.work / "store", "bfloat16", 1, opts.compiler)

@@ -28,8 +28,9 @@ main()
 """
 
 # Never needed to generate from a local build: other commands' modules and what only they use
-# (the build, remote stores and their fsspec, signature checks, garbage collection), and the
-# Hugging Face libraries (the engine's tokenizer reads tokenizer.json with `tokenizers`).
+# (the build and its locks, remote stores and their fsspec, signature checks, garbage
+# collection), and the Hugging Face libraries (the engine's tokenizer reads tokenizer.json
+# with `tokenizers`).
 NOT_FOR_GENERATE = (
     "neuronctl.build",
     "neuronctl.cli.artifacts",
@@ -40,6 +41,7 @@ NOT_FOR_GENERATE = (
     "neuronctl.store.gc",
     "neuronctl.store.remote",
     "cryptography",
+    "filelock",
     "fsspec",
     "transformers",
     "huggingface_hub",
