@@ -36,6 +36,7 @@ lint:
 # says so and measures the rest.
 bench:
 	$(PYTHON) bench/peers.py
+	$(PYTHON) bench/coldstart.py
 	$(PYTHON) bench/kernel.py
 	$(PYTHON) bench/load.py
 	$(PYTHON) bench/shard.py

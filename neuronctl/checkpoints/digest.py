@@ -16,8 +16,6 @@ import re
 from pathlib import Path
 from typing import Any
 
-from filelock import FileLock
-
 from neuronctl.checkpoints.hub import model_files
 from neuronctl.keys import digest as json_digest
 from neuronctl.store.local import user_cache_store
@@ -96,6 +94,8 @@ class DigestCache:
         if not self.changed:
             return
         self.path.parent.mkdir(parents=True, exist_ok=True)
+        from filelock import FileLock  # loading an artifact's weights never saves digests
+
         # Merge under a lock: another process may have cached other files meanwhile.
         with FileLock(str(self.path) + ".lock"):
             merged = {**self._load(), **self.changed}

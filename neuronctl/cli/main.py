@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import atexit
 import contextlib
+import functools
+import gc
 import importlib
 import inspect
 import logging
@@ -10,7 +13,7 @@ import os
 import pkgutil
 import sys
 import warnings
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from typing import Annotated, Any
 
 import typer
@@ -24,6 +27,9 @@ from neuronctl.cli._common import err_console, print_json
 from neuronctl.errors import EXIT_FAILED, EXIT_USAGE, NeuronctlError, UsageError
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
+# The options before the command that take a value (the rest are flags): what app_for skips
+# to find the command's name.
+ROOT_VALUE_OPTIONS = frozenset({"--log-level"})
 
 HELP = """Ahead-of-time compiled LLMs as reproducible, content-addressed build products.
 
@@ -76,14 +82,17 @@ def _as_neuronctl_error(exc: ClickException) -> Exception:
     return error(exc.format_message(), hint)
 
 
-app = typer.Typer(
-    name="neuronctl",
-    cls=OneLineErrors,
-    help=HELP,
-    no_args_is_help=True,
-    pretty_exceptions_enable=False,
-    context_settings={"help_option_names": ["-h", "--help"]},
-)
+def _new_app() -> typer.Typer:
+    app = typer.Typer(
+        name="neuronctl",
+        cls=OneLineErrors,
+        help=HELP,
+        no_args_is_help=True,
+        pretty_exceptions_enable=False,
+        context_settings={"help_option_names": ["-h", "--help"]},
+    )
+    app.callback()(root)
+    return app
 
 
 def _version(value: bool) -> None:
@@ -92,7 +101,6 @@ def _version(value: bool) -> None:
         raise typer.Exit()
 
 
-@app.callback()
 def root(
     ctx: typer.Context,
     version: Annotated[
@@ -147,15 +155,16 @@ def _quiet_warnings() -> Iterator[None]:
             os.environ.pop("PYTHONWARNINGS", None)
 
 
-def _register_commands() -> None:
-    modules = []
-    for info in pkgutil.iter_modules(cli_pkg.__path__):
-        if info.name.startswith("_") or info.name == "main":
-            continue
-        modules.append(importlib.import_module(f"neuronctl.cli.{info.name}"))
+@functools.cache
+def full_app() -> typer.Typer:
+    """The app with every command: each cli/<name>.py module's register(app)."""
+    app = _new_app()
+    modules = [importlib.import_module(f"neuronctl.cli.{name}") for name in _command_modules()]
     # ORDER puts the everyday commands first in --help.
     for module in sorted(modules, key=lambda m: (getattr(m, "ORDER", 50), m.__name__)):
         module.register(app)
+    _reflow_help(app)
+    return app
 
 
 def reflow(text: str) -> str:
@@ -183,13 +192,63 @@ def _reflow_help(typer_app: typer.Typer) -> None:
             _reflow_help(group.typer_instance)
 
 
-_register_commands()
-_reflow_help(app)
+
+def _command_modules() -> list[str]:
+    return [
+        info.name
+        for info in pkgutil.iter_modules(cli_pkg.__path__)
+        if not info.name.startswith("_") and info.name != "main"
+    ]
+
+
+def app_for(args: Sequence[str]) -> typer.Typer:
+    """The app to run `args` with: where the command they name is all that its own module
+    registers (generate, serve, ...), an app with that module alone, so a command pays for
+    importing no other command's dependencies (stores, remotes, signing, the build); else
+    (the groups, whose subcommands come from several modules, --help, a typo) full_app()."""
+    name = _command_name(args)
+    if name is None or name not in _command_modules():
+        return full_app()
+    app = _new_app()
+    importlib.import_module(f"neuronctl.cli.{name}").register(app)
+    if [info.name for info in app.registered_commands] != [name] or app.registered_groups:
+        return full_app()
+    _reflow_help(app)
+    return app
+
+
+def _command_name(args: Sequence[str]) -> str | None:
+    """The first argument that is neither a root option nor a root option's value."""
+    takes_value = False
+    for arg in args:
+        if takes_value:
+            takes_value = False
+        elif arg == "--":
+            return None
+        elif arg.startswith("-"):
+            takes_value = arg in ROOT_VALUE_OPTIONS
+        else:
+            return arg
+    return None
+
+
+def __getattr__(name: str) -> typer.Typer:
+    """`app`, the full app, is built on first use (tests, docs); `main` builds only what the
+    command line needs."""
+    if name == "app":
+        return full_app()
+    raise AttributeError(f"module {__name__!r} has no attribute {name!r}")
 
 
 def main() -> None:
+    # At exit Python scans every object still alive for garbage cycles: some 200k after
+    # torch is imported, 0.1-0.4 s of a one-token `generate`, for memory the OS takes back
+    # anyway. Frozen (gc's permanent generation), they are skipped; Python never promised
+    # finalizers to objects alive at exit, and atexit handlers run as before.
+    atexit.register(gc.freeze)
     try:
-        app(prog_name="neuronctl")  # not "python -m neuronctl.cli.main" in usage and hints
+        # prog_name: not "python -m neuronctl.cli.main" in usage and hints
+        app_for(sys.argv[1:])(prog_name="neuronctl")
     except NeuronctlError as exc:
         if os.environ.get("NEURONCTL_DEBUG"):
             raise

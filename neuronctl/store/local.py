@@ -16,11 +16,13 @@ import uuid
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-
-from filelock import FileLock, Timeout
+from typing import TYPE_CHECKING
 
 from neuronctl.errors import NeuronctlError, NotFoundError, UsageError
 from neuronctl.store.manifest import MANIFEST, Manifest, read_manifest, record_files, write_manifest
+
+if TYPE_CHECKING:
+    from filelock import FileLock
 
 ARTIFACTS_DIR = "neuron-compiled-artifacts"
 STORE_ENV = "NEURONCTL_STORE"
@@ -100,6 +102,8 @@ class Store:
         return path
 
     def lock(self, dirname: str) -> FileLock:
+        from filelock import FileLock  # only builds and gc lock: reading a store never does
+
         return FileLock(str(self._private(".locks") / f"{dirname}.lock"))
 
     def new_staging(self, dirname: str) -> Path:
@@ -241,6 +245,8 @@ class Store:
         staging_root = self.artifacts / ".staging"
         if not staging_root.is_dir():
             return []
+        from filelock import Timeout
+
         stale = []
         for path in sorted(staging_root.iterdir()):
             dirname = path.name.split(".", 1)[0]

@@ -39,11 +39,7 @@ import os
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import Any
-
-from cryptography.exceptions import InvalidSignature
-from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey, Ed25519PublicKey
+from typing import TYPE_CHECKING, Any
 
 from neuronctl.errors import NeuronctlError, UsageError
 from neuronctl.store.manifest import (
@@ -53,6 +49,13 @@ from neuronctl.store.manifest import (
     read_capped,
     sha256_file,
 )
+
+if TYPE_CHECKING:  # cryptography loads where a key is read or a signature checked: a local
+    # build's load rule needs neither, and `generate` starts without it
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import (
+        Ed25519PrivateKey,
+        Ed25519PublicKey,
+    )
 
 SIGNATURE = "manifest.sig"
 PROVENANCE = "provenance.json"
@@ -82,6 +85,8 @@ def trusted_keys_dir() -> Path:
 
 def key_id(public: Ed25519PublicKey) -> str:
     """A short, stable name for a public key: sha256 of its raw 32 bytes, 16 hex chars."""
+    from cryptography.hazmat.primitives import serialization
+
     raw = public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
     return hashlib.sha256(raw).hexdigest()[:16]
 
@@ -154,6 +159,9 @@ def generate_keypair(prefix: Path, force: bool = False) -> tuple[Path, Path, str
     for path in (private_path, public_path):
         if path.exists() and not force:
             raise UsageError(f"{path} already exists", "choose another name or pass --force")
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
     private = Ed25519PrivateKey.generate()
     pem = private.private_bytes(
         serialization.Encoding.PEM,
@@ -192,6 +200,9 @@ def load_signer(value: str | Path | None) -> Signer | None:
                 f"cannot read the signing key {path}: {exc.strerror}",
                 "make one with `neuronctl artifacts keygen NAME`",
             ) from None
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+
     try:
         private = serialization.load_pem_private_key(data, password=None)
     except (ValueError, TypeError) as exc:
@@ -208,6 +219,9 @@ def _read_public_keys(source: Path) -> list[TrustedKey]:
         data = source.read_bytes()
     except OSError as exc:
         raise UsageError(f"cannot read the trusted key {source}: {exc.strerror}") from None
+    from cryptography.hazmat.primitives import serialization
+    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
+
     try:
         public = serialization.load_pem_public_key(data)
     except ValueError as exc:
@@ -238,6 +252,8 @@ def signed_by(manifest_bytes: bytes, signature: bytes | None, public: Ed25519Pub
     record = _parse_signature(signature)
     if record is None:
         return False
+    from cryptography.exceptions import InvalidSignature
+
     try:
         public.verify(base64.b64decode(record["signature"]), SIGNED_PREFIX + manifest_bytes)
     except (InvalidSignature, ValueError):
