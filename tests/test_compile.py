@@ -30,9 +30,8 @@ FLAGS = [
 # What cache hits, graph reuse and remotes are tested on: the 2-graph spec (FLAGS builds 6).
 # --jobs 1: graphs traced in the compile's own process (a spawn pool re-imports torch per
 # worker); the pool has its own tests (test_torch_backend.py, test_security.py).
-SMALL_FLAGS = [
-    *(f"--{name.replace('_', '-')}={value}" for name, value in SMALLEST_SPEC.items()), "--jobs=1"
-]
+SMALL_SPEC = [f"--{name.replace('_', '-')}={value}" for name, value in SMALLEST_SPEC.items()]
+SMALL_FLAGS = [*SMALL_SPEC, "--jobs=1"]
 
 
 def compile_json(model: Path, store: Path, *extra: str, env: dict[str, str] | None = None) -> Any:
@@ -80,7 +79,7 @@ def test_second_compile_is_a_cache_hit_and_hash_agrees(tiny_llama: Path, tmp_pat
     second = compile_json(tiny_llama, tmp_path)
     assert second["cache_hit"] is True and second["path"] == first["path"]
     assert {p: p.stat().st_mtime_ns for p in Path(first["path"]).rglob("*")} == mtimes
-    hashed = json.loads(cli_in_process("hash", str(tiny_llama), *SMALL_FLAGS, "--json").stdout)
+    hashed = json.loads(cli_in_process("hash", str(tiny_llama), *SMALL_SPEC, "--json").stdout)
     for key in ("graph_key", "weights_key", "artifact_key"):
         assert hashed[key] == first[key]
 
