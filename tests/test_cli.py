@@ -54,7 +54,6 @@ def test_usage_error_with_json_prints_json_error() -> None:
     [
         (["compile", "./m", "--tp-degree", "x"], "Invalid value for '--tp-degree'"),
         (["download"], "Missing argument"),
-        # (was also test_unknown_flag_is_a_usage_error, a second process for the same exit 2)
         (["compile", "--no-such-flag"], "No such option: --no-such-flag"),
         (["no-such-command"], "No such command"),
     ],
