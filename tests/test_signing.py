@@ -364,10 +364,10 @@ def test_serve_refuses_an_unsigned_directory_outside_the_store(
 
     loose = tmp_path / "shared" / "model"
     shutil.copytree(compiled_artifact, loose)
-    refused = cli("serve", "--artifacts", str(loose), "--dry-run")
+    refused = cli_in_process("serve", "--artifacts", str(loose), "--dry-run")
     assert refused.returncode == 1, refused.stderr
     assert "not in a neuronctl store" in refused.stderr and "Traceback" not in refused.stderr
-    allowed = cli("serve", "--artifacts", str(loose), "--dry-run", "--allow-unsigned")
+    allowed = cli_in_process("serve", "--artifacts", str(loose), "--dry-run", "--allow-unsigned")
     assert allowed.returncode == 0, allowed.stderr
     assert "NOT verified" in allowed.stdout + allowed.stderr
 
