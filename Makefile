@@ -9,8 +9,9 @@ install:
 	$(PYTHON) -m pip install -e '.[dev]'
 
 # The fast suite: what CI runs. Slow tests (AOTInductor, big checkpoints) are in test-slow.
+# --durations: the slowest tests in every run's output, so a slow newcomer is seen in CI.
 test:
-	$(PYTEST) -m "not slow and not neuron and not hub" -n 2 --dist loadfile
+	$(PYTEST) -m "not slow and not neuron and not hub" -n 2 --dist loadfile --durations=25
 
 # The Hub error mapping at the lowest huggingface_hub pyproject allows (the suite runs on the
 # newest): that version alone, in a scratch folder ahead of the installed one.

@@ -32,6 +32,19 @@ TINY_SPEC: dict[str, Any] = {
     "token_gen_buckets": "64,128",
 }
 
+# The smallest spec that builds: one slot, one context bucket, one token-generation bucket
+# (2 graphs where TINY_SPEC has 6). For tests about keys, cache hits, reuse, stores and
+# remotes, where what is compiled does not matter, only that it is a real artifact.
+SMALLEST_SPEC: dict[str, Any] = {
+    "compiler": "export",
+    "dtype": "float32",
+    "seq_len": 64,
+    "max_context_length": 32,
+    "batch_size": 1,
+    "context_buckets": "32",
+    "token_gen_buckets": "64",
+}
+
 
 @pytest.fixture(autouse=True)
 def _isolated_env(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:

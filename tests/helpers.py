@@ -154,3 +154,73 @@ def run_in_process(args: list[str], capsys: Any, monkeypatch: Any) -> tuple[int,
         code = int(exc.code or 0)
     out, err = capsys.readouterr()
     return code, out, err
+
+
+def wait_until(condition: Any, timeout: float, what: str, poll: float = 0.02) -> float:
+    """Poll `condition()` until it is true; fail naming `what` if `timeout` seconds pass first.
+
+    Returns the seconds waited. Tests wait on the event itself, never a fixed sleep: a busy
+    host makes a sleep too short, and an idle one makes it too long."""
+    import time
+
+    started = time.monotonic()
+    deadline = started + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"{what}: not within {timeout} s")
+        time.sleep(poll)
+    return time.monotonic() - started
+
+
+def cli_in_process(
+    *args: str, env: dict[str, str] | None = None, cwd: Path | None = None
+) -> Any:
+    """`cli` without the process: the same entry point (`neuronctl.cli.main.main`, its error
+    mapping and exit codes) run here, seconds faster as torch is already imported. Returns a
+    CompletedProcess like `cli`. For tests about what a command prints and decides; a test
+    about a real process (signals, a child's environment, import costs, a server) uses `cli`.
+
+    The process state a command may change (environment, working directory, torch's thread
+    count, logging) is restored afterwards."""
+    import contextlib
+    import io
+    import logging
+    import os
+    import subprocess
+    import sys
+
+    import torch
+
+    from neuronctl.cli import _common
+    from neuronctl.cli.main import main
+
+    out, err = io.StringIO(), io.StringIO()
+    saved_env, saved_cwd, saved_argv = dict(os.environ), os.getcwd(), sys.argv
+    saved_threads = torch.get_num_threads()
+    logger = logging.getLogger("neuronctl")  # log.setup binds a handler to this stderr
+    saved_log = (logger.level, list(logger.handlers))
+    saved_widths = [(c, c._width) for c in (_common.console, _common.err_console)]
+    code = 0
+    try:
+        os.environ.update({**(env or {}), "COLUMNS": "200"})
+        for console, _ in saved_widths:
+            console.width = 200  # as `cli` sets COLUMNS for the child
+        if cwd is not None:
+            os.chdir(cwd)
+        sys.argv = ["neuronctl", *args]
+        with contextlib.redirect_stdout(out), contextlib.redirect_stderr(err):
+            try:
+                main()
+            except SystemExit as exc:
+                code = exc.code if isinstance(exc.code, int) else (0 if exc.code is None else 1)
+    finally:
+        sys.argv = saved_argv
+        os.chdir(saved_cwd)
+        os.environ.clear()
+        os.environ.update(saved_env)
+        torch.set_num_threads(saved_threads)
+        logger.setLevel(saved_log[0])
+        logger.handlers[:] = saved_log[1]
+        for console, width in saved_widths:
+            console._width = width
+    return subprocess.CompletedProcess(["neuronctl", *args], code, out.getvalue(), err.getvalue())

@@ -18,7 +18,7 @@ from neuronctl.checkpoints import digest as digest_mod
 from neuronctl.checkpoints import open_checkpoint
 from neuronctl.checkpoints.registry import check_supported, supported_backends
 from neuronctl.errors import CheckpointError, NotFoundError, UsageError
-from tests.helpers import cli, make_checkpoint
+from tests.helpers import cli, cli_in_process, make_checkpoint
 
 
 @pytest.fixture(scope="module")
@@ -281,7 +281,7 @@ def test_digest_follows_content_not_location(tiny_llama: Path, tmp_path: Path) -
 
 
 def test_inspect_cli(tiny_llama: Path, tmp_path: Path) -> None:
-    out = cli("inspect", str(tiny_llama), "--json")
+    out = cli_in_process("inspect", str(tiny_llama), "--json")
     assert out.returncode == 0, out.stderr
     info = json.loads(out.stdout)
     assert info["architecture"] == "LlamaForCausalLM"
@@ -290,7 +290,7 @@ def test_inspect_cli(tiny_llama: Path, tmp_path: Path) -> None:
     assert info["backends"] == ["torch", "nxdi", "tnx"]
     assert (info["tp_degrees"], info["max_tp_degree"]) == ([1, 2, 4], 4)
     assert info["size_bytes"] == (tiny_llama / "model.safetensors").stat().st_size
-    human = cli("inspect", str(tiny_llama))
+    human = cli_in_process("inspect", str(tiny_llama))
     assert human.returncode == 0 and "LlamaForCausalLM" in human.stdout
-    bad = cli("inspect", str(tmp_path))
+    bad = cli("inspect", str(tmp_path))  # a real process: one line, no traceback
     assert bad.returncode == 1 and "no config.json" in bad.stderr and "Traceback" not in bad.stderr

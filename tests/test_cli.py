@@ -49,10 +49,6 @@ def test_usage_error_with_json_prints_json_error() -> None:
     assert "dtype" in json.loads(result.stdout)["error"]
 
 
-def test_unknown_flag_is_a_usage_error() -> None:
-    assert cli("compile", "--no-such-flag").returncode == 2
-
-
 @pytest.mark.parametrize(
     ("args", "says"),
     [
@@ -262,7 +258,7 @@ def test_readme_tour_compile_then_push_by_key_with_no_environment(
     from tests.conftest import TINY_SPEC
 
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in TINY_SPEC.items()]
-    compiled = cli("compile", str(tiny_llama), *flags, "--json")
+    compiled = cli("compile", str(tiny_llama), *flags, "--jobs=1", "--json")  # no worker pool
     assert compiled.returncode == 0, compiled.stderr
     data = json.loads(compiled.stdout)
     key, path = data["artifact_key"][:8], Path(data["path"])

@@ -10,12 +10,12 @@ from pathlib import Path
 from neuronctl.build import compile_model, resolve_build
 from neuronctl.store.local import Store
 from neuronctl.store.manifest import Manifest, Source, read_manifest
-from tests.conftest import TINY_SPEC
+from tests.conftest import SMALLEST_SPEC, TINY_SPEC
 from tests.helpers import fine_tuned_copy
 
 
-def _compile(model: Path, store: Path):  # type: ignore[no-untyped-def]
-    return compile_model(resolve_build(str(model), TINY_SPEC, store_dir=store), jobs=1)
+def _compile(model: Path, store: Path, spec: dict = SMALLEST_SPEC):  # type: ignore[no-untyped-def]
+    return compile_model(resolve_build(str(model), spec, store_dir=store), jobs=1)
 
 
 def test_changed_generation_config_is_not_a_cache_hit_of_the_old_artifact(
@@ -129,7 +129,7 @@ def test_an_unlisted_graph_file_is_neither_reusable_nor_a_cache_hit(
     store, artifact = _copied_store(compiled_artifact, tmp_path)
     (artifact / "graphs" / "context_encoding_999.pt2").write_bytes(b"not a graph")
     assert not quick_validate(artifact).reusable and not is_intact(artifact)
-    out = _compile(tiny_llama, store)
+    out = _compile(tiny_llama, store, TINY_SPEC)  # the spec compiled_artifact was built with
     assert not out.cache_hit and out.path == artifact  # rebuilt, replaced atomically
     assert quick_validate(artifact).reusable and is_intact(artifact)
     assert not (artifact / "graphs" / "context_encoding_999.pt2").exists()

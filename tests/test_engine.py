@@ -10,6 +10,7 @@ from neuronctl.engine.errors import EngineStoppedError, QueueFullError, RequestE
 from neuronctl.engine.sampling import SamplingParams
 from neuronctl.engine.scheduler import Scheduler, SchedulerOutput
 from tests.fake_runner import EOS_ID, FakeRunner, byte_decoder, byte_detokenize
+from tests.helpers import wait_until
 
 GREEDY = SamplingParams(temperature=0)
 
@@ -114,8 +115,7 @@ def test_full_queue_is_refused_immediately() -> None:
     runner = FakeRunner(batch_size=1, step_delay=0.02)
     engine = make_engine(runner, max_queue=2)
     first = engine.submit([1], SamplingParams(temperature=0, max_tokens=30, ignore_eos=True))
-    while engine.stats()["running"] == 0:
-        pass
+    wait_until(lambda: engine.stats()["running"] == 1, 30, "the first request running")
     queued = [engine.submit([2], GREEDY) for _ in range(2)]
     with pytest.raises(QueueFullError, match="queue is full"):
         engine.submit([3], GREEDY)

@@ -23,6 +23,8 @@ import httpx
 import openai
 import pytest
 
+from tests.helpers import wait_until
+
 API_KEY = "test-key"
 MODEL = "tiny"
 REPO = Path(__file__).resolve().parent.parent
@@ -272,41 +274,47 @@ def test_32_concurrent_streams_match_each_prompt_run_alone(server: Server) -> No
 
 @pytest.fixture(scope="module")
 def slow_server(tiny_llama: Path) -> Iterator[Server]:
+    # 0.05 s a step and room for 500 tokens: a request left to run holds its slot for 25 s.
     port = free_port()
-    srv = Server(fake_argv(tiny_llama, port, "--batch-size", "1", "--max-queue", "1"), port)
+    argv = fake_argv(tiny_llama, port, "--batch-size", "1", "--max-queue", "1", "--seq-len", "512")
+    srv = Server(argv, port)
     yield srv
     srv.stop()
+
+
+def health(server: Server) -> dict[str, Any]:
+    return dict(httpx.get(server.url + "/health", timeout=10).json())
 
 
 def test_full_queue_gets_429_not_a_hang(slow_server: Server) -> None:
     body = {"model": "fake", "prompt": "a", "max_tokens": 30, "ignore_eos": True, "stream": True}
     url = slow_server.url + "/v1/completions"
     with httpx.Client(timeout=30) as http:
-        with http.stream("POST", url, json=body) as running:  # takes the only slot
-            lines = running.iter_lines()  # (dropping the iterator would close the stream)
-            next(lines)
-            with http.stream("POST", url, json=body) as queued:  # the one queue place
-                time.sleep(0.2)
-                assert httpx.get(slow_server.url + "/health").json()["waiting"] == 1
-                started = time.monotonic()
-                full = httpx.post(url, json={**body, "stream": False}, timeout=5)
-                assert time.monotonic() - started < 2
-                assert full.status_code == 429
-                assert full.json()["error"]["type"] == "rate_limit_error"
-                assert full.headers["retry-after"] == "1"
-                assert '"finish_reason":"length"' in "".join(queued.iter_lines())
+        # Takes the only slot for 25 s, unless it is let go.
+        running = http.send(http.build_request("POST", url, json={**body, "max_tokens": 500}),
+                            stream=True)  # fmt: skip
+        lines = running.iter_lines()  # (dropping the iterator would close the stream)
+        next(lines)
+        with http.stream("POST", url, json=body) as queued:  # the one queue place
+            wait_until(lambda: health(slow_server)["waiting"] == 1, 30, "one request queued")
+            full = httpx.post(url, json={**body, "stream": False}, timeout=20)
+            # Not a hang: refused while both places were still held, not once one freed.
+            assert (health(slow_server)["running"], health(slow_server)["waiting"]) == (1, 1)
+            assert full.status_code == 429
+            assert full.json()["error"]["type"] == "rate_limit_error"
+            assert full.headers["retry-after"] == "1"
+            running.close()  # the queued request runs now, not in 25 s
+            assert '"finish_reason":"length"' in "".join(queued.iter_lines())
 
 
 def test_a_client_that_goes_away_frees_its_slot(slow_server: Server) -> None:
-    body = {"model": "fake", "prompt": "a", "max_tokens": 100, "ignore_eos": True, "stream": True}
+    body = {"model": "fake", "prompt": "a", "max_tokens": 500, "ignore_eos": True, "stream": True}
     with httpx.stream("POST", slow_server.url + "/v1/completions", json=body) as stream:
         lines = stream.iter_lines()
         next(lines)
-        assert httpx.get(slow_server.url + "/health").json()["running"] == 1
-    deadline = time.monotonic() + 5  # 100 tokens would take 5 s; the abort takes one step
-    while httpx.get(slow_server.url + "/health").json()["running"] and time.monotonic() < deadline:
-        time.sleep(0.05)
-    assert time.monotonic() < deadline - 3
+        assert health(slow_server)["running"] == 1
+    # 500 tokens would hold the slot for 25 s; the abort takes one step.
+    wait_until(lambda: health(slow_server)["running"] == 0, 12, "the slot freed")
 
 
 def test_sigterm_drains_with_health_503_then_exits_0(tiny_llama: Path) -> None:
@@ -319,10 +327,11 @@ def test_sigterm_drains_with_health_503_then_exits_0(tiny_llama: Path) -> None:
             lines = stream.iter_lines()
             chunks.append(next(lines))
             srv.proc.send_signal(signal.SIGTERM)
-            time.sleep(0.3)  # 60 tokens take 3 s: the stream is still running
-            health = httpx.get(srv.url + "/health", timeout=2)  # still answering: draining
-            assert health.status_code == 503 and health.json()["status"] == "draining"
-            assert health.json()["running"] == 1
+            draining = lambda: httpx.get(srv.url + "/health", timeout=5)  # noqa: E731
+            wait_until(lambda: draining().status_code == 503, 20, "health turning 503")
+            answer = draining()  # still answering while the stream runs (60 tokens: 3 s)
+            assert answer.status_code == 503 and answer.json()["status"] == "draining"
+            assert answer.json()["running"] == 1
             refused = httpx.post(srv.url + "/v1/completions", json=body, timeout=2)
             assert refused.status_code == 503
             chunks += list(lines)
@@ -416,7 +425,7 @@ def guarded_server(tiny_llama: Path) -> Iterator[Server]:
     port = free_port()
     argv = fake_argv(
         tiny_llama, port, "--batch-size", "1", "--max-queue", "4", "--api-key", API_KEY,
-        "--max-prompt-chars", "1000", "--step-delay", "0.05",
+        "--max-prompt-chars", "1000", "--step-delay", "0.05", "--seq-len", "512",
     )  # fmt: skip
     srv = Server(argv, port)
     yield srv
@@ -475,14 +484,12 @@ def test_a_prompt_over_the_character_limit_is_refused(guarded_server: Server) ->
 
 
 def test_a_non_streaming_client_that_goes_away_frees_its_slot(guarded_server: Server) -> None:
-    body = {"model": "fake", "prompt": "a", "max_tokens": 100, "ignore_eos": True}
+    body = {"model": "fake", "prompt": "a", "max_tokens": 500, "ignore_eos": True}
     url = guarded_server.url + "/v1/completions"
-    with pytest.raises(httpx.ReadTimeout):  # 100 tokens take 5 s; the client leaves after 0.5
+    with pytest.raises(httpx.ReadTimeout):  # 500 tokens take 25 s; the client leaves after 0.5
         httpx.post(url, json=body, headers=AUTH, timeout=httpx.Timeout(5, read=0.5))
-    deadline = time.monotonic() + 5
-    while httpx.get(guarded_server.url + "/health").json()["running"]:
-        assert time.monotonic() < deadline - 3, "the abandoned request kept its slot"
-        time.sleep(0.05)
+    running = lambda: health(guarded_server)["running"]  # noqa: E731
+    wait_until(lambda: running() == 0, 12, "the abandoned request's slot freed")
 
 
 def test_binding_off_loopback_without_a_key_warns(tiny_llama: Path) -> None:

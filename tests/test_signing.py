@@ -31,7 +31,7 @@ from neuronctl.store.signing import (
     key_id,
     sign,
 )
-from tests.helpers import cli, fine_tuned_copy
+from tests.helpers import cli, cli_in_process, fine_tuned_copy
 from tests.test_remote import (  # noqa: F401  (fixtures)
     SIGNER,
     TRUST,
@@ -365,10 +365,10 @@ def test_serve_refuses_an_unsigned_directory_outside_the_store(
 
     loose = tmp_path / "shared" / "model"
     shutil.copytree(compiled_artifact, loose)
-    refused = cli("serve", "--artifacts", str(loose), "--dry-run")
+    refused = cli_in_process("serve", "--artifacts", str(loose), "--dry-run")
     assert refused.returncode == 1, refused.stderr
     assert "not in a neuronctl store" in refused.stderr and "Traceback" not in refused.stderr
-    allowed = cli("serve", "--artifacts", str(loose), "--dry-run", "--allow-unsigned")
+    allowed = cli_in_process("serve", "--artifacts", str(loose), "--dry-run", "--allow-unsigned")
     assert allowed.returncode == 0, allowed.stderr
     assert "NOT verified" in allowed.stdout + allowed.stderr
 
@@ -451,14 +451,14 @@ def test_validate_judges_trust_as_generate_does(
 
     trusting = ["--trust-key", str(stranger_pub)]
     for flags, code in (([], 1), (["--allow-unsigned"], 0), (trusting, 0)):
-        checked = cli("validate", key, "--json", *flags)
-        served = cli("serve", "--artifacts", key, "--dry-run", *flags)
+        checked = cli_in_process("validate", key, "--json", *flags)
+        served = cli_in_process("serve", "--artifacts", key, "--dry-run", *flags)
         assert checked.returncode == served.returncode == code, (flags, checked.stdout,
                                                                  served.stderr)  # fmt: skip
         trust = {c["name"]: c for c in json.loads(checked.stdout)["checks"]}["trust"]
         assert trust["ok"] is (code == 0)
         assert code == 0 or "not trusted here" in trust["reason"]
-    assert "--trust-key" in cli("bench", "--help").stdout
+    assert "--trust-key" in cli_in_process("bench", "--help").stdout
 
 
 def test_revoking_a_key_stops_graphs_reused_from_its_artifact(

@@ -21,7 +21,9 @@ from tests.helpers import make_checkpoint, read_config
 
 
 def compile_tiny(ckpt: Path, store: Path, **overrides: Any) -> Any:
-    return compile_model(resolve_build(str(ckpt), {**TINY_SPEC, **overrides}, store_dir=store))
+    # jobs=1: graphs traced in this process; a spawn pool re-imports torch per worker.
+    return compile_model(resolve_build(str(ckpt), {**TINY_SPEC, **overrides}, store_dir=store),
+                         jobs=1)
 
 
 def published(store: Path) -> list[Path]:

@@ -36,6 +36,13 @@ ARCHS = {
 }
 
 
+def one_bucket(context: int, token_gen: int) -> dict[str, Any]:
+    """The smallest spec for a test that is not about buckets: one context bucket (graphs for
+    1 and `batch_size` prompts) and one token-generation bucket, 3 graphs where SPEC has 9."""
+    return {"context_buckets": str(context), "max_context_length": context,
+            "token_gen_buckets": str(token_gen), "seq_len": token_gen}
+
+
 def build(ckpt: Path, store: Path, **overrides: Any) -> Any:
     outcome = compile_model(resolve_build(str(ckpt), {**SPEC, **overrides}, store_dir=store),
                             jobs=1)
@@ -128,8 +135,9 @@ def test_artifact_loads_after_being_moved(artifact: Any, tmp_path: Path) -> None
 
 def test_tp1_and_tp2_artifacts_give_identical_results(tmp_path: Path) -> None:
     ckpt = make_checkpoint(tmp_path / "ckpt", "llama")
-    one = load(build(ckpt, tmp_path / "store", tp_degree=1).path)
-    two_path = build(ckpt, tmp_path / "store", tp_degree=2).path
+    small = one_bucket(32, 64)  # a 30-token prompt, one decode step at 30
+    one = load(build(ckpt, tmp_path / "store", tp_degree=1, **small).path)
+    two_path = build(ckpt, tmp_path / "store", tp_degree=2, **small).path
     assert len(list((two_path / "weights").glob("tp*_sharded_checkpoint.safetensors"))) == 2
     two = load(two_path)
     ids = random_ids(30, seed=4)
@@ -144,7 +152,7 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path: Path) -> None:
         "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
     }
     ckpt = make_checkpoint(tmp_path / "ckpt", "llama", rope_parameters=rope)
-    runner = load(build(ckpt, tmp_path / "store").path)
+    runner = load(build(ckpt, tmp_path / "store", **one_bucket(64, 64)).path)
     ids = random_ids(60, seed=5)
     ref = hf_logits(hf_model(ckpt), ids)
     got = [runner.prefill(0, ids[:50])]
@@ -155,8 +163,8 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path: Path) -> None:
 def test_fine_tune_reuses_graphs_and_runs_its_own_weights(tmp_path: Path) -> None:
     base = make_checkpoint(tmp_path / "base", "llama", seed=0)
     tuned = make_checkpoint(tmp_path / "tuned", "llama", seed=7)
-    first = build(base, tmp_path / "store")
-    second = build(tuned, tmp_path / "store")
+    first = build(base, tmp_path / "store", **one_bucket(16, 32))  # a 10-token prompt
+    second = build(tuned, tmp_path / "store", **one_bucket(16, 32))
     assert second.graphs_reused and not first.graphs_reused
     graphs = sorted(p.name for p in (second.path / "graphs").iterdir())
     for name in graphs:
@@ -192,7 +200,7 @@ def test_prefill_batch_equals_one_prefill_per_prompt(artifact: Any) -> None:
 def test_prefill_batch_splits_more_prompts_than_a_graph_takes(tmp_path: Path) -> None:
     ckpt = make_checkpoint(tmp_path / "ckpt", "llama")
     # batch 3: graphs for 1 and 3 prompts; 5 prompts go as 3 (one graph) + 2 (padded to 3).
-    runner = load(build(ckpt, tmp_path / "store", batch_size=3, context_buckets="16,64").path)
+    runner = load(build(ckpt, tmp_path / "store", batch_size=3, **one_bucket(64, 64)).path)
     assert runner.prompt_counts == [1, 3]
     prompts = [random_ids(n, seed=n) for n in (5, 40, 12, 7, 16)]
     slots = [2, 0, 1, 0, 2]
@@ -224,7 +232,7 @@ def test_bf16_without_bf16_units_computes_in_float32(
 
     monkeypatch.setattr(torch_backend, "half_units", lambda: "none")
     ckpt = make_checkpoint(tmp_path / "ckpt", "qwen2", tie_word_embeddings=True)
-    path = build(ckpt, tmp_path / "store", dtype="bfloat16").path
+    path = build(ckpt, tmp_path / "store", dtype="bfloat16", **one_bucket(32, 64)).path
     config = json.loads((path / "neuron_config.json").read_text())
     assert config["numerics"] == {
         "storage": "bfloat16", "compute": "float32", "quantized": None,
@@ -264,7 +272,8 @@ def test_int8_artifact_matches_its_dequantized_weights(tmp_path: Path, kind: str
     # only other rounding is the bf16 activations int8_linear feeds its kernel; against the
     # original float32 model the greedy tokens of this tiny model still agree.
     ckpt = make_checkpoint(tmp_path / "ckpt", "qwen2", tie_word_embeddings=True)
-    path = build(ckpt, tmp_path / "store", quantized=True, quantization_type=kind).path
+    path = build(ckpt, tmp_path / "store", quantized=True, quantization_type=kind,
+                 **one_bucket(32, 64)).path
     runner = load(path)
     qkv = "model.layers.0.self_attn.qkv_proj.weight"
     assert runner.weights[qkv].dtype == torch.int8

@@ -1,0 +1,78 @@
+"""Which graphs use neuronctl's CPU ops, and what the artifact says about them: decisions
+made in Python from the job and the CPU flags given, so they run on every host (the kernel's
+numerics, in test_kernel.py, need an AVX2+FMA CPU and a C++ compiler)."""
+
+from __future__ import annotations
+
+import re
+from pathlib import Path
+
+import torch
+
+from neuronctl.backends.torch import kernel, modeling
+from neuronctl.backends.torch.graphs import CONTEXT, TOKEN_GEN, GraphJob, module_for
+from tests.helpers import make_checkpoint, read_config
+
+
+def test_by_the_rules_only_float32_compute_on_avx2_inductor_graphs_use_the_kernel(
+    tmp_path: Path,
+) -> None:
+    from neuronctl.backends.torch import opchoice
+    from neuronctl.spec import ModelShape, finalize, resolve_spec
+
+    config = read_config(make_checkpoint(tmp_path / "ckpt", "llama"))
+    flags = "sse4_2 avx avx2 fma"
+
+    def layout(compute: str = "float32", flags: str = flags, **spec: object) -> str:
+        base = {"model": "m", "compiler": "inductor", "dtype": "float32", "seq_len": 64,
+                "batch_size": 1, **spec}
+        finalized = finalize(resolve_spec(base, None, {})[0], ModelShape.from_config(config))
+        numerics = modeling.Numerics(getattr(torch, finalized.dtype), getattr(torch, compute))
+        args = modeling.args_from_config(config)
+        target = opchoice.target_for(finalized, args, numerics, (1, 64), flags)
+        return opchoice.by_rules(target).layout
+
+    # float32 compute: fp32 weights, and bf16 or int8 ones on a CPU without bf16 units
+    assert layout() == "blocked"
+    assert layout("bfloat16", dtype="bfloat16") == "plain"  # bf16 units: bf16 kernels
+    assert layout(compiler="export") == "plain"
+    assert layout(flags="sse4_2 avx") == "plain"
+    config["vocab_size"] = 321
+    assert layout() == "plain"
+
+
+def test_a_blocked_job_multiplies_by_the_kernel_in_both_graphs(tmp_path: Path) -> None:
+    config = read_config(make_checkpoint(tmp_path / "ckpt", "llama"))
+    for kind, batch in ((CONTEXT, 1), (TOKEN_GEN, 2), (TOKEN_GEN, 8), (TOKEN_GEN, 16)):
+        job = GraphJob(kind, 64, config, batch, 128, "bfloat16", "inductor", str(tmp_path),
+                       compute="float32", layout="blocked", carries_kernel=True)
+        assert module_for(job).linear is kernel.linear
+        assert not job.packed
+        if kind == TOKEN_GEN:
+            assert module_for(job).fused_attention
+
+
+def test_the_artifact_names_its_matmul_and_attention_kernels(tmp_path: Path) -> None:
+    from neuronctl.backends.torch import attention_choice, matmul_choice
+    from neuronctl.store.manifest import OpChoice, RowChoice
+
+    config = read_config(make_checkpoint(tmp_path / "ckpt", "llama"))
+    job = GraphJob(TOKEN_GEN, 64, config, 1, 128, "bfloat16", "inductor", str(tmp_path),
+                   compute="float32", quantized=True, layout="blocked", carries_kernel=True)
+    ops = OpChoice(layout="blocked", rows=[RowChoice(rows=1, path="kernel")], chosen_by="rules")
+    assert "int16" in matmul_choice(ops, quantized=True)
+    assert "widened in registers" in matmul_choice(ops, quantized=False)
+    args = modeling.args_from_config(config)
+    assert attention_choice([job], args).startswith("neuronctl::attend")
+
+
+def test_the_kernel_digest_covers_every_file_the_library_is_built_from() -> None:
+    # A header the sources include but the digest leaves out would let a changed kernel keep
+    # its graph key, and old artifacts would call new code.
+    from neuronctl.backends.torch import KERNEL_SOURCES
+
+    names = {source.name for source in KERNEL_SOURCES}
+    for source in KERNEL_SOURCES:
+        included = re.findall(r'^#include "([^"]+)"', source.read_text(), flags=re.M)
+        assert set(included) <= names, source.name
+    assert {"gemv.cpp", "attention.cpp", "simd.h"} <= names
