@@ -7,6 +7,7 @@ import pytest
 
 from neuronctl.engine.engine import Engine
 from neuronctl.engine.errors import EngineStoppedError, QueueFullError, RequestError
+from neuronctl.engine.request import RequestOutput
 from neuronctl.engine.sampling import SamplingParams
 from neuronctl.engine.scheduler import Scheduler, SchedulerOutput
 from tests.fake_runner import EOS_ID, FakeRunner, byte_decoder, byte_detokenize
@@ -109,6 +110,34 @@ def test_too_long_prompt_and_too_many_tokens_are_refused_with_limits() -> None:
     out = engine.generate([[1] * 10], SamplingParams(temperature=0, ignore_eos=True))[0]
     engine.stop()
     assert len(out.token_ids) == 22 and out.finish_reason == "length"
+
+
+def test_result_sleeps_until_the_last_event_and_iteration_still_gets_every_one() -> None:
+    """result() leaves the events queued until the last one has come (the caller is not woken
+    at each token, which took the GIL and a core from the engine's step); its output is the
+    one the events end with, and a handle iterated instead still sees each token."""
+    engine = Engine(FakeRunner(batch_size=2), byte_decoder)  # stepped by hand: no thread
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    waited, iterated = engine.submit([7, 8], params), engine.submit([7, 8], params)
+    got: list[object] = []
+    waiter = threading.Thread(target=lambda: got.append(waited.result()))
+    waiter.start()
+    for _ in range(2):  # the prefill's token, then a decode step's
+        engine.apply(engine.scheduler.schedule())
+    waiter.join(timeout=0.5)
+    assert waiter.is_alive() and waited._events is not None
+    assert waited._events.events.qsize() == 2  # not taken one at a time
+    while engine.scheduler.has_work():
+        engine.apply(engine.scheduler.schedule())
+    waiter.join(timeout=10)
+    events = list(iterated)
+    assert [e.token_id for e in events] == events[-1].output.token_ids  # type: ignore[union-attr]
+    last = events[-1].output
+    assert last is not None and len(got) == 1
+    out = got[0]
+    assert isinstance(out, RequestOutput) and out.request_id == waited.request_id
+    assert (out.token_ids, out.text, out.finish_reason) == (last.token_ids, last.text, "length")
+    assert len(out.token_ids) == 4
 
 
 def test_full_queue_is_refused_immediately() -> None:

@@ -171,20 +171,27 @@ def _generate_builtin(
         raise NeuronctlError(f"generation failed for {len(failed)} prompt(s): {failed[0].error}")
 
 
-def _consume(index: int, prompt: Prompt, handle: Any, stream: bool, json_out: bool) -> Any:
-    """Prompts print in order; later ones keep generating in the batch meanwhile."""
-    if stream and not json_out:
-        console.rule(f"[bold]{_short(prompt.label())}[/bold]", align="left")
+def _stream(index: int, handle: Any, json_out: bool) -> Any:
+    """Print each event's token as it comes; return the output."""
     output = None
     for event in handle:
-        if stream and json_out:
+        if json_out:
             line = {"index": index, "token_id": event.token_id, "text": event.text}
             sys.stdout.write(json.dumps(line) + "\n")
-        elif stream and event.text:
+        elif event.text:
             sys.stdout.write(event.text)
         sys.stdout.flush()
         output = event.output or output
     assert output is not None
+    return output
+
+
+def _consume(index: int, prompt: Prompt, handle: Any, stream: bool, json_out: bool) -> Any:
+    """Prompts print in order; later ones keep generating in the batch meanwhile."""
+    if stream and not json_out:
+        console.rule(f"[bold]{_short(prompt.label())}[/bold]", align="left")
+    # Without --stream only the output is printed: result() is not woken at every token.
+    output = _stream(index, handle, json_out) if stream else handle.result()
     if json_out:
         sys.stdout.write(
             json.dumps({"index": index, "prompt": prompt.label(), **output.as_dict()}) + "\n"
