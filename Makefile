@@ -48,5 +48,5 @@ bench:
 
 # docs/cli.md is generated from the commands' own --help text.
 docs:
-	$(PYTHON) -m typer neuronctl.cli.main utils docs --name neuronctl --title "neuronctl command reference" --output docs/cli.md
+	$(PYTHON) -m typer --app app neuronctl.cli.main utils docs --name neuronctl --title "neuronctl command reference" --output docs/cli.md
 	$(PYTHON) -c "import html, pathlib; p = pathlib.Path('docs/cli.md'); p.write_text(html.unescape(p.read_text()))"

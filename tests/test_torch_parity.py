@@ -236,8 +236,7 @@ def test_bf16_without_bf16_units_computes_in_float32(
     config = json.loads((path / "neuron_config.json").read_text())
     assert config["numerics"] == {
         "storage": "bfloat16", "compute": "float32", "quantized": None,
-        "matmul": "plain weights, chosen by rules; 4 rows: aten; 16 rows: aten; 32 rows: aten;"
-                  " 64 rows: aten; 128 rows: aten; 256 rows: aten",
+        "matmul": "plain weights, chosen by rules; 4 rows: aten; 32 rows: aten; 128 rows: aten",
         "attention": "masked batched matmuls, the cache widened to the compute dtype",
     }
     assert read_manifest(path).backend_versions["cpu_half_units"] == "none"
