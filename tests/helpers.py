@@ -224,3 +224,26 @@ def cli_in_process(
         for console, width in saved_widths:
             console._width = width
     return subprocess.CompletedProcess(["neuronctl", *args], code, out.getvalue(), err.getvalue())
+
+
+def publish_stub_artifact(
+    store: Any, dirname: str, model: str, spec: dict[str, Any], keys: dict[str, str],
+    digest: str = "d",
+) -> Path:
+    """An artifact of `store` that is a manifest and one small weights file, no graphs: for
+    the commands that list, show, resolve or remove artifacts without loading one."""
+    from neuronctl.store.manifest import Manifest, Source
+
+    def build(staging: Path) -> Manifest:
+        (staging / "weights").mkdir()
+        (staging / "weights" / "tp0_sharded_checkpoint.safetensors").write_bytes(b"w" * 100)
+        return Manifest(
+            backend="torch",
+            backend_versions={"torch": "2.13.0"},
+            spec=spec,
+            keys=keys,
+            source=Source(model=model, digest=digest),
+            architecture={},
+        )
+
+    return Path(store.publish(dirname, build).path)

@@ -8,8 +8,7 @@ from pathlib import Path
 import pytest
 
 from neuronctl.store.local import Store
-from neuronctl.store.manifest import Manifest, Source
-from tests.helpers import cli, run_in_process
+from tests.helpers import cli, publish_stub_artifact, run_in_process
 
 
 def test_version_and_help_list_every_command() -> None:
@@ -130,19 +129,9 @@ def test_third_party_warnings_hidden_unless_verbose() -> None:
 
 
 def _publish(store: Store, key: str, model: str) -> Path:
-    def build(staging: Path) -> Manifest:
-        (staging / "weights").mkdir()
-        (staging / "weights" / "tp0_sharded_checkpoint.safetensors").write_bytes(b"w" * 100)
-        return Manifest(
-            backend="torch",
-            backend_versions={"torch": "2.13.0"},
-            spec={"tp_degree": 1, "seq_len": 128, "batch_size": 2, "dtype": "float32"},
-            keys={"graph_key": "g", "weights_key": "w", "artifact_key": key * 4},
-            source=Source(model=model, digest="d"),
-            architecture={},
-        )
-
-    return store.publish(key, build).path
+    spec = {"tp_degree": 1, "seq_len": 128, "batch_size": 2, "dtype": "float32"}
+    keys = {"graph_key": "g", "weights_key": "w", "artifact_key": key * 4}
+    return publish_stub_artifact(store, key, model, spec, keys)
 
 
 def test_artifacts_list_show_rm(tmp_path: Path) -> None:

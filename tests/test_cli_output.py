@@ -11,8 +11,7 @@ from pathlib import Path
 import pytest
 
 from neuronctl.store.local import Store
-from neuronctl.store.manifest import Manifest, Source
-from tests.helpers import run_in_process
+from tests.helpers import publish_stub_artifact, run_in_process
 
 MODELS = ("meta-llama/Llama-3.2-1B-Instruct", "TinyLlama/TinyLlama-1.1B-Chat-v1.0")
 
@@ -25,23 +24,9 @@ def _publish(store: Store, model: str, dirname: str | None = None) -> Path:
     """An artifact with real-length keys (64 hex) and a 20-character directory name."""
     key = _sha(model)
 
-    def build(staging: Path) -> Manifest:
-        (staging / "weights").mkdir()
-        (staging / "weights" / "tp0_sharded_checkpoint.safetensors").write_bytes(b"w" * 100)
-        return Manifest(
-            backend="torch",
-            backend_versions={"torch": "2.13.0"},
-            spec={"tp_degree": 2, "seq_len": 2048, "batch_size": 4, "dtype": "bfloat16"},
-            keys={
-                "graph_key": _sha("g" + key),
-                "weights_key": _sha("w" + key),
-                "artifact_key": key,
-            },
-            source=Source(model=model, digest=_sha("d" + key)),
-            architecture={},
-        )
-
-    return store.publish(dirname or key[:20], build).path
+    spec = {"tp_degree": 2, "seq_len": 2048, "batch_size": 4, "dtype": "bfloat16"}
+    keys = {"graph_key": _sha("g" + key), "weights_key": _sha("w" + key), "artifact_key": key}
+    return publish_stub_artifact(store, dirname or key[:20], model, spec, keys, _sha("d" + key))
 
 
 @pytest.fixture
