@@ -158,6 +158,25 @@ def test_the_manifest_records_the_choice_and_inspect_shows_it(
     assert json.loads(out)["ops"] == manifest.ops.model_dump(mode="json")
     code, out, _ = run_in_process(["inspect", str(compiled_artifact)], capsys, monkeypatch)
     assert code == 0 and "matmul path per row count" in out and "plain" in out
+    assert f"  path              {compiled_artifact}\n" in out
+
+
+def test_inspect_keeps_a_long_path_on_one_line_at_80_columns(
+    compiled_artifact: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before, the header put model, path and backend on one line, and rich broke the path
+    at 80 columns where it could not be copied back into a command."""
+    import io
+
+    from rich.console import Console
+
+    from neuronctl.cli import inspect as inspect_cli
+
+    screen = io.StringIO()
+    monkeypatch.setattr(inspect_cli, "console", Console(file=screen, width=80))
+    assert len(str(compiled_artifact)) > 80 - len("  path              ")
+    inspect_cli.show_artifact(compiled_artifact, read_manifest(compiled_artifact), False)
+    assert f"  path              {compiled_artifact}" in screen.getvalue().splitlines()
 
 
 def test_inspect_finds_an_artifact_by_its_store_key(
