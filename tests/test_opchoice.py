@@ -22,6 +22,7 @@ from neuronctl.backends.torch.config import Numerics, args_from_config
 from neuronctl.backends.torch.host import cpu_flags, kernel_runs_on
 from neuronctl.backends.torch.layout import is_matrix
 from neuronctl.backends.torch.linear import can_pack
+from neuronctl.errors import NotFoundError
 from neuronctl.spec import ModelShape, finalize, resolve_spec
 from neuronctl.store.manifest import MANIFEST, RECORDED, read_manifest
 from tests.helpers import make_checkpoint, run_in_process
@@ -207,6 +208,28 @@ def test_a_manifest_from_before_the_choice_keeps_its_record_and_loads(
     runner = TorchBackend().load(compiled_artifact, old)  # neuron_config names no layout
     assert not runner.packed and not runner.blocked
     assert runner.prefill(0, [1, 2, 3]).shape == (runner.vocab_size,)
+
+
+def test_a_graph_donor_from_before_the_choice_passes_on_its_neuron_configs_layout(
+    compiled_artifact: Path, tmp_path: Path
+) -> None:
+    """A donor's manifest without an op choice: its graphs were compiled for the layout its
+    neuron_config.json names (opchoice.legacy_layout), each row count on the rules' path."""
+    from neuronctl.backends.torch import donor_choice
+    from neuronctl.store.manifest import write_manifest
+
+    manifest = read_manifest(compiled_artifact)
+    donor = tmp_path / "donor"
+    donor.mkdir()
+    write_manifest(donor, manifest.model_copy(update={"ops": None}))
+    native = json.loads((compiled_artifact / "neuron_config.json").read_text())
+    (donor / "neuron_config.json").write_text(json.dumps({**native, "packed_weights": True}))
+    choice = donor_choice(donor, manifest.spec, manifest.architecture)
+    assert choice.layout == "packed" and choice.chosen_by == "rules"
+    assert {row.path for row in choice.rows} == {"onednn"}
+    (donor / "neuron_config.json").unlink()
+    with pytest.raises(NotFoundError, match="no neuron_config.json"):
+        donor_choice(donor, manifest.spec, manifest.architecture)
 
 
 # --- built artifacts -------------------------------------------------------------------------
