@@ -37,9 +37,7 @@ class TorchBackend:
         """What `spec`'s graphs depend on (graph_versions); without a spec, everything a torch
         artifact can depend on."""
         if spec is None:
-            return {"torch": host.torch_version(), "modeling": versions.MODELING_VERSION,
-                    "kernel": versions.kernel_digest(), "cpu_isa": host.cpu_isa(),
-                    "cpu_half_units": host.half_units()}
+            return versions.all_versions()
         return versions.graph_versions(str(spec.compiler), str(spec.dtype), spec.quantized)
 
     def architectures(self) -> Mapping[str, str]:

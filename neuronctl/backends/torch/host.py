@@ -30,21 +30,21 @@ if TYPE_CHECKING:
 X86_ISAS = ("avx512 avx512_vnni amx_tile", "avx512 avx512_vnni", "avx512", "avx2")
 
 
-def x86_capabilities(cpu_flags: str) -> set[str]:
+def x86_capabilities(flags: str) -> set[str]:
     """The capabilities inductor reads on x86 (`x86_isa_checker`), from the CPU flags.
 
     As aten's at::cpu checks them (aten/src/ATen/cpu/Utils.cpp): avx512 needs the F, VL, BW
     and DQ subsets; avx512_vnni needs avx512 too; amx_tile is its own flag.
     """
-    flags = set(cpu_flags.split())
+    have = set(flags.split())
     caps = set()
-    if "avx2" in flags:
+    if "avx2" in have:
         caps.add("avx2")
-    if {"avx512f", "avx512vl", "avx512bw", "avx512dq"} <= flags:
+    if {"avx512f", "avx512vl", "avx512bw", "avx512dq"} <= have:
         caps.add("avx512")
-        if "avx512_vnni" in flags:
+        if "avx512_vnni" in have:
             caps.add("avx512_vnni")
-    if "amx_tile" in flags:
+    if "amx_tile" in have:
         caps.add("amx_tile")
     return caps
 
@@ -148,9 +148,9 @@ def torch_version() -> str:
     return metadata.version("torch")
 
 
-def kernel_runs_on(cpu_flags: str) -> bool:
+def kernel_runs_on(flags: str) -> bool:
     """neuronctl's ops' instructions exist on this CPU (x86-64 with AVX2 and FMA)."""
-    return is_x86() and {"avx2", "fma"} <= set(cpu_flags.split())
+    return is_x86() and {"avx2", "fma"} <= set(flags.split())
 
 
 def cpu_runs(isa: str) -> bool:

@@ -53,6 +53,13 @@ def graph_versions(compiler: str, dtype: str, quantized: bool) -> dict[str, str]
     return versions
 
 
+def all_versions() -> dict[str, str]:
+    """Everything a torch artifact's graphs can depend on, whatever its spec."""
+    return {"torch": host.torch_version(), "modeling": MODELING_VERSION,
+            "kernel": kernel_digest(), "cpu_isa": host.cpu_isa(),
+            "cpu_half_units": host.half_units()}
+
+
 def kernel_may_run(compiler: str) -> bool:
     """Whether graphs compiled here may call neuronctl's ops (opchoice decides, from the
     model's shapes and timings too): AOTInductor on a CPU the kernel runs on, whatever the
