@@ -226,10 +226,10 @@ def test_quick_validate_does_not_import_torch(compiled_artifact: Path) -> None:
     import subprocess
     import sys
 
-    import neuronctl.backends.torch as backend
+    from neuronctl.backends.torch import host
 
-    backend.cpu_isa.cache_clear()
-    backend.cpu_isa()  # the first run on a host probes the ISA (and imports torch) once
+    host.cpu_isa.cache_clear()
+    host.cpu_isa()  # the first run on a host probes the ISA (and imports torch) once
     code = (
         "import sys; from pathlib import Path; from neuronctl.validate import quick_validate; "
         f"r = quick_validate(Path({str(compiled_artifact)!r})); "
