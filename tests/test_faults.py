@@ -30,7 +30,7 @@ from neuronctl.store.lease import unused
 from neuronctl.store.local import Store
 from tests.fake_runner import EOS_ID, FakeRunner, byte_decoder
 from tests.hang_worker import Job, hang
-from tests.helpers import cli
+from tests.helpers import cli_in_process
 from tests.test_store import manifest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -245,7 +245,7 @@ def test_gc_keeps_an_artifact_a_running_process_holds_until_it_dies(tmp_path: Pa
         report = collect(store, keep_last=0)
         assert report.in_use == [old] and old.is_dir()
         assert [p.name for p in report.removed] == ["new"]
-        refused = cli("artifacts", "rm", "old", "--store", str(tmp_path))
+        refused = cli_in_process("artifacts", "rm", "old", "--store", str(tmp_path))
         assert refused.returncode == 1 and "in use by a running process" in refused.stderr
         assert old.is_dir()
     finally:
@@ -514,7 +514,7 @@ def test_nan_and_deep_configs_are_one_line_errors(
     if text == "DEEP":
         text = "[" * 100_000 + "]" * 100_000
     ckpt = with_config(tiny_llama, tmp_path, text)
-    result = cli("inspect", str(ckpt))
+    result = cli_in_process("inspect", str(ckpt))
     assert result.returncode == 1, result.stderr
     assert message in result.stderr and "Traceback" not in result.stderr
     assert "internal error" not in result.stderr
