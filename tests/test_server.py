@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -42,8 +43,11 @@ class Server:
         self.url = f"http://127.0.0.1:{port}"
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env.pop("NEURONCTL_API_KEY", None)
+        # A file, not a pipe: readable while the server runs, and never full (a full pipe
+        # would block a server logging every request).
+        self._output = tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen(
-            argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            argv, cwd=REPO, env=env, stdout=self._output, stderr=subprocess.STDOUT, text=True
         )
         self._wait_healthy()
 
@@ -62,7 +66,9 @@ class Server:
         raise AssertionError(f"server not healthy after {timeout} s:\n{self.log()}")
 
     def log(self) -> str:
-        return self.proc.stdout.read() if self.proc.stdout and self.proc.poll() is not None else ""
+        """What the server has printed so far, stdout and stderr."""
+        self._output.seek(0)
+        return self._output.read()
 
     def stop(self) -> None:
         if self.proc.poll() is None:

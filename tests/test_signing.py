@@ -248,8 +248,7 @@ def test_signed_remote_is_pulled_and_served_unsigned_refused(
         assert done.usage is not None and done.usage.completion_tokens == 4
     finally:
         server.stop()
-    log = server.proc.stdout.read() if server.proc.stdout else ""
-    assert f"signature by trusted key {SIGNER.key_id}" in log
+    assert f"signature by trusted key {SIGNER.key_id}" in server.log()
 
 
 def test_a_relay_never_signs_what_it_pulled_unverified(tmp_path: Path) -> None:
