@@ -24,7 +24,7 @@ import httpx
 import openai
 import pytest
 
-from tests.helpers import wait_until
+from tests.helpers import cli_in_process, wait_until
 
 API_KEY = "test-key"
 MODEL = "tiny"
@@ -432,8 +432,10 @@ def test_an_empty_prompt_is_refused(client: openai.OpenAI) -> None:
 def test_a_busy_port_fails_in_one_line_before_serving_on(
     server: Server, compiled_artifact: Path
 ) -> None:
-    argv = serve_argv(compiled_artifact, server.port)  # the module's server holds the port
-    out = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=120)
+    # The module's server holds the port. In this process: what serve says and its exit code
+    # are tested, and the port is refused before anything is loaded or served.
+    argv = serve_argv(compiled_artifact, server.port)[3:]  # from "serve" on
+    out = cli_in_process(*argv)
     assert out.returncode == 1
     assert "serving on" not in out.stderr + out.stdout
     lines = [line for line in out.stderr.splitlines() if line.strip()]
