@@ -34,7 +34,8 @@ def main() -> None:
                 os.urandom(256 * 1024)
             )
             pause("mid-build")
-        time.sleep(0.5)  # long enough for a concurrent process to queue on the lock
+        if pause_at == "none":  # a run to completion: long enough for a concurrent
+            time.sleep(0.5)  # process to queue on the lock (one waiting to be killed needs none)
         return Manifest(
             backend="torch",
             backend_versions={"torch": "test"},

@@ -38,7 +38,10 @@ class S3Server:
         self._server = make_server(
             "127.0.0.1", 0, self._count, threaded=True, request_handler=_QuietHandler
         )
-        self._thread = threading.Thread(target=self._server.serve_forever, daemon=True)
+        # shutdown() waits up to one poll interval (0.5 s by default) for the loop to notice
+        self._thread = threading.Thread(
+            target=self._server.serve_forever, kwargs={"poll_interval": 0.05}, daemon=True
+        )
 
     @property
     def endpoint(self) -> str:

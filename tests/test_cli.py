@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 from neuronctl.store.local import Store
-from tests.helpers import cli, publish_stub_artifact, run_in_process
+from tests.helpers import cli, cli_in_process, publish_stub_artifact, run_in_process
 
 
 def test_version_and_help_list_every_command() -> None:
@@ -19,7 +19,7 @@ def test_version_and_help_list_every_command() -> None:
 
 
 def test_config_show_json_with_explain() -> None:
-    result = cli(
+    result = cli_in_process(
         "config",
         "show",
         "--tp-degree",
@@ -43,7 +43,7 @@ def test_usage_error_is_one_line_exit_2_no_traceback() -> None:
 
 
 def test_usage_error_with_json_prints_json_error() -> None:
-    result = cli("config", "show", "--dtype", "float8", "--json")
+    result = cli_in_process("config", "show", "--dtype", "float8", "--json")
     assert result.returncode == 2
     assert "dtype" in json.loads(result.stdout)["error"]
 
@@ -138,19 +138,20 @@ def test_artifacts_list_show_rm(tmp_path: Path) -> None:
     store = Store(tmp_path)
     _publish(store, "aaaa", "org/model-a")
     _publish(store, "bbbb", "org/model-b")
-    listing = json.loads(cli("artifacts", "list", "--store", str(tmp_path), "--json").stdout)
+    store_flag = ["--store", str(tmp_path)]
+    listing = json.loads(cli_in_process("artifacts", "list", *store_flag, "--json").stdout)
     assert [a["model"] for a in listing["artifacts"]] == ["org/model-a", "org/model-b"]
     assert listing["artifacts"][0]["size"] == 100
 
-    shown = json.loads(cli("artifacts", "show", "bb", "--store", str(tmp_path), "--json").stdout)
+    shown = json.loads(cli_in_process("artifacts", "show", "bb", *store_flag, "--json").stdout)
     assert shown["source"]["model"] == "org/model-b"
     assert "weights/tp0_sharded_checkpoint.safetensors" in shown["files"]
 
-    table = cli("artifacts", "list", "--store", str(tmp_path)).stdout
+    table = cli_in_process("artifacts", "list", "--store", str(tmp_path)).stdout
     assert "org/model-a" in table and "100 B" in table
 
-    assert cli("artifacts", "rm", "aaaa", "--store", str(tmp_path)).returncode == 0
-    missing = cli("artifacts", "show", "aaaa", "--store", str(tmp_path))
+    assert cli_in_process("artifacts", "rm", "aaaa", "--store", str(tmp_path)).returncode == 0
+    missing = cli_in_process("artifacts", "show", "aaaa", "--store", str(tmp_path))
     assert missing.returncode == 1 and "no artifact" in missing.stderr
 
 
@@ -160,16 +161,16 @@ def test_artifacts_gc_dry_run_then_for_real(tmp_path: Path) -> None:
         _publish(store, key, key)
     (store.artifacts / ".staging" / "k9.123.abcd").mkdir(parents=True)
     dry = json.loads(
-        cli(
+        cli_in_process(
             "artifacts", "gc", "--keep-last", "1", "--dry-run", "--json", "--store", str(tmp_path)
         ).stdout
     )
     assert len(dry["removed"]) == 2 and len(dry["leftovers"]) == 1
     assert len(list(store.iter_artifacts())) == 3
-    real = cli("artifacts", "gc", "--keep-last", "1", "--store", str(tmp_path))
+    real = cli_in_process("artifacts", "gc", "--keep-last", "1", "--store", str(tmp_path))
     assert real.returncode == 0
     assert len(list(store.iter_artifacts())) == 1
-    bad = cli("artifacts", "gc", "--older-than", "soon", "--store", str(tmp_path))
+    bad = cli_in_process("artifacts", "gc", "--older-than", "soon", "--store", str(tmp_path))
     assert bad.returncode == 2
 
 
@@ -177,9 +178,9 @@ def test_artifacts_rm_accepts_a_path_and_refuses_a_non_artifact(tmp_path: Path) 
     store = Store(tmp_path / "store")
     path = _publish(store, "aaaa", "org/model-a")
     (tmp_path / "empty").mkdir()
-    refused = cli("artifacts", "rm", str(tmp_path / "empty"))
+    refused = cli_in_process("artifacts", "rm", str(tmp_path / "empty"))
     assert refused.returncode == 2 and (tmp_path / "empty").is_dir()
-    assert cli("artifacts", "rm", str(path)).returncode == 0
+    assert cli_in_process("artifacts", "rm", str(path)).returncode == 0
     assert not path.exists() and list(store.iter_artifacts()) == []
 
 
@@ -189,7 +190,7 @@ def test_artifacts_gc_negative_keep_last_is_a_usage_error_and_removes_nothing(
     store = Store(tmp_path)
     for key in ("k1", "k2"):
         _publish(store, key, key)
-    result = cli("artifacts", "gc", "--keep-last", "-1", "--store", str(tmp_path))
+    result = cli_in_process("artifacts", "gc", "--keep-last", "-1", "--store", str(tmp_path))
     assert result.returncode == 2 and "--keep-last" in result.stderr
     assert "Traceback" not in result.stderr
     assert len(list(store.iter_artifacts())) == 2
@@ -197,13 +198,13 @@ def test_artifacts_gc_negative_keep_last_is_a_usage_error_and_removes_nothing(
 
 def test_serve_bad_port_or_log_level_is_a_usage_error_before_loading(tmp_path: Path) -> None:
     for flags in (["--port", "99999"], ["--port", "-1"], ["--log-level", "loud"]):
-        result = cli("serve", "--artifacts", str(tmp_path), *flags)
+        result = cli_in_process("serve", "--artifacts", str(tmp_path), *flags)
         assert result.returncode == 2, (flags, result.stderr)
         assert "Traceback" not in result.stderr and "internal error" not in result.stderr
 
 
 def test_help_keeps_square_brackets_that_rich_would_read_as_markup() -> None:
-    assert "[defaults] and [[build]]" in cli("plan", "--help").stdout
+    assert "[defaults] and [[build]]" in cli_in_process("plan", "--help").stdout
 
 
 def test_cli_start_up_does_not_import_torch() -> None:
@@ -216,7 +217,7 @@ def test_cli_start_up_does_not_import_torch() -> None:
 
 
 def test_validate_an_unknown_key_says_it_is_not_in_the_store(tmp_path: Path) -> None:
-    result = cli("validate", "abcd12", "--store", str(tmp_path))
+    result = cli_in_process("validate", "abcd12", "--store", str(tmp_path))
     assert result.returncode == 1
     assert "no artifact 'abcd12'" in result.stderr
 
@@ -243,30 +244,32 @@ def test_readme_tour_compile_then_push_by_key_with_no_environment(
     tiny_llama: Path, tmp_path: Path
 ) -> None:
     """`compile ./model` then `artifacts push KEY`: one default store, found by every command
-    (conftest clears NEURONCTL_STORE; the default is the user cache)."""
-    from tests.conftest import TINY_SPEC
+    (conftest clears NEURONCTL_STORE; the default is the user cache). The smallest spec: what
+    is compiled does not matter here, only where it goes."""
+    from tests.conftest import SMALLEST_SPEC
 
-    flags = [f"--{k.replace('_', '-')}={v}" for k, v in TINY_SPEC.items()]
-    compiled = cli("compile", str(tiny_llama), *flags, "--jobs=1", "--json")  # no worker pool
+    flags = [f"--{k.replace('_', '-')}={v}" for k, v in SMALLEST_SPEC.items()]
+    # --jobs=1: no worker pool, the graphs compile in this process
+    compiled = cli_in_process("compile", str(tiny_llama), *flags, "--jobs=1", "--json")
     assert compiled.returncode == 0, compiled.stderr
     data = json.loads(compiled.stdout)
     key, path = data["artifact_key"][:8], Path(data["path"])
     assert not (tiny_llama / "neuron-compiled-artifacts").exists()  # the model dir is untouched
-    pushed = cli("artifacts", "push", key, f"file://{tmp_path / 'remote'}")
+    pushed = cli_in_process("artifacts", "push", key, f"file://{tmp_path / 'remote'}")
     assert pushed.returncode == 0, pushed.stderr
     remote = tmp_path / "remote" / "neuron-compiled-artifacts" / path.name
     assert (remote / "manifest.json").is_file()
     # --store given the directory compile printed the artifact under finds it too
-    shown = cli("artifacts", "show", key, "--store", str(path.parent), "--json")
+    shown = cli_in_process("artifacts", "show", key, "--store", str(path.parent), "--json")
     assert shown.returncode == 0 and json.loads(shown.stdout)["path"] == str(path)
-    assert cli("validate", key).returncode == 0
+    assert cli_in_process("validate", key).returncode == 0
 
 
 def test_errors_and_hints_keep_their_brackets(tmp_path: Path) -> None:
     """rich markup used to eat `[[build]]` from plan's hint (and any `[...]` in a message)."""
     builds = tmp_path / "builds.toml"
     builds.write_text("[defaults]\n")
-    result = cli("plan", "-c", str(builds))
+    result = cli_in_process("plan", "-c", str(builds))
     assert result.returncode == 2
     assert "no [[build]] entries" in result.stderr
 
@@ -277,7 +280,7 @@ def test_serve_dry_run_never_compiles(tiny_llama: Path, tmp_path: Path) -> None:
     flags = [f"--{k.replace('_', '-')}={v}" for k, v in TINY_SPEC.items()]
     store = tmp_path / "store"
     args = ["serve", "--compile-if-missing", "--model", str(tiny_llama), "--store", str(store)]
-    result = cli(*args, *flags, "--dry-run", "--json")
+    result = cli_in_process(*args, *flags, "--dry-run", "--json")
     assert result.returncode == 0, result.stderr
     plan = json.loads(result.stdout)
     assert plan["action"] == "compile" and plan["artifact"] is None
@@ -288,11 +291,11 @@ def test_serve_dry_run_never_compiles(tiny_llama: Path, tmp_path: Path) -> None:
 
 def test_serve_dry_run_of_a_url_never_pulls(compiled_artifact: Path, tmp_path: Path) -> None:
     remote = tmp_path / "remote"
-    pushed = cli("artifacts", "push", str(compiled_artifact), f"file://{remote}")
+    pushed = cli_in_process("artifacts", "push", str(compiled_artifact), f"file://{remote}")
     assert pushed.returncode == 0, pushed.stderr
     url = f"file://{remote}/{compiled_artifact.name}"
     # unsigned, so the dry run needs the say-so a real run would (test_signing has the refusal)
-    result = cli("serve", "--artifacts", url, "--dry-run", "--json", "--allow-unsigned")
+    result = cli_in_process("serve", "--artifacts", url, "--dry-run", "--json", "--allow-unsigned")
     assert result.returncode == 0, result.stderr
     assert json.loads(result.stdout)["action"] == "pull"
     assert not (tmp_path / "xdg-cache" / "neuronctl" / "neuron-compiled-artifacts").exists()
@@ -300,11 +303,11 @@ def test_serve_dry_run_of_a_url_never_pulls(compiled_artifact: Path, tmp_path: P
 
 def test_pull_takes_a_plain_path_as_push_does(compiled_artifact: Path, tmp_path: Path) -> None:
     mount = tmp_path / "mount"
-    assert cli("artifacts", "push", str(compiled_artifact), str(mount)).returncode == 0
+    assert cli_in_process("artifacts", "push", str(compiled_artifact), str(mount)).returncode == 0
     store = tmp_path / "store"
     # A mounted directory holds another machine's bytes, like any remote: unsigned needs a say-so.
-    pulled = cli("artifacts", "pull", str(mount / compiled_artifact.name), "--store", str(store),
-                 "--allow-unsigned")
+    pulled = cli_in_process("artifacts", "pull", str(mount / compiled_artifact.name),
+                            "--store", str(store), "--allow-unsigned")
     assert pulled.returncode == 0, pulled.stderr
     pulled_dir = store / "neuron-compiled-artifacts" / compiled_artifact.name
     assert (pulled_dir / "manifest.json").is_file()
@@ -314,7 +317,7 @@ def test_serve_dry_run_of_a_url_the_remote_lacks_says_so(tmp_path: Path) -> None
     """A dry run plans a pull only for what the remote holds; otherwise it fails as the
     real run would (exit 1, one line naming the remote)."""
     url = f"file://{tmp_path / 'remote'}/0123456789abcdef0123"
-    result = cli("serve", "--artifacts", url, "--dry-run", "--json", "--allow-unsigned")
+    result = cli_in_process("serve", "--artifacts", url, "--dry-run", "--json", "--allow-unsigned")
     assert result.returncode == 1 and "no artifact 0123456789abcdef0123" in result.stderr
     assert "would be pulled" not in result.stdout and "Traceback" not in result.stderr
 

@@ -13,7 +13,7 @@ import pytest
 from neuronctl.checkpoints import digest as digest_mod
 from neuronctl.checkpoints import hub, open_checkpoint
 from neuronctl.errors import CheckpointError, NotFoundError
-from tests.helpers import cli, make_checkpoint
+from tests.helpers import cli, cli_in_process, make_checkpoint
 from tests.hubserver import HubServer
 
 REPO = "acme/tiny-llama"
@@ -182,10 +182,10 @@ def test_cli_download_json_and_gated_exit_code(server: HubServer, tmp_path: Path
     sha = server.add_commit(REPO, {"config.json": b"{}", "model.safetensors": b"w"})
     server.add_commit("acme/gated", {"config.json": b"{}"}, token="t")
     env = {"HF_ENDPOINT": server.url, "HF_HUB_OFFLINE": "0", "HF_HOME": str(tmp_path / "hf")}
-    ok = cli("download", REPO, "--json", env=env)
+    ok = cli_in_process("download", REPO, "--json", env=env)
     assert ok.returncode == 0, ok.stderr
     assert f'"sha": "{sha}"' in ok.stdout
-    gated = cli("download", "acme/gated", env=env)
+    gated = cli_in_process("download", "acme/gated", env=env)
     assert gated.returncode == 1
     assert GATED in gated.stderr
     assert "Traceback" not in gated.stderr
@@ -197,10 +197,11 @@ def test_cli_download_shows_huggingface_hub_bars_unless_turned_off(
     server.add_commit(REPO, {"config.json": b"{}", "model.safetensors": b"w"})
     env = {"HF_ENDPOINT": server.url, "HF_HUB_OFFLINE": "0", "HF_HOME": str(tmp_path / "hf")}
     bar = "Fetching 2 files"
-    shown = cli("download", REPO, env=env)
+    shown = cli_in_process("download", REPO, env=env)
     assert shown.returncode == 0 and bar in shown.stderr, shown.stderr
-    as_json = cli("download", REPO, "--json", env=env)
+    as_json = cli_in_process("download", REPO, "--json", env=env)
     assert as_json.returncode == 0 and bar not in as_json.stderr
+    # huggingface_hub reads HF_HUB_DISABLE_PROGRESS_BARS once, at import: a real process
     off = cli("download", REPO, env={**env, "HF_HUB_DISABLE_PROGRESS_BARS": "1"})
     assert off.returncode == 0 and bar not in off.stderr
 
@@ -215,7 +216,7 @@ def test_download_logs_each_step(server: HubServer, caplog: pytest.LogCaptureFix
 
 
 def test_cli_download_malformed_hub_id_is_a_usage_error() -> None:
-    result = cli("download", "not a valid id!!", "--json")
+    result = cli_in_process("download", "not a valid id!!", "--json")
     assert result.returncode == 2
     assert "is not a Hub model id" in result.stderr and "Traceback" not in result.stderr
     assert json.loads(result.stdout)["exit_code"] == 2
@@ -266,7 +267,7 @@ def test_a_mistyped_local_path_is_not_reported_as_a_hub_failure(
     monkeypatch.chdir(tmp_path)
     with pytest.raises(NotFoundError, match=r"models/llama-typo does not exist \(models/ is a"):
         open_checkpoint("models/llama-typo")
-    result = cli("inspect", "models/llama-typo", cwd=tmp_path)
+    result = cli_in_process("inspect", "models/llama-typo", cwd=tmp_path)
     assert result.returncode == 1, result.stderr
     assert "does not exist (models/ is a local directory)" in result.stderr
     assert "Hugging Face cache" not in result.stderr and "Traceback" not in result.stderr

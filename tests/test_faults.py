@@ -30,7 +30,7 @@ from neuronctl.store.lease import unused
 from neuronctl.store.local import Store
 from tests.fake_runner import EOS_ID, FakeRunner, byte_decoder
 from tests.hang_worker import Job, hang
-from tests.helpers import cli
+from tests.helpers import cli_in_process
 from tests.test_store import manifest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -245,7 +245,7 @@ def test_gc_keeps_an_artifact_a_running_process_holds_until_it_dies(tmp_path: Pa
         report = collect(store, keep_last=0)
         assert report.in_use == [old] and old.is_dir()
         assert [p.name for p in report.removed] == ["new"]
-        refused = cli("artifacts", "rm", "old", "--store", str(tmp_path))
+        refused = cli_in_process("artifacts", "rm", "old", "--store", str(tmp_path))
         assert refused.returncode == 1 and "in use by a running process" in refused.stderr
         assert old.is_dir()
     finally:
@@ -278,14 +278,16 @@ def test_loading_an_artifact_takes_its_lease(tmp_path: Path, monkeypatch: Any) -
 
 # -- the kernel build ----------------------------------------------------------------------------
 
-LOCK_HOLDER = """
-import sys, time
-from pathlib import Path
-from neuronctl.backends.torch.kernel import build_lock
-with build_lock(Path(sys.argv[1]), 60):
-    print("locked", flush=True)
-    time.sleep(600)
-"""
+def hold_build_lock(folder: Path, locked: Any) -> None:
+    """A forked holder of the build lock: the lock module imports torch, which a fresh
+    interpreter would take seconds to import again."""
+    import time
+
+    from neuronctl.backends.torch.kernel import build_lock
+
+    with build_lock(folder, 60):
+        locked.set()
+        time.sleep(600)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
@@ -294,21 +296,23 @@ def test_a_build_lock_whose_holder_was_killed_is_taken_over(tmp_path: Path) -> N
     while it exists (pytorch/pytorch, torch/utils/file_baton.py, FileBaton.wait), so a build
     killed with SIGKILL made every later kernel build hang forever. neuronctl's build lock is
     a flock, which dies with its holder, and under it the stale torch file is removed."""
+    import multiprocessing
+
     from neuronctl.backends.torch.kernel import TORCH_BATON, build_lock
 
-    holder = subprocess.Popen(
-        [sys.executable, "-c", LOCK_HOLDER, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE,
-        text=True,
-    )  # fmt: skip
-    assert holder.stdout is not None and holder.stdout.readline().strip() == "locked"
+    fork = multiprocessing.get_context("fork")
+    locked = fork.Event()
+    holder = fork.Process(target=hold_build_lock, args=(tmp_path, locked), daemon=True)
+    holder.start()
+    assert locked.wait(DEADLINE), "the holder never took the lock"
     (tmp_path / TORCH_BATON).write_text("")  # what a killed cpp_extension build leaves
     from neuronctl.errors import BuildError
 
     with pytest.raises(BuildError, match="another process"):  # alive: waited for, bounded
         with build_lock(tmp_path, 0.3):
             pass
-    holder.send_signal(signal.SIGKILL)
-    holder.wait(DEADLINE)
+    holder.kill()  # SIGKILL
+    holder.join(DEADLINE)
     with build_lock(tmp_path, DEADLINE):  # dead: taken over at once
         pass
 
@@ -514,7 +518,7 @@ def test_nan_and_deep_configs_are_one_line_errors(
     if text == "DEEP":
         text = "[" * 100_000 + "]" * 100_000
     ckpt = with_config(tiny_llama, tmp_path, text)
-    result = cli("inspect", str(ckpt))
+    result = cli_in_process("inspect", str(ckpt))
     assert result.returncode == 1, result.stderr
     assert message in result.stderr and "Traceback" not in result.stderr
     assert "internal error" not in result.stderr

@@ -24,9 +24,13 @@ import pytest
 import torch
 
 from tests.fake_runner import FakeRunner
+from tests.helpers import wait_until
 from tests.test_server import Server, fake_argv, free_port
 
 FAKE = FakeRunner()  # its logits are a pure function of the history: the reference
+
+
+PROMPT_CHARS = 64  # the module server's prompt limit: above every prompt its tests send
 
 
 @pytest.fixture(scope="module")
@@ -43,6 +47,8 @@ def fake_server(tiny_llama: Path) -> Iterator[Server]:
         "0",
         "--log-level",
         "info",
+        "--max-prompt-chars",
+        str(PROMPT_CHARS),
     )
     srv = Server(argv, port)
     yield srv
@@ -476,12 +482,11 @@ def test_metrics_carry_vllm_names_and_labels(client: openai.OpenAI, fake_server:
     )
 
 
-def test_every_request_gets_an_access_log_line(tiny_llama: Path) -> None:
-    port = free_port()
-    srv = Server(fake_argv(tiny_llama, port, "--log-level", "info", "--step-delay", "0"), port)
-    post(srv, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1})
-    srv.stop()
-    assert '"POST /v1/completions HTTP/1.1" 200' in srv.log()
+def test_every_request_gets_an_access_log_line(fake_server: Server) -> None:
+    line = '"POST /v1/completions HTTP/1.1" 200'
+    before = fake_server.log().count(line)  # the module's other tests post too
+    post(fake_server, "/v1/completions", {"prompt": PROMPT, "max_tokens": 1})
+    wait_until(lambda: fake_server.log().count(line) > before, 10, "the request's log line")
 
 
 @pytest.mark.parametrize("max_tokens", [0, 3])
@@ -526,15 +531,11 @@ def test_logprob_counts_over_20_are_refused_by_name(fake_server: Server) -> None
     assert r.status_code == 400 and r.json()["error"]["param"] == "logprobs"
 
 
-def test_tokenize_keeps_the_prompt_character_limit(tiny_llama: Path) -> None:
-    port = free_port()
-    srv = Server(fake_argv(tiny_llama, port, "--max-prompt-chars", "10"), port)
-    try:
-        r = post(srv, "/tokenize", {"prompt": "y" * 11})
-        assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
-        assert post(srv, "/tokenize", {"prompt": "y" * 10}).json()["count"] >= 10
-    finally:
-        srv.stop()
+def test_tokenize_keeps_the_prompt_character_limit(fake_server: Server) -> None:
+    r = post(fake_server, "/tokenize", {"prompt": "y" * (PROMPT_CHARS + 1)})
+    assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
+    at_limit = post(fake_server, "/tokenize", {"prompt": "y" * PROMPT_CHARS}).json()
+    assert at_limit["count"] >= PROMPT_CHARS
 
 
 def test_the_openai_client_sending_nulls_gets_the_defaults(client: openai.OpenAI) -> None:

@@ -3,10 +3,8 @@
 from __future__ import annotations
 
 import json
-import os
 import shutil
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -16,7 +14,7 @@ from neuronctl.build import resolve_build
 from neuronctl.errors import SpecError, UsageError
 from neuronctl.plan import load_plan
 from neuronctl.store.remote.client import open_remote
-from tests.helpers import make_checkpoint
+from tests.helpers import cli_in_process, make_checkpoint
 from tests.test_remote import bucket, make_artifact, s3server  # noqa: F401  (fixtures)
 
 BUILDS = """
@@ -56,15 +54,8 @@ def builds(tmp_path: Path, models: Path) -> Path:
 
 
 def neuronctl(*args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "neuronctl.cli.main", *args],
-        capture_output=True,
-        text=True,
-        cwd=cwd,
-        # cwd is a scratch dir, so put this checkout first rather than whatever is installed
-        env={**os.environ, "PYTHONPATH": str(Path(__file__).resolve().parents[1])},
-        timeout=120,
-    )
+    """The CLI in this process: plan's output and exit codes, not a process, are tested."""
+    return cli_in_process(*args, cwd=cwd)  # type: ignore[no-any-return]
 
 
 def test_load_plan_expands_matrices_and_merges_defaults(builds: Path) -> None:

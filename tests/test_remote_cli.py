@@ -1,16 +1,20 @@
-"""`neuronctl artifacts push | pull` as users run them: real processes, real S3 server."""
+"""`neuronctl artifacts push | pull` as users run them, against a real S3 server.
+
+One push runs in a real process (the entry point as installed); the rest run the same entry
+point in this process (`cli_in_process`), as what they test is what a command prints and
+decides, not the process."""
 
 from __future__ import annotations
 
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from neuronctl.store.manifest import read_manifest
+from tests.helpers import cli, cli_in_process
 from tests.test_remote import (  # noqa: F401  (fixtures)
     _client,
     bucket,
@@ -23,20 +27,14 @@ from tests.test_remote import (  # noqa: F401  (fixtures)
 
 
 def neuronctl(*args: str) -> subprocess.CompletedProcess[str]:
-    return subprocess.run(
-        [sys.executable, "-m", "neuronctl.cli.main", *args],
-        capture_output=True,
-        text=True,
-        env=os.environ.copy(),
-        timeout=120,
-    )
+    return cli_in_process(*args)  # type: ignore[no-any-return]
 
 
 def test_push_then_pull_by_key_prefix(tmp_path: Path, bucket: str) -> None:  # noqa: F811
     artifact = make_artifact(tmp_path / "a", sample_files(big=50_000))
     url = f"s3://{bucket}/fleet"
 
-    pushed = neuronctl(
+    pushed = cli(  # the real process
         "artifacts", "push", artifact.name[:8], url, "--store", str(tmp_path / "a"), "--json"
     )
     repushed = neuronctl("artifacts", "push", str(artifact), url, "--json")

@@ -6,12 +6,12 @@ import json
 from pathlib import Path
 
 from neuronctl.store.remote.client import open_remote
-from tests.helpers import cli
+from tests.helpers import cli_in_process
 from tests.test_remote import SIGNER, trusted_env  # noqa: F401  (fixture)
 
 
 def generate(artifacts: str, store: Path) -> list[int]:
-    result = cli(
+    result = cli_in_process(  # what generate prints is tested, not a process
         "generate", "--artifacts", artifacts, "-p", "hello", "--max-tokens", "4", "--json",
         env={"NEURONCTL_STORE": str(store)},
     )  # fmt: skip

@@ -1,8 +1,8 @@
 """`neuronctl serve` as a real process on 127.0.0.1, driven with the official openai client.
 
 Two servers per module: the real tiny compiled artifact (API behaviour, results), and the
-server over tests/fake_runner.py's slow FakeRunner (queue limits and SIGTERM need steps slow
-enough to act while a request is in flight).
+server over tests/fake_runner.py's slow FakeRunner (queue limits, guards and SIGTERM need
+steps slow enough to act while a request is in flight).
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,7 +24,7 @@ import httpx
 import openai
 import pytest
 
-from tests.helpers import wait_until
+from tests.helpers import cli_in_process, wait_until
 
 API_KEY = "test-key"
 MODEL = "tiny"
@@ -42,8 +43,11 @@ class Server:
         self.url = f"http://127.0.0.1:{port}"
         env = {**os.environ, "PYTHONUNBUFFERED": "1"}
         env.pop("NEURONCTL_API_KEY", None)
+        # A file, not a pipe: readable while the server runs, and never full (a full pipe
+        # would block a server logging every request).
+        self._output = tempfile.TemporaryFile("w+")
         self.proc = subprocess.Popen(
-            argv, cwd=REPO, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True
+            argv, cwd=REPO, env=env, stdout=self._output, stderr=subprocess.STDOUT, text=True
         )
         self._wait_healthy()
 
@@ -62,7 +66,9 @@ class Server:
         raise AssertionError(f"server not healthy after {timeout} s:\n{self.log()}")
 
     def log(self) -> str:
-        return self.proc.stdout.read() if self.proc.stdout and self.proc.poll() is not None else ""
+        """What the server has printed so far, stdout and stderr."""
+        self._output.seek(0)
+        return self._output.read()
 
     def stop(self) -> None:
         if self.proc.poll() is None:
@@ -274,12 +280,20 @@ def test_32_concurrent_streams_match_each_prompt_run_alone(server: Server) -> No
 
 @pytest.fixture(scope="module")
 def slow_server(tiny_llama: Path) -> Iterator[Server]:
-    # 0.05 s a step and room for 500 tokens: a request left to run holds its slot for 25 s.
+    """One slot, one queue place, a key and a prompt limit: the queue tests and the guard
+    tests share it (one server start fewer). 0.05 s a step and room for 500 tokens: a request
+    left to run holds its slot for 25 s."""
     port = free_port()
-    argv = fake_argv(tiny_llama, port, "--batch-size", "1", "--max-queue", "1", "--seq-len", "512")
+    argv = fake_argv(
+        tiny_llama, port, "--batch-size", "1", "--max-queue", "1", "--api-key", API_KEY,
+        "--max-prompt-chars", "1000", "--step-delay", "0.05", "--seq-len", "512",
+    )  # fmt: skip
     srv = Server(argv, port)
     yield srv
     srv.stop()
+
+
+AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 def health(server: Server) -> dict[str, Any]:
@@ -289,7 +303,7 @@ def health(server: Server) -> dict[str, Any]:
 def test_full_queue_gets_429_not_a_hang(slow_server: Server) -> None:
     body = {"model": "fake", "prompt": "a", "max_tokens": 30, "ignore_eos": True, "stream": True}
     url = slow_server.url + "/v1/completions"
-    with httpx.Client(timeout=30) as http:
+    with httpx.Client(timeout=30, headers=AUTH) as http:
         # Takes the only slot for 25 s, unless it is let go.
         running = http.send(http.build_request("POST", url, json={**body, "max_tokens": 500}),
                             stream=True)  # fmt: skip
@@ -297,7 +311,7 @@ def test_full_queue_gets_429_not_a_hang(slow_server: Server) -> None:
         next(lines)
         with http.stream("POST", url, json=body) as queued:  # the one queue place
             wait_until(lambda: health(slow_server)["waiting"] == 1, 30, "one request queued")
-            full = httpx.post(url, json={**body, "stream": False}, timeout=20)
+            full = httpx.post(url, json={**body, "stream": False}, headers=AUTH, timeout=20)
             # Not a hang: refused while both places were still held, not once one freed.
             assert (health(slow_server)["running"], health(slow_server)["waiting"]) == (1, 1)
             assert full.status_code == 429
@@ -309,7 +323,8 @@ def test_full_queue_gets_429_not_a_hang(slow_server: Server) -> None:
 
 def test_a_client_that_goes_away_frees_its_slot(slow_server: Server) -> None:
     body = {"model": "fake", "prompt": "a", "max_tokens": 500, "ignore_eos": True, "stream": True}
-    with httpx.stream("POST", slow_server.url + "/v1/completions", json=body) as stream:
+    url = slow_server.url + "/v1/completions"
+    with httpx.stream("POST", url, json=body, headers=AUTH) as stream:
         lines = stream.iter_lines()
         next(lines)
         assert health(slow_server)["running"] == 1
@@ -317,9 +332,14 @@ def test_a_client_that_goes_away_frees_its_slot(slow_server: Server) -> None:
     wait_until(lambda: health(slow_server)["running"] == 0, 12, "the slot freed")
 
 
-def test_sigterm_drains_with_health_503_then_exits_0(tiny_llama: Path) -> None:
+def test_sigterm_drains_with_health_503_then_exits_0_and_off_loopback_warns(
+    tiny_llama: Path,
+) -> None:
+    """A server of its own, since it ends it. Bound off loopback without a key, so the same
+    start also shows the warning that binding earns (one server start fewer)."""
     port = free_port()
-    srv = Server(fake_argv(tiny_llama, port, "--batch-size", "2", "--max-queue", "4"), port)
+    argv = fake_argv(tiny_llama, port, "--batch-size", "2", "--max-queue", "4", "--host", "0.0.0.0")
+    srv = Server(argv, port)
     body = {"model": "fake", "prompt": "a", "max_tokens": 60, "ignore_eos": True, "stream": True}
     chunks = []
     with httpx.Client(timeout=30) as http:
@@ -342,6 +362,7 @@ def test_sigterm_drains_with_health_503_then_exits_0(tiny_llama: Path) -> None:
     assert [c for c in chunks if c][-1] == "data: [DONE]"
     with pytest.raises(httpx.TransportError):  # gone once nothing was left in flight
         httpx.get(srv.url + "/health", timeout=2)
+    assert "without an API key" in srv.log()
 
 
 # -- hardening: isolation, limits, refusals ----------------------------------------------------
@@ -411,8 +432,10 @@ def test_an_empty_prompt_is_refused(client: openai.OpenAI) -> None:
 def test_a_busy_port_fails_in_one_line_before_serving_on(
     server: Server, compiled_artifact: Path
 ) -> None:
-    argv = serve_argv(compiled_artifact, server.port)  # the module's server holds the port
-    out = subprocess.run(argv, cwd=REPO, capture_output=True, text=True, timeout=120)
+    # The module's server holds the port. In this process: what serve says and its exit code
+    # are tested, and the port is refused before anything is loaded or served.
+    argv = serve_argv(compiled_artifact, server.port)[3:]  # from "serve" on
+    out = cli_in_process(*argv)
     assert out.returncode == 1
     assert "serving on" not in out.stderr + out.stdout
     lines = [line for line in out.stderr.splitlines() if line.strip()]
@@ -420,19 +443,6 @@ def test_a_busy_port_fails_in_one_line_before_serving_on(
     assert "cannot listen on 127.0.0.1:" in lines[1] and "Traceback" not in out.stderr
 
 
-@pytest.fixture(scope="module")
-def guarded_server(tiny_llama: Path) -> Iterator[Server]:
-    port = free_port()
-    argv = fake_argv(
-        tiny_llama, port, "--batch-size", "1", "--max-queue", "4", "--api-key", API_KEY,
-        "--max-prompt-chars", "1000", "--step-delay", "0.05", "--seq-len", "512",
-    )  # fmt: skip
-    srv = Server(argv, port)
-    yield srv
-    srv.stop()
-
-
-AUTH = {"Authorization": f"Bearer {API_KEY}"}
 
 
 UPLOADS = """
@@ -454,16 +464,16 @@ print(json.dumps(answers))
 """
 
 
-def test_a_50_mb_body_is_refused_while_health_keeps_answering(guarded_server: Server) -> None:
+def test_a_50_mb_body_is_refused_while_health_keeps_answering(slow_server: Server) -> None:
     # The uploads come from another process, so /health timings measure the server alone.
     uploads = subprocess.Popen(
-        [sys.executable, "-c", UPLOADS, guarded_server.url + "/v1/completions", API_KEY],
+        [sys.executable, "-c", UPLOADS, slow_server.url + "/v1/completions", API_KEY],
         stdout=subprocess.PIPE, text=True,
     )  # fmt: skip
     health = []
     while uploads.poll() is None:
         started = time.monotonic()
-        status = httpx.get(guarded_server.url + "/health", timeout=5).status_code
+        status = httpx.get(slow_server.url + "/health", timeout=5).status_code
         health.append((status, time.monotonic() - started))
         time.sleep(0.05)
     out, _ = uploads.communicate()
@@ -473,30 +483,23 @@ def test_a_50_mb_body_is_refused_while_health_keeps_answering(guarded_server: Se
     assert health and all(code == 200 and took < 5 for code, took in health), health
 
 
-def test_a_prompt_over_the_character_limit_is_refused(guarded_server: Server) -> None:
+def test_a_prompt_over_the_character_limit_is_refused(slow_server: Server) -> None:
     body = {"model": "fake", "prompt": "y" * 1001, "max_tokens": 2}
-    r = httpx.post(guarded_server.url + "/v1/completions", json=body, headers=AUTH)
+    r = httpx.post(slow_server.url + "/v1/completions", json=body, headers=AUTH)
     assert r.status_code == 400 and r.json()["error"]["param"] == "prompt"
     assert "at most 1000" in r.json()["error"]["message"]
     chat = {"model": "fake", "messages": [{"role": "user", "content": "z" * 1001}]}
-    r = httpx.post(guarded_server.url + "/v1/chat/completions", json=chat, headers=AUTH)
+    r = httpx.post(slow_server.url + "/v1/chat/completions", json=chat, headers=AUTH)
     assert r.status_code == 400 and r.json()["error"]["param"] == "messages"
 
 
-def test_a_non_streaming_client_that_goes_away_frees_its_slot(guarded_server: Server) -> None:
+def test_a_non_streaming_client_that_goes_away_frees_its_slot(slow_server: Server) -> None:
     body = {"model": "fake", "prompt": "a", "max_tokens": 500, "ignore_eos": True}
-    url = guarded_server.url + "/v1/completions"
+    url = slow_server.url + "/v1/completions"
     with pytest.raises(httpx.ReadTimeout):  # 500 tokens take 25 s; the client leaves after 0.5
         httpx.post(url, json=body, headers=AUTH, timeout=httpx.Timeout(5, read=0.5))
-    running = lambda: health(guarded_server)["running"]  # noqa: E731
+    running = lambda: health(slow_server)["running"]  # noqa: E731
     wait_until(lambda: running() == 0, 12, "the abandoned request's slot freed")
-
-
-def test_binding_off_loopback_without_a_key_warns(tiny_llama: Path) -> None:
-    port = free_port()
-    srv = Server(fake_argv(tiny_llama, port, "--host", "0.0.0.0"), port)
-    srv.stop()
-    assert "without an API key" in srv.log()
 
 
 def test_logprobs_of_a_compiled_artifact_match_log_softmax_of_transformers_logits(

@@ -31,7 +31,7 @@ from neuronctl.store.signing import (
     key_id,
     sign,
 )
-from tests.helpers import cli, cli_in_process, fine_tuned_copy
+from tests.helpers import cli_in_process, fine_tuned_copy
 from tests.test_remote import (  # noqa: F401  (fixtures)
     SIGNER,
     TRUST,
@@ -192,29 +192,29 @@ def test_keygen_push_pull_from_the_command_line(
 ) -> None:
     for name in ("NEURONCTL_SIGNING_KEY", TRUSTED_KEYS_ENV):
         monkeypatch.delenv(name)
-    made = cli("artifacts", "keygen", str(tmp_path / "keys" / "ci"), "--json")
+    made = cli_in_process("artifacts", "keygen", str(tmp_path / "keys" / "ci"), "--json")
     assert made.returncode == 0, made.stderr
     keys = json.loads(made.stdout)
     assert stat.S_IMODE(os.stat(keys["private_key"]).st_mode) == 0o600
-    assert cli("artifacts", "keygen", str(tmp_path / "keys" / "ci")).returncode == 2
+    assert cli_in_process("artifacts", "keygen", str(tmp_path / "keys" / "ci")).returncode == 2
     artifact = make_artifact(tmp_path / "a", sample_files(big=20_000))
     url = f"s3://{bucket}/fleet"
 
-    pushed = cli("artifacts", "push", str(artifact), url, "--sign-key", keys["private_key"],
-                 "--json")  # fmt: skip
+    pushed = cli_in_process("artifacts", "push", str(artifact), url,
+                            "--sign-key", keys["private_key"], "--json")  # fmt: skip
     assert pushed.returncode == 0, pushed.stderr
     assert json.loads(pushed.stdout)["signed_by"] == keys["key_id"]
 
     _, stranger_pub = write_keypair(STRANGER_KEY, tmp_path / "stranger")
     store = str(tmp_path / "host")
-    untrusted = cli("artifacts", "pull", f"{url}/{artifact.name}", "--store", store,
-                    "--trust-key", str(stranger_pub))  # fmt: skip
+    untrusted = cli_in_process("artifacts", "pull", f"{url}/{artifact.name}", "--store", store,
+                               "--trust-key", str(stranger_pub))  # fmt: skip
     assert untrusted.returncode == 1
     assert f"signed by key {keys['key_id']}" in untrusted.stderr
     assert "Traceback" not in untrusted.stderr and "hint:" in untrusted.stderr
 
-    pulled = cli("artifacts", "pull", f"{url}/{artifact.name}", "--store", store, "--json",
-                 env={TRUSTED_KEYS_ENV: keys["public_key"]})  # fmt: skip
+    pulled = cli_in_process("artifacts", "pull", f"{url}/{artifact.name}", "--store", store,
+                            "--json", env={TRUSTED_KEYS_ENV: keys["public_key"]})  # fmt: skip
     assert pulled.returncode == 0, pulled.stderr
     data = json.loads(pulled.stdout)
     assert (data["trusted"], data["key_id"]) == (SIGNED, keys["key_id"])
@@ -232,7 +232,7 @@ def test_signed_remote_is_pulled_and_served_unsigned_refused(
     remote.push(compiled_artifact)  # unsigned first
     monkeypatch.setenv("NEURONCTL_STORE", str(tmp_path / "host"))
 
-    refused = cli("serve", "--artifacts", f"{url}/{compiled_artifact.name}", "--dry-run")
+    refused = cli_in_process("serve", "--artifacts", f"{url}/{compiled_artifact.name}", "--dry-run")
     assert refused.returncode == 1 and "is not signed" in refused.stderr
     assert "Traceback" not in refused.stderr
     assert visible(Store(tmp_path / "host")) == []
@@ -248,8 +248,7 @@ def test_signed_remote_is_pulled_and_served_unsigned_refused(
         assert done.usage is not None and done.usage.completion_tokens == 4
     finally:
         server.stop()
-    log = server.proc.stdout.read() if server.proc.stdout else ""
-    assert f"signature by trusted key {SIGNER.key_id}" in log
+    assert f"signature by trusted key {SIGNER.key_id}" in server.log()
 
 
 def test_a_relay_never_signs_what_it_pulled_unverified(tmp_path: Path) -> None:
@@ -301,11 +300,11 @@ def test_compile_remote_refuses_an_unsigned_hit_instead_of_using_it(
     args = ["compile", str(tiny_llama), *_spec_flags(TINY_SPEC), "--remote", url,
             "--store", str(tmp_path / "host")]  # fmt: skip
 
-    refused = cli(*args)
+    refused = cli_in_process(*args)
     assert refused.returncode == 1 and "is not signed" in refused.stderr, refused.stderr
     assert visible(Store(tmp_path / "host")) == []
 
-    allowed = cli(*args, "--allow-unsigned", "--json")
+    allowed = cli_in_process(*args, "--allow-unsigned", "--json")
     assert allowed.returncode == 0, allowed.stderr
     assert json.loads(allowed.stdout)["pulled"] is True
 
@@ -482,7 +481,7 @@ def test_revoking_a_key_stops_graphs_reused_from_its_artifact(
     assert vouch.kind == "local-build" and vouch.key_id == SIGNER.key_id
     with pytest.raises(SignatureError, match="reuses graphs from .* no trusted key vouches"):
         check_origin(out.path, read_manifest(out.path), TrustPolicy())  # the key revoked
-    checked = cli("validate", str(out.path), "--json", env={TRUSTED_KEYS_ENV: ""})
+    checked = cli_in_process("validate", str(out.path), "--json", env={TRUSTED_KEYS_ENV: ""})
     assert checked.returncode == 1, checked.stdout
     monkeypatch.setenv(TRUSTED_KEYS_ENV, "")  # nor does another key launder them by signing
     with pytest.raises(SignatureError, match="refusing to sign"):
