@@ -148,10 +148,10 @@ def prepare_before_torch(ref: str | None, store: Path | None) -> None:
         return
     try:
         path = open_store(store).resolve(ref)
-    except NeuronctlError:
-        return
-    if path.is_dir():
-        prepare_load(path)
+        if path.is_dir():
+            prepare_load(path)
+    except (NeuronctlError, OSError):
+        return  # the load finds it again and says what is wrong
 
 
 def _generate_builtin(

@@ -80,8 +80,11 @@ def reserve_for(artifact: Path) -> None:
     # "blocked" is opchoice.BLOCKED, which imports torch
     if manifest.backend != "torch" or manifest.ops is None or manifest.ops.layout != "blocked":
         return
-    files = [f for f in (artifact / "weights").glob("*.safetensors") if f.is_file()]
-    nbytes = sum(f.stat().st_size for f in files)
+    try:
+        nbytes = sum(f.stat().st_size for f in (artifact / "weights").glob("*.safetensors")
+                     if f.is_file())
+    except OSError:
+        return
     if nbytes and nbytes <= available_memory() // 2:
         reserve(nbytes)
 
