@@ -86,6 +86,48 @@ def test_inductor_generate_skips_torchs_compiler_stack(
     assert present(modules, NOT_FOR_GENERATE + COMPILER_STACK) == []
 
 
+# Run the CLI's main() and write to argv[1], at exit, whether torch was imported at each call
+# of backends.prepare_load.
+PREPARE_AUDIT = """
+import atexit, json, sys
+import neuronctl.backends as backends
+out, seen, real = sys.argv[1], [], backends.prepare_load
+def prepare_load(path):
+    seen.append("torch" in sys.modules)
+    real(path)
+backends.prepare_load = prepare_load
+atexit.register(lambda: json.dump(seen, open(out, "w")))
+sys.argv = ["neuronctl", *sys.argv[2:]]
+from neuronctl.cli.main import main
+main()
+"""
+
+
+def test_generate_prepares_the_load_before_it_imports_torch(
+    compiled_artifact: Path, tmp_path: Path
+) -> None:
+    """The weights' memory faults in on another core while `import torch` runs (arena.py):
+    only if generate asks for it first."""
+    out = tmp_path / "seen.json"
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
+        filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
+    args = ["generate", str(compiled_artifact), "--prompt", "Hello", "--max-tokens", "1"]
+    done = subprocess.run([sys.executable, "-c", PREPARE_AUDIT, str(out), *args], env=env,
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    assert json.loads(out.read_text()) == [False]
+
+
+def test_the_arena_module_imports_no_torch() -> None:
+    """backends.prepare_load runs before torch is imported: what it imports must not import
+    torch itself, or the reservation would wait for the import it is meant to overlap."""
+    code = ("import sys, neuronctl.backends, neuronctl.backends.torch.arena; "
+            "print('torch' in sys.modules)")
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True,
+                          cwd=ROOT, timeout=120)
+    assert done.stdout.strip() == "False", done.stderr
+
+
 def test_root_value_options_are_the_ones_app_for_skips() -> None:
     """app_for finds the command by skipping root options; one that takes a value and is not
     in ROOT_VALUE_OPTIONS would make its value look like the command's name."""

@@ -36,6 +36,17 @@ def get_backend(name: str) -> Backend:
     return backend
 
 
+def prepare_load(artifact: Path) -> None:
+    """Start what loading `artifact` can do before torch is imported, on another thread:
+    the torch backend faults in the memory its blocked weights will take (torch/arena.py)
+    while the caller's `import torch` keeps one core busy for seconds. Reads nothing but
+    the manifest and file sizes, runs no code of the artifact: the load rule still applies
+    to the load itself."""
+    from neuronctl.backends.torch.arena import reserve_for
+
+    reserve_for(artifact)
+
+
 def check_accuracy(
     artifact: Path, checkpoint: Path, mode: str, backend: str = "torch"
 ) -> dict[str, Any]:

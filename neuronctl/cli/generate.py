@@ -103,7 +103,10 @@ def generate_command(
     if engine not in ENGINES:
         raise UsageError(f"--engine: unknown engine {engine!r}", "use builtin or vllm")
     prompts = collect_prompts(prompt or [], file, jsonl, chat)
-    from neuronctl.engine.sampling import SamplingParams
+    ref = one_artifact(ctx, artifact, artifacts)
+    if engine == "builtin" and not (dry_run or vllm_target):
+        prepare_before_torch(ref, store)
+    from neuronctl.engine.sampling import SamplingParams  # imports torch
 
     params = SamplingParams(
         temperature=temperature,
@@ -117,7 +120,7 @@ def generate_command(
     from neuronctl.store.signing import TrustPolicy
 
     policy = TrustPolicy.load(trust_key, allow_unsigned)
-    named = Named(one_artifact(ctx, artifact, artifacts), store, policy)
+    named = Named(ref, store, policy)
     if engine == "vllm":
         _generate_vllm(named, prompts, params, vllm_target, dry_run, json_out)
         return
@@ -133,6 +136,24 @@ class Named:
     ref: str | None
     store: Path | None
     policy: TrustPolicy
+
+
+def prepare_before_torch(ref: str | None, store: Path | None) -> None:
+    """Start what loading a local artifact can do without torch (backends.prepare_load), on
+    another core, while this one imports torch. A URL or a bad name: nothing here; loading
+    pulls it or says what is wrong."""
+    from neuronctl.backends import prepare_load
+    from neuronctl.errors import NeuronctlError
+    from neuronctl.store.resolve import is_url, open_store
+
+    if not ref or is_url(ref):
+        return
+    try:
+        path = open_store(store).resolve(ref)
+        if path.is_dir():
+            prepare_load(path)
+    except (NeuronctlError, OSError):
+        return  # the load finds it again and says what is wrong
 
 
 def _generate_builtin(

@@ -42,6 +42,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
+from neuronctl.backends.torch import arena
 from neuronctl.backends.torch.versions import KERNEL_SOURCES
 from neuronctl.backends.torch.versions import kernel_digest as digest  # part of the graph key
 from neuronctl.doctor import installed_ninja
@@ -85,9 +86,10 @@ def huge_page_tensors(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) ->
         return {name: torch.empty(shape, dtype=dtype) for name, (shape, dtype) in shapes.items()}
     sizes = {name: -(-math.prod(shape) * dtype.itemsize // 64) * 64
              for name, (shape, dtype) in shapes.items()}
-    arena = mmap.mmap(-1, sum(sizes.values()), flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    arena.madvise(advice)
-    space = torch.frombuffer(arena, dtype=torch.uint8)  # holds the mapping while views live
+    total = sum(sizes.values())
+    # Faulted in already where a command reserved it before importing torch (arena.py).
+    mapping = arena.take(total) or arena.new_mapping(total)
+    space = torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping while views live
     out, offset = {}, 0
     for name, (shape, dtype) in shapes.items():
         nbytes = math.prod(shape) * dtype.itemsize
