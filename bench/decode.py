@@ -53,13 +53,14 @@ def make_checkpoint(out: Path) -> Path:
         return out
     from safetensors.torch import save_file
 
-    from neuronctl.backends.torch import modeling
+    from neuronctl.backends.torch.config import args_from_config
+    from neuronctl.backends.torch.layout import expected_shapes
 
     out.mkdir(parents=True, exist_ok=True)
-    args = modeling.args_from_config(SHAPE)
+    args = args_from_config(SHAPE)
     gen = torch.Generator().manual_seed(0)
     tensors = {}
-    for name, shape in modeling.expected_shapes(args).items():
+    for name, shape in expected_shapes(args).items():
         if len(shape) == 1:
             tensors[name] = torch.ones(shape, dtype=torch.bfloat16)
         else:

@@ -12,10 +12,10 @@ context bucket's worth. Each round runs, back to back:
 - the kernel on the plain [N, K] weights (linear_rows), also in 2 MiB pages: the one copy a
   per-row-count choice of path keeps, which the torch systems below read too;
 - aten's F.linear with the weight widened to the float32 of the activations per call
-  (modeling.linear: what a float32 graph without the kernel runs);
+  (linear.linear: what a float32 graph without the kernel runs);
 - for int8 up to 8 rows, aten._weight_int8pack_mm (aten's weight-only int8 kernel);
-- where oneDNN runs the dtype natively (modeling.can_pack: float32, and bf16 on a CPU with
-  bf16 units), oneDNN's linear on weights packed for the row count (modeling.packed_linear);
+- where oneDNN runs the dtype natively (linear.can_pack: float32, and bf16 on a CPU with
+  bf16 units), oneDNN's linear on weights packed for the row count (linear.packed_linear);
 - a float32 sum over as many bytes: the read bandwidth this minute.
 Every figure is the median over the rounds (JSON lines give the best too). GB/s counts each
 weight byte once per step, so above a few rows (compute-bound) it is a speed, not traffic.
@@ -38,7 +38,8 @@ sys.path[:0] = [str(HERE.parent), str(HERE)]
 from decode import SHAPE  # noqa: E402
 from peers import host_facts  # noqa: E402
 
-from neuronctl.backends.torch import kernel, modeling  # noqa: E402
+from neuronctl.backends.torch import kernel  # noqa: E402
+from neuronctl.backends.torch.linear import can_pack, linear, pack_weight, packed_linear  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "int8": torch.int8}
 
@@ -65,7 +66,7 @@ def plain_weights(dtype: torch.dtype) -> list[tuple[torch.Tensor, torch.Tensor |
     return out
 
 
-# aten's weight-only int8 kernel serves token generation (modeling.int8_linear); at a context
+# aten's weight-only int8 kernel serves token generation (linear.int8_linear); at a context
 # bucket (64 rows) it takes ~30 s a step on an AVX2 host, so it is left out above this.
 WEIGHT_ONLY_ROWS = 8
 
@@ -96,16 +97,16 @@ def systems(dtype: torch.dtype, rows: int) -> dict[str, Callable[[], object]]:
         "kernel blocked, 4 KiB pages": run(torch.ops.neuronctl.linear_blocked,
                                            blocked_list(blocked)),
         "kernel plain": run(torch.ops.neuronctl.linear_rows, [w for w, _ in steps]),
-        "aten F.linear, widened": run(lambda xi, w, s: modeling.linear(xi, w, None, s),
+        "aten F.linear, widened": run(lambda xi, w, s: linear(xi, w, None, s),
                                       [w for w, _ in steps]),
     }
     if dtype == torch.int8 and rows <= WEIGHT_ONLY_ROWS:
         out["aten int8 weight-only"] = run(
             lambda xi, w, s: torch.ops.aten._weight_int8pack_mm(xi, w, s.float()),
             [w for w, _ in steps])
-    if modeling.can_pack(dtype):
-        packed = [modeling.pack_weight(w, rows) for w, _ in steps]
-        out["oneDNN packed"] = run(lambda xi, w, s: modeling.packed_linear(xi, w), packed, dtype)
+    if can_pack(dtype):
+        packed = [pack_weight(w, rows) for w, _ in steps]
+        out["oneDNN packed"] = run(lambda xi, w, s: packed_linear(xi, w), packed, dtype)
     ones = torch.ones(sum(w.nbytes for w, _ in plain) // 4)
     out["read (float32 sum)"] = lambda: ones.sum()
     return out

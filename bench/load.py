@@ -43,12 +43,13 @@ def measure(artifact: Path, layout: str) -> dict[str, Any]:
     """In this process: load the weights in `layout`; the peak RSS it added."""
     import torch
 
-    from neuronctl.backends.torch import kernel, modeling
+    from neuronctl.backends.torch import kernel
+    from neuronctl.backends.torch.config import args_from_config
     from neuronctl.backends.torch.runner import _load_weights
     from neuronctl.store.manifest import read_manifest
 
     manifest = read_manifest(artifact)
-    args = modeling.args_from_config(manifest.architecture)
+    args = args_from_config(manifest.architecture)
     dtype = getattr(torch, str(manifest.spec.dtype))
     quantized = bool(manifest.spec.quantized)
     if layout == "blocked":
@@ -109,7 +110,7 @@ def main() -> None:
     opts = parser.parse_args()
     from decode import make_checkpoint
 
-    from neuronctl.backends.torch import _cpu_flags, kernel_runs_on
+    from neuronctl.backends.torch.host import cpu_flags, kernel_runs_on
 
     ckpt = make_checkpoint(opts.work / "smollm2-135m-shape")
     # tp 3 (the bench model's 9 heads split unevenly, pieces crossing band edges) needs 3 CPUs:
@@ -122,12 +123,12 @@ def main() -> None:
         print(json.dumps({"skipped": "tp 3: this host has fewer than 3 CPUs"}), flush=True)
     import torch
 
-    from neuronctl.backends.torch import modeling
+    from neuronctl.backends.torch.linear import can_pack
 
     # The layouts this host's graphs can take: blocked where the kernel runs, packed where
     # oneDNN packs bf16 (a CPU with bf16 units).
-    layouts = [lay for lay in LAYOUTS if (lay != "blocked" or kernel_runs_on(_cpu_flags()))
-               and (lay != "packed" or modeling.can_pack(torch.bfloat16))]
+    layouts = [lay for lay in LAYOUTS if (lay != "blocked" or kernel_runs_on(cpu_flags()))
+               and (lay != "packed" or can_pack(torch.bfloat16))]
     print(json.dumps({"layouts": layouts}), flush=True)
     worst = 0.0
     for tp, quantized in cases:

@@ -510,9 +510,9 @@ def cpu_model() -> str:
 
 
 def host_facts() -> dict[str, Any]:
-    from neuronctl.backends.torch import _cpu_flags, cpu_isa, half_units
+    from neuronctl.backends.torch.host import cpu_flags, cpu_isa, half_units
 
-    flags = set(_cpu_flags().split())
+    flags = set(cpu_flags().split())
     facts = {"cpu": cpu_model(), "class": host_class(flags),
              "flags": " ".join(f for f in CLASS_FLAGS if f in flags) or "none",
              "isa": cpu_isa(), "half_units": half_units(),

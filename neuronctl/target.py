@@ -1,6 +1,7 @@
-"""Which artifact `serve` / `generate` run: resolve the reference, check it is reusable, and
-(only with --compile-if-missing) compile it when it is not. A dry run never compiles and
-never pulls: it says what it would do."""
+"""Which artifact `serve`, `generate` and `bench` run, whatever the engine: resolve the
+reference, check it is reusable, and (only with --compile-if-missing) compile it when it is
+not. A dry run never compiles and never pulls: it says what it would do. Every command that
+runs an artifact decides here, so a reference resolves, and is refused, the same way in each."""
 
 from __future__ import annotations
 
@@ -10,12 +11,13 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from neuronctl.errors import NeuronctlError, UsageError
+from neuronctl.errors import NeuronctlError, NotFoundError, UsageError
 from neuronctl.store.manifest import is_intact
 from neuronctl.store.resolve import NotPulledError, open_store, resolve_artifact
 from neuronctl.validate import check_reusable, requested_spec
 
 if TYPE_CHECKING:
+    from neuronctl.engine.loader import LoadedArtifact
     from neuronctl.store.signing import TrustPolicy
 
 logger = logging.getLogger(__name__)
@@ -53,7 +55,7 @@ def artifact_to_run(
         raise UsageError("--compile-if-missing needs --model MODEL to compile")
     spec, sources = requested_spec(dict(spec_flags or {}), config)
     try:
-        path = resolve_artifact(artifacts, store, fetch=not dry_run, policy=policy)
+        path = _existing(resolve_artifact(artifacts, store, fetch=not dry_run, policy=policy))
         check_reusable(path, spec, sources, serving_host)
         return Target(path, "use")
     except NotPulledError as exc:  # only a dry run leaves a remote artifact unpulled
@@ -66,6 +68,27 @@ def artifact_to_run(
     if not compile_if_missing:
         raise missing
     return _compile(model or "", spec_flags or {}, config, store, dry_run, missing.message)
+
+
+def open_artifact_to_run(
+    artifacts: str | None, *, store: Path | None, policy: TrustPolicy
+) -> LoadedArtifact:
+    """The artifact `generate` and `bench` run (no spec flags, never compiled), checked and
+    loaded for the built-in engine as `serve` loads its own."""
+    from neuronctl.engine.loader import open_artifact
+
+    path = artifact_to_run(artifacts, store=store, policy=policy).path
+    assert path is not None  # only a dry run leaves it unknown
+    return open_artifact(path, validate=False, policy=policy)  # checked just now
+
+
+def _existing(path: Path) -> Path:
+    if not path.exists():
+        raise NotFoundError(
+            f"artifact directory {path} does not exist",
+            "compile one with `neuronctl compile MODEL` and pass the path it prints",
+        )
+    return path
 
 
 def _compile(

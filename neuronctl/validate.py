@@ -156,7 +156,7 @@ def check_reusable(
         reasons = "; ".join(f"{c.name}: {c.reason}" for c in report.failed)
         raise NotReusableError(
             f"{path} cannot be used as-is: {reasons}",
-            f"run `neuronctl validate {path}` for details; serve and generate never compile",
+            f"run `neuronctl validate {path}` for details; serve, generate and bench never compile",
         )
 
 

@@ -226,10 +226,10 @@ def test_quick_validate_does_not_import_torch(compiled_artifact: Path) -> None:
     import subprocess
     import sys
 
-    import neuronctl.backends.torch as backend
+    from neuronctl.backends.torch import host
 
-    backend.cpu_isa.cache_clear()
-    backend.cpu_isa()  # the first run on a host probes the ISA (and imports torch) once
+    host.cpu_isa.cache_clear()
+    host.cpu_isa()  # the first run on a host probes the ISA (and imports torch) once
     code = (
         "import sys; from pathlib import Path; from neuronctl.validate import quick_validate; "
         f"r = quick_validate(Path({str(compiled_artifact)!r})); "
@@ -375,3 +375,34 @@ def test_two_different_artifacts_named_is_a_usage_error(
 ) -> None:
     code, _, err = run_in_process(["bench", "abc", "--artifacts", "def"], capsys, monkeypatch)
     assert code == 2 and "two artifacts given" in err
+
+
+@pytest.mark.parametrize("ref", ["missing", "file", "empty", "unknown-key", None])
+def test_generate_bench_and_serve_refuse_a_reference_alike(
+    ref: str | None,
+    tmp_path: Path,
+    capsys: pytest.CaptureFixture[str],
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """All three decide their artifact in target.artifact_to_run. generate and bench used to
+    resolve it on their own: a missing path was "artifact directory ... does not exist" there
+    and "cannot be used as-is" in serve, a file "does not exist" in them only, and no
+    artifact at all had another hint."""
+    (tmp_path / "file").write_text("not an artifact")
+    (tmp_path / "empty").mkdir()
+    named = [] if ref is None else [ref if ref == "unknown-key" else str(tmp_path / ref)]
+    refusals = set()
+    for command in (["generate", "-p", "Hello"], ["bench"], ["serve", "--dry-run"]):
+        code, out, err = run_in_process([*command, *named], capsys, monkeypatch)
+        assert out == "" and "Traceback" not in err
+        refusals.add((code, err))
+    assert len(refusals) == 1, refusals
+    code, err = refusals.pop()
+    expected = {
+        "missing": (1, "does not exist\nhint: compile one with `neuronctl compile MODEL`"),
+        "file": (1, "is a file, not an artifact directory"),
+        "empty": (1, "not an artifact: an empty directory"),
+        "unknown-key": (1, "no artifact 'unknown-key' in "),
+        None: (2, "no artifact given\nhint: pass an artifact KEY, PATH or URL (--artifacts, or"),
+    }[ref]
+    assert code == expected[0] and expected[1] in err

@@ -46,7 +46,7 @@ def test_cli_reference_has_no_html_entities() -> None:
 def test_docs_list_what_each_backend_builds() -> None:
     """docs/checkpoints.md's table names exactly the registry's architectures per backend, and
     the registry's torch entry is what the torch modeling implements."""
-    from neuronctl.backends.torch import modeling
+    from neuronctl.backends.torch.config import ARCHITECTURES as MODELED
     from neuronctl.checkpoints.registry import ARCHITECTURES
 
     text = (ROOT / "docs" / "checkpoints.md").read_text()
@@ -55,7 +55,7 @@ def test_docs_list_what_each_backend_builds() -> None:
         row = re.search(rf"^\| {backend} \|(.*)\|$", text, re.M)
         assert row, f"docs/checkpoints.md has no row for {backend}"
         assert set(arch.findall(row.group(1))) == set(archs), backend
-    assert set(ARCHITECTURES["torch"]) == set(modeling.ARCHITECTURES)
+    assert set(ARCHITECTURES["torch"]) == set(MODELED)
 
 
 # What only someone who was there can follow: a tracker's issue number, the project's local

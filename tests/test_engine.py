@@ -355,6 +355,51 @@ def test_artifacts_load_without_an_openmp_team_on_the_loading_thread(
     assert seen == [1] and torch.get_num_threads() == before
 
 
+def test_generate_hands_each_request_to_consume_in_prompt_order(prompts) -> None:
+    """`neuronctl generate` prints through this hook: each prompt in order, while the later
+    ones keep generating; `follow` shows every event and ends with the same output."""
+    engine = make_engine(FakeRunner(batch_size=2))
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    seen: list[tuple[int, str]] = []
+
+    def consume(index: int, handle) -> RequestOutput:  # type: ignore[no-untyped-def]
+        texts: list[str] = []
+        output = handle.follow(lambda event: texts.append(event.text))
+        seen.append((index, "".join(texts)))
+        return output
+
+    try:
+        followed = engine.generate(prompts[:5], params, consume)
+        plain = engine.generate(prompts[:5], params)
+    finally:
+        engine.stop()
+    assert [o.token_ids for o in followed] == [o.token_ids for o in plain]
+    assert seen == [(i, o.text) for i, o in enumerate(plain)]
+
+
+def test_running_stops_the_engine_however_the_block_ends() -> None:
+    """generate and bench run their engine in `running`: an error or Ctrl-C in the block stops
+    it at once, abandoning what is still generating, instead of leaving its thread busy."""
+    from types import SimpleNamespace
+
+    from neuronctl.engine.loader import running
+
+    loaded = SimpleNamespace(
+        runner=FakeRunner(batch_size=1, seq_len=4096, step_delay=0.01),
+        tokenizer=SimpleNamespace(new_decoder=byte_decoder),
+        eos_ids=[EOS_ID],
+        global_topk=256,
+    )
+    long = SamplingParams(temperature=0, max_tokens=4000, ignore_eos=True)  # 40 s unstopped
+    with pytest.raises(KeyboardInterrupt):
+        with running(loaded) as engine:  # type: ignore[arg-type]
+            handles = [engine.submit([1, 2, 3], long), engine.submit([4, 5], long)]
+            raise KeyboardInterrupt
+    assert [h.result().finish_reason for h in handles] == ["abort", "abort"]
+    with pytest.raises(EngineStoppedError):
+        engine.submit([1], GREEDY)
+
+
 def _openmp() -> Any:
     """torch's own OpenMP runtime (the one its kernels and the backend's use), or skip."""
     import ctypes

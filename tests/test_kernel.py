@@ -16,7 +16,9 @@ from pathlib import Path
 import pytest
 import torch
 
-from neuronctl.backends.torch import _cpu_flags, kernel, kernel_runs_on, modeling
+from neuronctl.backends.torch import kernel
+from neuronctl.backends.torch.attention import attention, inv_freq
+from neuronctl.backends.torch.config import ModelArgs, args_from_config
 from neuronctl.backends.torch.graphs import (
     CONTEXT,
     TOKEN_GEN,
@@ -24,6 +26,18 @@ from neuronctl.backends.torch.graphs import (
     example_inputs,
     module_for,
 )
+from neuronctl.backends.torch.host import cpu_flags, kernel_runs_on
+from neuronctl.backends.torch.layout import (
+    blockable,
+    expected_shapes,
+    graph_weights,
+    is_matrix,
+    new_kv_cache,
+    quantized_names,
+    scale_name,
+)
+from neuronctl.backends.torch.model import context_encode, token_generate
+from neuronctl.backends.torch.quantize import quantize
 from neuronctl.backends.torch.runner import _load_kernel, _load_weights
 from neuronctl.errors import CheckpointError, NotFoundError
 from tests.helpers import make_checkpoint, read_config
@@ -31,7 +45,7 @@ from tests.helpers import make_checkpoint, read_config
 Scale = torch.Tensor | None  # int8 weights' one scale per output row
 
 pytestmark = [
-    pytest.mark.skipif(not kernel_runs_on(_cpu_flags()),
+    pytest.mark.skipif(not kernel_runs_on(cpu_flags()),
                        reason="the kernel needs an x86-64 CPU with AVX2 and FMA"),
     pytest.mark.skipif(not any(shutil.which(c) for c in ("c++", "g++", "clang++")),
                        reason="building the kernel needs a C++ compiler"),
@@ -194,8 +208,8 @@ def test_linear_rows_refuses_what_it_cannot_multiply(
     assert "linear_rows" in str(raised.value)
 
 
-def _attention_args(heads: int, kv_heads: int, head_dim: int) -> modeling.ModelArgs:
-    return modeling.ModelArgs("LlamaForCausalLM", 64, heads * head_dim, 64, 1, heads, kv_heads,
+def _attention_args(heads: int, kv_heads: int, head_dim: int) -> ModelArgs:
+    return ModelArgs("LlamaForCausalLM", 64, heads * head_dim, 64, 1, heads, kv_heads,
                               head_dim, 1e-5, {}, False, False, False, None, None)
 
 
@@ -220,7 +234,7 @@ def test_attend_is_masked_attention_over_the_cache(
     k, v = k_cache[:, :, :bucket], v_cache[:, :, :bucket]
     live = torch.tensor([0, bucket - 1, 17][:batch])  # 1, the whole bucket, some
     mask = (torch.arange(bucket)[None, :] <= live[:, None])[:, None]
-    want = modeling.attention(q, k, v, mask, _attention_args(heads, kv_heads, head_dim))
+    want = attention(q, k, v, mask, _attention_args(heads, kv_heads, head_dim))
     got = kernel.attention(q, k, v, live + 1)
     assert got.shape == want.shape == (batch, 1, heads * head_dim)
     assert (got - want).abs().max() <= 1e-5 * want.abs().max()
@@ -235,7 +249,7 @@ def test_attend_splits_long_rows_across_threads_without_changing_the_result(thre
     k = torch.randn(1, 1, 128, 32, generator=gen).bfloat16()
     v = torch.randn(1, 1, 128, 32, generator=gen).bfloat16()
     mask = (torch.arange(128) < 100)[None, None, None]
-    want = modeling.attention(q, k, v, mask, _attention_args(4, 1, 32))
+    want = attention(q, k, v, mask, _attention_args(4, 1, 32))
     before = torch.get_num_threads()
     torch.set_num_threads(threads)
     try:
@@ -283,32 +297,32 @@ def test_blocked_graphs_compute_what_plain_ones_do(
     tmp_path: Path, quantized: bool, tied: bool, cache: torch.dtype
 ) -> None:
     # The modeling code run eagerly with kernel.linear on blocked weights and token
-    # generation attending by kernel.attention, against the plain weights' modeling.linear
+    # generation attending by kernel.attention, against the plain weights' linear.linear
     # and masked attention: context encoding, then decode steps (one slot idle). A tied table
     # is held only as the blocked head; the embedding reads its rows out of it.
     config = read_config(make_checkpoint(tmp_path / "ckpt", "llama", tie_word_embeddings=tied))
-    args = modeling.args_from_config(config)
-    assert modeling.blockable(args)
+    args = args_from_config(config)
+    assert blockable(args)
     gen = torch.Generator().manual_seed(3)
-    shapes = modeling.expected_shapes(args)
+    shapes = expected_shapes(args)
     full = {n: torch.randn(s, generator=gen) * 0.1 for n, s in shapes.items()}
     if quantized:
-        for name in modeling.quantized_names(args):
-            full[name], full[modeling.scale_name(name)] = modeling.quantize(full[name], True)
-    plain = modeling.graph_weights(full, args, quantized=quantized)
-    blocked = modeling.graph_weights(full, args, quantized=quantized, blocked=True)
+        for name in quantized_names(args):
+            full[name], full[scale_name(name)] = quantize(full[name], True)
+    plain = graph_weights(full, args, quantized=quantized)
+    blocked = graph_weights(full, args, quantized=quantized, blocked=True)
     assert ("model.embed_tokens.weight" in blocked) != tied
     assert blocked["lm_head.weight"].dim() == 4
     ids = torch.randint(0, args.vocab_size, (1, 12), generator=gen)
     outs = []
     for weights, linear, fused in ((plain, _dequantizing_linear, False),
                                    (blocked, kernel.linear, True)):
-        k, v = modeling.new_kv_cache(args, 2, 32, cache)
-        freq = modeling.inv_freq(args)
-        logits = [modeling.context_encode(args, weights, freq, k, v, ids, torch.tensor([12]),
+        k, v = new_kv_cache(args, 2, 32, cache)
+        freq = inv_freq(args)
+        logits = [context_encode(args, weights, freq, k, v, ids, torch.tensor([12]),
                                           torch.tensor([1]), linear, torch.float32)]
         for pos in range(12, 16):
-            step = modeling.token_generate(args, weights, freq, k, v, torch.tensor([0, pos % 7]),
+            step = token_generate(args, weights, freq, k, v, torch.tensor([0, pos % 7]),
                                            torch.tensor([-1, pos]), 32, linear, torch.float32,
                                            fused_attention=fused)
             logits.append(step[1:])
@@ -326,10 +340,10 @@ def _dequantizing_linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tens
 
 def test_blocked_token_generation_graphs_call_attend_once_a_layer(tmp_path: Path) -> None:
     config = read_config(make_checkpoint(tmp_path / "ckpt", "llama"))
-    layers = modeling.args_from_config(config).num_layers
+    layers = args_from_config(config).num_layers
     for kind, calls in ((TOKEN_GEN, layers), (CONTEXT, 0)):
         job = GraphJob(kind, 16, config, 2, 32, "bfloat16", "inductor", str(tmp_path),
-                       compute="float32", layout="blocked", carries_kernel=True)
+                       compute="float32", layout="blocked", carries_kernel=True, path="kernel")
         with torch.no_grad():
             program = torch.export.export(module_for(job), example_inputs(job), strict=False)
         targets = [node.target for node in program.graph.nodes]
@@ -450,10 +464,10 @@ def test_a_blocked_runner_reads_its_matrices_from_the_huge_page_mapping(tmp_path
 
     ckpt = open_checkpoint(str(make_checkpoint(tmp_path / "ckpt", "llama")))
     shard_checkpoint(ckpt, 1, torch.float32, tmp_path / "weights")
-    args = modeling.args_from_config(ckpt.config)
+    args = args_from_config(ckpt.config)
     plain = _load_weights(tmp_path / "weights", args, torch.float32)
     blocked = _load_weights(tmp_path / "weights", args, torch.float32, blocked=True)
-    matrices = [n for n in blocked if modeling.is_matrix(n)]
+    matrices = [n for n in blocked if is_matrix(n)]
     assert matrices and all(blocked[n].dim() == 4 for n in matrices)
     mappings = {_mapping_of(blocked[n].data_ptr()) for n in matrices}
     assert len({m.split()[0] for m in mappings}) == 1

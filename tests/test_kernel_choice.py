@@ -9,7 +9,8 @@ from pathlib import Path
 
 import torch
 
-from neuronctl.backends.torch import kernel, modeling
+from neuronctl.backends.torch import kernel
+from neuronctl.backends.torch.config import Numerics, args_from_config
 from neuronctl.backends.torch.graphs import CONTEXT, TOKEN_GEN, GraphJob, module_for
 from tests.helpers import make_checkpoint, read_config
 
@@ -27,8 +28,8 @@ def test_by_the_rules_only_float32_compute_on_avx2_inductor_graphs_use_the_kerne
         base = {"model": "m", "compiler": "inductor", "dtype": "float32", "seq_len": 64,
                 "batch_size": 1, **spec}
         finalized = finalize(resolve_spec(base, None, {})[0], ModelShape.from_config(config))
-        numerics = modeling.Numerics(getattr(torch, finalized.dtype), getattr(torch, compute))
-        args = modeling.args_from_config(config)
+        numerics = Numerics(getattr(torch, finalized.dtype), getattr(torch, compute))
+        args = args_from_config(config)
         target = opchoice.target_for(finalized, args, numerics, (1, 64), flags)
         return opchoice.by_rules(target).layout
 
@@ -45,7 +46,7 @@ def test_a_blocked_job_multiplies_by_the_kernel_in_both_graphs(tmp_path: Path) -
     config = read_config(make_checkpoint(tmp_path / "ckpt", "llama"))
     for kind, batch in ((CONTEXT, 1), (TOKEN_GEN, 2), (TOKEN_GEN, 8), (TOKEN_GEN, 16)):
         job = GraphJob(kind, 64, config, batch, 128, "bfloat16", "inductor", str(tmp_path),
-                       compute="float32", layout="blocked", carries_kernel=True)
+                       compute="float32", layout="blocked", carries_kernel=True, path="kernel")
         assert module_for(job).linear is kernel.linear
         assert not job.packed
         if kind == TOKEN_GEN:
@@ -53,23 +54,24 @@ def test_a_blocked_job_multiplies_by_the_kernel_in_both_graphs(tmp_path: Path) -
 
 
 def test_the_artifact_names_its_matmul_and_attention_kernels(tmp_path: Path) -> None:
-    from neuronctl.backends.torch import attention_choice, matmul_choice
+    from neuronctl.backends.torch.neuron_config import attention_choice, matmul_choice
     from neuronctl.store.manifest import OpChoice, RowChoice
 
     config = read_config(make_checkpoint(tmp_path / "ckpt", "llama"))
     job = GraphJob(TOKEN_GEN, 64, config, 1, 128, "bfloat16", "inductor", str(tmp_path),
-                   compute="float32", quantized=True, layout="blocked", carries_kernel=True)
+                   compute="float32", quantized=True, layout="blocked", carries_kernel=True,
+                   path="kernel")
     ops = OpChoice(layout="blocked", rows=[RowChoice(rows=1, path="kernel")], chosen_by="rules")
     assert "int16" in matmul_choice(ops, quantized=True)
     assert "widened in registers" in matmul_choice(ops, quantized=False)
-    args = modeling.args_from_config(config)
+    args = args_from_config(config)
     assert attention_choice([job], args).startswith("neuronctl::attend")
 
 
 def test_the_kernel_digest_covers_every_file_the_library_is_built_from() -> None:
     # A header the sources include but the digest leaves out would let a changed kernel keep
     # its graph key, and old artifacts would call new code.
-    from neuronctl.backends.torch import KERNEL_SOURCES
+    from neuronctl.backends.torch.versions import KERNEL_SOURCES
 
     names = {source.name for source in KERNEL_SOURCES}
     for source in KERNEL_SOURCES:

@@ -172,15 +172,15 @@ XEON_FLAGS = (EPYC_FLAGS + " avx512f avx512dq avx512bw avx512vl avx512_vnni avx5
 @pytest.fixture
 def cpu_class(monkeypatch: pytest.MonkeyPatch):
     """Simulate a host: its CPU flags (the ISA and half units derive from them)."""
-    import neuronctl.backends.torch as torch_backend
+    from neuronctl.backends.torch import host
 
     def use(flags: str, machine: str = "x86_64") -> None:
-        monkeypatch.setattr(torch_backend, "_cpu_flags", lambda: flags)
-        monkeypatch.setattr(torch_backend.platform, "machine", lambda: machine)
-        torch_backend.cpu_isa.cache_clear()
+        monkeypatch.setattr(host, "cpu_flags", lambda: flags)
+        monkeypatch.setattr(host.platform, "machine", lambda: machine)
+        host.cpu_isa.cache_clear()
 
     yield use
-    torch_backend.cpu_isa.cache_clear()
+    host.cpu_isa.cache_clear()
 
 
 def torch_keys(
@@ -235,9 +235,9 @@ def test_inductor_keys_hold_the_isa_and_the_kernel_only_where_used(cpu_class) ->
 def test_the_isa_in_a_key_does_not_depend_on_a_compiler(cpu_class, monkeypatch) -> None:
     # Inductor's own pick compiles probes, and answers "none" where no g++ is installed: a CI
     # runner's `plan` would key differently from the builder on the same CPU.
-    import neuronctl.backends.torch as torch_backend
+    from neuronctl.backends.torch import host
 
-    monkeypatch.setattr(torch_backend, "_detect_isa", lambda: "none")  # inductor, no g++
+    monkeypatch.setattr(host, "_detect_isa", lambda: "none")  # inductor, no g++
     with_gxx, key = torch_keys(cpu_class, EPYC_FLAGS, compiler="inductor", dtype="float32")
     assert with_gxx["cpu_isa"] == "avx2"
     monkeypatch.setenv("PATH", "")

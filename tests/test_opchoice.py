@@ -17,7 +17,12 @@ from typing import Any
 import pytest
 import torch
 
-from neuronctl.backends.torch import _cpu_flags, kernel_runs_on, modeling, opchoice
+from neuronctl.backends.torch import opchoice
+from neuronctl.backends.torch.config import Numerics, args_from_config
+from neuronctl.backends.torch.host import cpu_flags, kernel_runs_on
+from neuronctl.backends.torch.layout import is_matrix
+from neuronctl.backends.torch.linear import can_pack
+from neuronctl.errors import NotFoundError
 from neuronctl.spec import ModelShape, finalize, resolve_spec
 from neuronctl.store.manifest import MANIFEST, RECORDED, read_manifest
 from tests.helpers import make_checkpoint, run_in_process
@@ -25,12 +30,12 @@ from tests.helpers import make_checkpoint, run_in_process
 CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": 320, "hidden_size": 64,
           "intermediate_size": 128, "num_hidden_layers": 2, "num_attention_heads": 4,
           "num_key_value_heads": 2, "max_position_embeddings": 512}
-ARGS = modeling.args_from_config(CONFIG)
-FP32 = modeling.Numerics(torch.float32, torch.float32)
-BF16_ON_AVX2 = modeling.Numerics(torch.bfloat16, torch.float32)
+ARGS = args_from_config(CONFIG)
+FP32 = Numerics(torch.float32, torch.float32)
+BF16_ON_AVX2 = Numerics(torch.bfloat16, torch.float32)
 
 
-def target(numerics: modeling.Numerics = FP32, rows: tuple[int, ...] = (1, 64),
+def target(numerics: Numerics = FP32, rows: tuple[int, ...] = (1, 64),
            kernel: bool = True, onednn: bool = True) -> opchoice.Target:
     return opchoice.Target(ARGS, numerics, "inductor", rows[0], rows, kernel, onednn)
 
@@ -105,15 +110,15 @@ def spec_target(flags: str, **spec: Any) -> opchoice.Target:
     finalized = finalize(resolve_spec(base, None, {})[0], ModelShape.from_config(CONFIG))
     storage = getattr(torch, str(finalized.dtype))
     compute = torch.float32 if finalized.quantized else storage
-    numerics = modeling.Numerics(storage, compute, finalized.quantized)
+    numerics = Numerics(storage, compute, finalized.quantized)
     return opchoice.target_for(finalized, ARGS, numerics, (8, 32), flags)
 
 
 def test_what_may_be_measured_where(measuring: None, monkeypatch: pytest.MonkeyPatch) -> None:
-    import neuronctl.backends.torch as torch_backend
+    from neuronctl.backends.torch import host
 
     avx2 = "sse4_2 avx fma avx2"
-    monkeypatch.setattr(torch_backend.platform, "machine", lambda: "x86_64")
+    monkeypatch.setattr(host.platform, "machine", lambda: "x86_64")
     assert spec_target(avx2).measurable
     assert spec_target(avx2).candidates[:2] == ["kernel/blocked", "kernel/plain"]
     assert "onednn/packed" not in spec_target(avx2, quantized=True).candidates  # int8
@@ -123,7 +128,7 @@ def test_what_may_be_measured_where(measuring: None, monkeypatch: pytest.MonkeyP
         assert not untimed.measurable
         choice = opchoice.choose(untimed, timings({}))  # an empty table: any call fails
         assert choice.chosen_by == "rules"
-    monkeypatch.setattr(torch_backend.platform, "machine", lambda: "aarch64")
+    monkeypatch.setattr(host.platform, "machine", lambda: "aarch64")
     arm = spec_target("fp asimd asimdhp bf16")
     assert not arm.measurable
     assert by_rows(opchoice.choose(arm, timings({}))) in (
@@ -158,6 +163,25 @@ def test_the_manifest_records_the_choice_and_inspect_shows_it(
     assert json.loads(out)["ops"] == manifest.ops.model_dump(mode="json")
     code, out, _ = run_in_process(["inspect", str(compiled_artifact)], capsys, monkeypatch)
     assert code == 0 and "matmul path per row count" in out and "plain" in out
+    assert f"  path              {compiled_artifact}\n" in out
+
+
+def test_inspect_keeps_a_long_path_on_one_line_at_80_columns(
+    compiled_artifact: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before, the header put model, path and backend on one line, and rich broke the path
+    at 80 columns where it could not be copied back into a command."""
+    import io
+
+    from rich.console import Console
+
+    from neuronctl.cli import inspect as inspect_cli
+
+    screen = io.StringIO()
+    monkeypatch.setattr(inspect_cli, "console", Console(file=screen, width=80))
+    assert len(str(compiled_artifact)) > 80 - len("  path              ")
+    inspect_cli.show_artifact(compiled_artifact, read_manifest(compiled_artifact), False)
+    assert f"  path              {compiled_artifact}" in screen.getvalue().splitlines()
 
 
 def test_inspect_finds_an_artifact_by_its_store_key(
@@ -205,9 +229,31 @@ def test_a_manifest_from_before_the_choice_keeps_its_record_and_loads(
     assert runner.prefill(0, [1, 2, 3]).shape == (runner.vocab_size,)
 
 
+def test_a_graph_donor_from_before_the_choice_passes_on_its_neuron_configs_layout(
+    compiled_artifact: Path, tmp_path: Path
+) -> None:
+    """A donor's manifest without an op choice: its graphs were compiled for the layout its
+    neuron_config.json names (opchoice.legacy_layout), each row count on the rules' path."""
+    from neuronctl.backends.torch import donor_choice
+    from neuronctl.store.manifest import write_manifest
+
+    manifest = read_manifest(compiled_artifact)
+    donor = tmp_path / "donor"
+    donor.mkdir()
+    write_manifest(donor, manifest.model_copy(update={"ops": None}))
+    native = json.loads((compiled_artifact / "neuron_config.json").read_text())
+    (donor / "neuron_config.json").write_text(json.dumps({**native, "packed_weights": True}))
+    choice = donor_choice(donor, manifest.spec, manifest.architecture)
+    assert choice.layout == "packed" and choice.chosen_by == "rules"
+    assert {row.path for row in choice.rows} == {"onednn"}
+    (donor / "neuron_config.json").unlink()
+    with pytest.raises(NotFoundError, match="no neuron_config.json"):
+        donor_choice(donor, manifest.spec, manifest.architecture)
+
+
 # --- built artifacts -------------------------------------------------------------------------
 
-needs_kernel = pytest.mark.skipif(not kernel_runs_on(_cpu_flags()),
+needs_kernel = pytest.mark.skipif(not kernel_runs_on(cpu_flags()),
                                   reason="the kernel needs an x86-64 CPU with AVX2 and FMA")
 SPEC = {"compiler": "inductor", "dtype": "float32", "seq_len": 32, "max_context_length": 16,
         "batch_size": 1, "context_buckets": "16", "token_gen_buckets": "32"}
@@ -253,7 +299,7 @@ def test_an_injected_choice_is_honoured_and_a_graph_donor_passes_it_on(
     assert by_rows(ops) == {1: "kernel", 16: "aten"}
     runner = load(path)
     assert not runner.blocked and not runner.packed
-    assert all(w.dim() == 2 for n, w in runner.weights.items() if modeling.is_matrix(n))
+    assert all(w.dim() == 2 for n, w in runner.weights.items() if is_matrix(n))
     assert "neuronctl" in graph_code(path, "token_generation_32")  # the kernel's ops
     assert "neuronctl" not in graph_code(path, "context_encoding_16")
     ids = random_ids(20, seed=21)
@@ -286,7 +332,7 @@ def test_the_real_measurement_is_recorded_and_honoured(
     ops = read_manifest(path).ops
     assert ops is not None and ops.chosen_by == "measure"
     available = {"kernel/blocked", "kernel/plain", "aten/plain"}
-    if modeling.can_pack(torch.float32):
+    if can_pack(torch.float32):
         available.add("onednn/packed")
     for row in ops.rows:
         assert set(row.ms) == available and all(ms > 0 for ms in row.ms.values())

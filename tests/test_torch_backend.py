@@ -10,8 +10,13 @@ import pytest
 import torch
 
 from neuronctl.backends import get_backend
-from neuronctl.backends.torch import TorchBackend, cpu_isa, modeling
+from neuronctl.backends.torch import TorchBackend
+from neuronctl.backends.torch.attention import inv_freq
+from neuronctl.backends.torch.config import Numerics, args_from_config
 from neuronctl.backends.torch.graphs import TOKEN_GEN, GraphJob, build_graph
+from neuronctl.backends.torch.host import cpu_isa
+from neuronctl.backends.torch.layout import graph_weights
+from neuronctl.backends.torch.model import TokenGeneration
 from neuronctl.build import compile_model, resolve_build
 from neuronctl.errors import BuildError, CheckpointError, SpecError, UsageError
 from neuronctl.spec import resolve_spec
@@ -60,11 +65,11 @@ def test_old_and_new_rope_spellings_give_the_same_frequencies() -> None:
     old = {**base, "rope_theta": 5e5, "rope_scaling": {"type": "llama3", **scaling}}
     plain = {**base, "rope_theta": 5e5}
     f_new, f_old = (
-        modeling.inv_freq(modeling.args_from_config(new)),
-        modeling.inv_freq(modeling.args_from_config(old)),
+        inv_freq(args_from_config(new)),
+        inv_freq(args_from_config(old)),
     )
     assert torch.equal(f_new, f_old)
-    assert not torch.equal(f_new, modeling.inv_freq(modeling.args_from_config(plain)))
+    assert not torch.equal(f_new, inv_freq(args_from_config(plain)))
 
 
 @pytest.mark.parametrize(
@@ -122,10 +127,11 @@ def test_a_failing_graph_names_its_bucket_and_keeps_a_log(
     def broken(*_args: Any, **_kwargs: Any) -> None:
         raise RuntimeError("lowering exploded")
 
-    monkeypatch.setattr(modeling.TokenGeneration, "forward", broken)
+    monkeypatch.setattr(TokenGeneration, "forward", broken)
     ckpt = make_checkpoint(tmp_path / "ckpt", "llama")
     job = GraphJob(
-        TOKEN_GEN, 64, read_config(ckpt), 2, 128, "float32", "export", str(tmp_path / "staging")
+        TOKEN_GEN, 64, read_config(ckpt), 2, 128, "float32", "export", str(tmp_path / "staging"),
+        path="aten",
     )
     with pytest.raises(BuildError, match="token_generation_64.*lowering exploded"):
         build_graph(job)
@@ -146,14 +152,19 @@ def test_a_failing_graph_names_its_bucket_and_keeps_a_log(
 def test_token_generation_picks_its_matmul_by_rows_and_numerics(
     tmp_path: Path, dtype: str, compute: str, quantized: bool, batch: int, kernel: str
 ) -> None:
-    from neuronctl.backends.torch.graphs import module_for
+    from neuronctl.backends.torch import opchoice
+    from neuronctl.backends.torch.graphs import DTYPES, module_for
 
-    # The rules' paths (opchoice.rule_path) for the layout the rules give these numerics
-    # where the kernel does not run.
-    ckpt = make_checkpoint(tmp_path / "ckpt", "llama")
+    # The rules' path (opchoice.rule_path) at the batch's rows, on the layout the rules give
+    # these numerics where the kernel does not run, is the matmul the graph runs.
+    config = read_config(make_checkpoint(tmp_path / "ckpt", "llama"))
     layout = "packed" if kernel == "packed_linear" else "plain"
-    job = GraphJob(TOKEN_GEN, 64, read_config(ckpt), batch, 128, dtype, "inductor",
-                   str(tmp_path), compute=compute, quantized=quantized, layout=layout)
+    numerics = Numerics(DTYPES[dtype], DTYPES[compute or dtype], quantized)
+    target = opchoice.Target(args_from_config(config), numerics, "inductor", batch, (batch,),
+                             kernel=False, onednn=layout == "packed")
+    job = GraphJob(TOKEN_GEN, 64, config, batch, 128, dtype, "inductor", str(tmp_path),
+                   compute=compute, quantized=quantized, layout=layout,
+                   path=opchoice.rule_path(target, layout, batch))
     assert module_for(job).linear.__name__ == kernel
 
 
@@ -218,37 +229,37 @@ def test_passing_host_checks_say_why(compiled_artifact: Path) -> None:
 def test_an_artifact_computing_in_bf16_needs_bf16_units(
     compiled_artifact: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import neuronctl.backends.torch as backend
+    from neuronctl.backends.torch import host
 
     manifest = read_manifest(compiled_artifact)
     native = manifest.model_copy(update={
         "backend_versions": {**manifest.backend_versions, "cpu_half_units": "bf16"},
         "spec": manifest.spec.model_copy(update={"dtype": "bfloat16"}),
     })
-    monkeypatch.setattr(backend, "half_units", lambda: "none")
+    monkeypatch.setattr(host, "half_units", lambda: "none")
     failed = [c.reason for c in TorchBackend().host_checks(native) if not c.ok]
     assert failed and "compute in bfloat16" in failed[0] and "recompile here" in failed[0]
-    monkeypatch.setattr(backend, "half_units", lambda: "bf16 fp16")
+    monkeypatch.setattr(host, "half_units", lambda: "bf16 fp16")
     assert all(c.ok for c in TorchBackend().host_checks(native))
     # Built where bf16 is emulated, it computes in float32 and runs anywhere.
     emulated = native.model_copy(update={
         "backend_versions": {**manifest.backend_versions, "cpu_half_units": "none"}})
-    monkeypatch.setattr(backend, "half_units", lambda: "none")
+    monkeypatch.setattr(host, "half_units", lambda: "none")
     assert all(c.ok for c in TorchBackend().host_checks(emulated))
 
 
 def test_cpu_isa_off_x86_is_cached_across_processes(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]
     # Off x86 inductor's pick imports torch; on x86 the ISA comes from the CPU flags.
-    import neuronctl.backends.torch as backend
+    from neuronctl.backends.torch import host
 
-    backend.cpu_isa.cache_clear()
-    monkeypatch.setattr(backend, "is_x86", lambda: False)
+    host.cpu_isa.cache_clear()
+    monkeypatch.setattr(host, "is_x86", lambda: False)
     probes = []
-    monkeypatch.setattr(backend, "_detect_isa", lambda: probes.append(1) or "asimd")
-    assert backend.cpu_isa() == "asimd"
-    backend.cpu_isa.cache_clear()  # a new process: only the on-disk cache is left
-    assert backend.cpu_isa() == "asimd" and len(probes) == 1
-    backend.cpu_isa.cache_clear()
+    monkeypatch.setattr(host, "_detect_isa", lambda: probes.append(1) or "asimd")
+    assert host.cpu_isa() == "asimd"
+    host.cpu_isa.cache_clear()  # a new process: only the on-disk cache is left
+    assert host.cpu_isa() == "asimd" and len(probes) == 1
+    host.cpu_isa.cache_clear()
 
 
 @pytest.mark.slow
@@ -274,19 +285,19 @@ def test_a_host_without_a_compiler_still_runs_the_isa_it_has(
 ) -> None:
     # Without a C++ compiler inductor's probes answer "none" (cpu_isa, supported_isas), but
     # serving compiled code needs the instructions, not a compiler: judged from the CPU.
-    import neuronctl.backends.torch as backend
+    from neuronctl.backends.torch import host
 
-    monkeypatch.setattr(backend, "supported_isas", lambda: {"none"})
-    monkeypatch.setattr(backend, "is_x86", lambda: True)
-    monkeypatch.setattr(backend, "_cpu_flags",
+    monkeypatch.setattr(host, "supported_isas", lambda: {"none"})
+    monkeypatch.setattr(host, "is_x86", lambda: True)
+    monkeypatch.setattr(host, "cpu_flags",
                         lambda: "fma avx2 avx512f avx512vl avx512bw avx512dq")
     manifest = read_manifest(compiled_artifact)
     built_for = {**manifest.backend_versions, "cpu_isa": "avx2"}
     here = {**manifest.backend_versions, "cpu_isa": "none"}
-    check = backend.isa_check(manifest.model_copy(update={"backend_versions": built_for}), here)
+    check = host.isa_check(manifest.model_copy(update={"backend_versions": built_for}), here)
     assert check.ok and "which this CPU runs" in check.reason
     amx = {**built_for, "cpu_isa": "avx512 avx512_vnni amx_tile"}
-    check = backend.isa_check(manifest.model_copy(update={"backend_versions": amx}), here)
+    check = host.isa_check(manifest.model_copy(update={"backend_versions": amx}), here)
     assert not check.ok and "recompile here" in check.reason
 
 
@@ -320,14 +331,14 @@ def test_weights_load_into_their_graph_form_as_the_checkpoint_assembled_whole(
         spec = SimpleNamespace(quantization_type="per_channel_symmetric")
         ckpt = QuantizedCheckpoint.wrap(ckpt, spec)  # type: ignore[arg-type]
     shard_checkpoint(ckpt, tp, torch.bfloat16, tmp_path / "weights")
-    args = modeling.args_from_config(ckpt.config)
+    args = args_from_config(ckpt.config)
     packed, blocked = layout == "packed", layout == "blocked"
     got = load_graph_weights(tmp_path / "weights", args, torch.bfloat16, quantized, packed,
                              blocked)
     full = load_full_tensors(tmp_path / "weights")
     full = {n: t if t.dtype == torch.int8 else t.to(
         torch.bfloat16) for n, t in full.items()}
-    want = modeling.graph_weights(full, args, packed, quantized, blocked)
+    want = graph_weights(full, args, packed, quantized, blocked)
     assert list(got) == list(want)
     for name in want:
         assert got[name].dtype == want[name].dtype, name

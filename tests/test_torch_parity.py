@@ -12,7 +12,9 @@ import pytest
 import torch
 
 from neuronctl.backends import get_backend
-from neuronctl.backends.torch import _cpu_flags, kernel, kernel_runs_on, modeling
+from neuronctl.backends.torch import kernel
+from neuronctl.backends.torch.host import cpu_flags, kernel_runs_on
+from neuronctl.backends.torch.quantize import quantize
 from neuronctl.build import compile_model, resolve_build
 from neuronctl.errors import SpecError, UsageError
 from neuronctl.store.manifest import read_manifest
@@ -228,9 +230,9 @@ def test_bf16_without_bf16_units_computes_in_float32(
     # What an AVX2 host builds (forced here, whatever this CPU has): bf16 weights in the
     # artifact and in memory, float32 activations and matmuls. Against float32 transformers
     # on the same bf16-rounded weights only the bf16 KV cache rounds.
-    import neuronctl.backends.torch as torch_backend
+    from neuronctl.backends.torch import host
 
-    monkeypatch.setattr(torch_backend, "half_units", lambda: "none")
+    monkeypatch.setattr(host, "half_units", lambda: "none")
     ckpt = make_checkpoint(tmp_path / "ckpt", "qwen2", tie_word_embeddings=True)
     path = build(ckpt, tmp_path / "store", dtype="bfloat16", **one_bucket(32, 64)).path
     config = json.loads((path / "neuron_config.json").read_text())
@@ -253,9 +255,9 @@ def test_bf16_without_bf16_units_computes_in_float32(
 def test_bf16_with_bf16_units_computes_in_bf16(
     tmp_path: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    import neuronctl.backends.torch as torch_backend
+    from neuronctl.backends.torch import host
 
-    monkeypatch.setattr(torch_backend, "half_units", lambda: "bf16")
+    monkeypatch.setattr(host, "half_units", lambda: "bf16")
     ckpt = make_checkpoint(tmp_path / "ckpt", "llama")
     path = build(ckpt, tmp_path / "store", dtype="bfloat16", context_buckets="16",
                  token_gen_buckets="32", seq_len=32, max_context_length=16).path
@@ -284,7 +286,7 @@ def test_int8_artifact_matches_its_dequantized_weights(tmp_path: Path, kind: str
     with torch.no_grad():
         for param in dequantized.parameters():
             if param.dim() == 2:  # every projection and the (tied) embedding
-                q, scale = modeling.quantize(param, kind == "per_channel_symmetric")
+                q, scale = quantize(param, kind == "per_channel_symmetric")
                 param.copy_(q.float() * scale.float()[:, None])
     ids = random_ids(40, seed=12)
     got = [runner.prefill(2, ids[:24])]
@@ -323,7 +325,7 @@ def test_inductor_artifact_matches_transformers(tmp_path: Path) -> None:
     # float32 on an AVX2 host: every projection by neuronctl's kernel on blocked weights,
     # and token generation's attention by its attend op, from the library the artifact
     # carries (listed, so hashed and signed like the graphs)
-    assert runner.blocked == kernel_runs_on(_cpu_flags())
+    assert runner.blocked == kernel_runs_on(cpu_flags())
     if runner.blocked:
         assert kernel.artifact_library() in read_manifest(outcome.path).files
         numerics = json.loads((outcome.path / "neuron_config.json").read_text())["numerics"]
@@ -343,9 +345,9 @@ def test_inductor_bf16_and_int8_match_their_traced_graphs(
 ) -> None:
     # bf16 weights on a CPU without bf16 units, and int8 ones: the kernel widens them in
     # registers; the traced graphs (aten) widen whole matrices. Same artifact spec otherwise.
-    import neuronctl.backends.torch as torch_backend
+    from neuronctl.backends.torch import host
 
-    monkeypatch.setattr(torch_backend, "half_units", lambda: "none")
+    monkeypatch.setattr(host, "half_units", lambda: "none")
     ckpt = make_checkpoint(tmp_path / "ckpt", "qwen2", tie_word_embeddings=True)
     ids = random_ids(40, seed=13)
     outs = []
@@ -357,7 +359,7 @@ def test_inductor_bf16_and_int8_match_their_traced_graphs(
         got = [runner.prefill(1, ids[:24])]
         got += [runner.decode([0, ids[p]], [-1, p])[1] for p in range(24, 40)]
         outs.append(torch.stack(got))
-    assert runner.blocked == kernel_runs_on(_cpu_flags())
+    assert runner.blocked == kernel_runs_on(cpu_flags())
     # int8's traced graphs round activations to bf16 for aten's int8 kernel; the kernel not
     assert (outs[0] - outs[1]).abs().max() < (1e-2 if quantized else 1e-4)
     assert torch.equal(outs[0].argmax(-1), outs[1].argmax(-1))

@@ -57,11 +57,13 @@ def bench_command(
     Exit codes: 0 ok, 1 artifact missing / not reusable / a request failed, 2 usage error.
     """
     from neuronctl.engine.bench import bench_engine
-    from neuronctl.engine.loader import make_engine, open_artifact
+    from neuronctl.engine.loader import running
     from neuronctl.store.signing import TrustPolicy
+    from neuronctl.target import open_artifact_to_run
 
     policy = TrustPolicy.load(trust_key, allow_unsigned)
-    loaded = open_artifact(one_artifact(ctx, artifact, artifacts), policy=policy, store=store)
+    named = one_artifact(ctx, artifact, artifacts)
+    loaded = open_artifact_to_run(named, store=store, policy=policy)
     say_vouch(loaded.vouch)
     runner = loaded.runner
     limit = min(runner.max_context_length, max(runner.context_buckets))
@@ -72,8 +74,7 @@ def bench_command(
             f"--prompt-len + --max-tokens = {prompt_len + max_tokens} is over the artifact's "
             f"sequence length {runner.seq_len}"
         )
-    engine = make_engine(loaded).start()
-    try:
+    with running(loaded) as engine:
         result = bench_engine(
             engine,
             runner.vocab_size,
@@ -84,8 +85,6 @@ def bench_command(
             warmup=warmup,
             seed=seed,
         )
-    finally:
-        engine.stop(drain=False)
     result["artifact"] = str(loaded.path)
     result["config"]["batch_size"] = runner.batch_size
     if json_out:

@@ -9,7 +9,7 @@ import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 import typer
 
@@ -30,6 +30,8 @@ from neuronctl.prompts import Prompt, collect_prompts, params_for
 from neuronctl.vllm.detect import TARGET_HELP as VLLM_TARGET_HELP
 
 if TYPE_CHECKING:  # the engine imports torch: keep it off every command's start-up
+    from neuronctl.engine.engine import RequestHandle
+    from neuronctl.engine.request import Event, RequestOutput
     from neuronctl.engine.sampling import SamplingParams
     from neuronctl.store.signing import TrustPolicy
     from neuronctl.vllm.launch import VllmLaunch
@@ -136,28 +138,23 @@ class Named:
 def _generate_builtin(
     named: Named, prompts: list[Prompt], params: SamplingParams, stream: bool, json_out: bool
 ) -> None:
-    from neuronctl.engine.loader import make_engine, open_artifact
+    from neuronctl.engine.loader import running
+    from neuronctl.target import open_artifact_to_run
 
-    loaded = open_artifact(named.ref, policy=named.policy, store=named.store)
+    loaded = open_artifact_to_run(named.ref, store=named.store, policy=named.policy)
     say_vouch(loaded.vouch)
-    engine = make_engine(loaded).start()
-    try:
-        ids = [
-            loaded.encode_chat(p.messages)
-            if p.messages is not None
-            else loaded.encode(p.text or "")
-            for p in prompts
-        ]
+    ids = [
+        loaded.encode_chat(p.messages) if p.messages is not None else loaded.encode(p.text or "")
+        for p in prompts
+    ]
+
+    def consume(index: int, handle: RequestHandle) -> RequestOutput:
+        return _consume(index, prompts[index], handle, stream, json_out)
+
+    with running(loaded) as engine:
         started = time.perf_counter()
-        handles = [
-            engine.submit(i, params_for(p, params)) for i, p in zip(ids, prompts, strict=True)
-        ]
-        outputs = []
-        for index, (prompt, handle) in enumerate(zip(prompts, handles, strict=True)):
-            outputs.append(_consume(index, prompt, handle, stream, json_out))
+        outputs = engine.generate(ids, [params_for(p, params) for p in prompts], consume)
         elapsed = time.perf_counter() - started
-    finally:
-        engine.stop(drain=False)
     failed = [o for o in outputs if o.finish_reason == "error"]
     if not json_out:
         tokens = sum(len(o.token_ids) for o in outputs)
@@ -171,27 +168,27 @@ def _generate_builtin(
         raise NeuronctlError(f"generation failed for {len(failed)} prompt(s): {failed[0].error}")
 
 
-def _stream(index: int, handle: Any, json_out: bool) -> Any:
-    """Print each event's token as it comes; return the output."""
-    output = None
-    for event in handle:
-        if json_out:
-            line = {"index": index, "token_id": event.token_id, "text": event.text}
-            sys.stdout.write(json.dumps(line) + "\n")
-        elif event.text:
-            sys.stdout.write(event.text)
-        sys.stdout.flush()
-        output = event.output or output
-    assert output is not None
-    return output
+def _print_event(index: int, event: Event, json_out: bool) -> None:
+    if json_out:
+        line = {"index": index, "token_id": event.token_id, "text": event.text}
+        sys.stdout.write(json.dumps(line) + "\n")
+    elif event.text:
+        sys.stdout.write(event.text)
+    sys.stdout.flush()
 
 
-def _consume(index: int, prompt: Prompt, handle: Any, stream: bool, json_out: bool) -> Any:
+def _consume(
+    index: int, prompt: Prompt, handle: RequestHandle, stream: bool, json_out: bool
+) -> RequestOutput:
     """Prompts print in order; later ones keep generating in the batch meanwhile."""
     if stream and not json_out:
         console.rule(f"[bold]{_short(prompt.label())}[/bold]", align="left")
     # Without --stream only the output is printed: result() is not woken at every token.
-    output = _stream(index, handle, json_out) if stream else handle.result()
+    output = (
+        handle.follow(lambda event: _print_event(index, event, json_out))
+        if stream
+        else handle.result()
+    )
     if json_out:
         sys.stdout.write(
             json.dumps({"index": index, "prompt": prompt.label(), **output.as_dict()}) + "\n"

@@ -78,7 +78,8 @@ def inspect_command(
     ]
     if info["revision"]:
         rows.insert(0, ("revision", info["revision"]))
-    console.print(f"[bold]{info['model']}[/bold]  {info['path']}")
+    console.print(f"[bold]{info['model']}[/bold]")
+    print_path_line(info["path"])
     for name, value in rows:
         console.print(f"  {name:<17} {value}")
 
@@ -108,13 +109,20 @@ def op_rows(manifest: Manifest) -> tuple[list[str], list[list[Any]]]:
     return columns, rows
 
 
+def print_path_line(path: Path | str) -> None:
+    """The path whole on one line, past the width if it must be: a path broken over lines
+    cannot be pasted back into a command."""
+    console.print(f"  {'path':<17} {path}", soft_wrap=True, markup=False, highlight=False)
+
+
 def show_artifact(path: Path, manifest: Manifest, json_out: bool) -> None:
     ops = manifest.ops
     if json_out:
         print_json({"artifact": str(path), "backend": manifest.backend,
                     "ops": ops.model_dump(mode="json") if ops else None})
         return
-    console.print(f"[bold]{manifest.source.model}[/bold]  {path}  ({manifest.backend})")
+    console.print(f"[bold]{manifest.source.model}[/bold]  ({manifest.backend})")
+    print_path_line(path)
     if ops is None:
         console.print("  op choice: not recorded (another backend, or built before it was)")
         return

@@ -16,7 +16,7 @@ import logging
 import queue
 import threading
 import time
-from collections.abc import Iterable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import partial
 from typing import Any
 
@@ -100,10 +100,25 @@ class RequestHandle:
                 return event.output
         raise AssertionError("a request always ends with an output")
 
+    def follow(self, on_event: Callable[[Event], None]) -> RequestOutput:
+        """The request's output, after `on_event` has seen each of its events as it came."""
+        output = None
+        for event in self:
+            on_event(event)
+            output = event.output or output
+        if output is None:
+            raise AssertionError("a request always ends with an output")
+        return output
+
     def _queue(self) -> EventQueue:
         if self._events is None:
             raise TypeError("this request was submitted with its own sink")
         return self._events
+
+
+# What `Engine.generate` calls for each request in prompt order: its index and handle in, its
+# output out.
+Consume = Callable[[int, RequestHandle], RequestOutput]
 
 
 class Engine:
@@ -171,12 +186,18 @@ class Engine:
         return RequestHandle(self, request, events)
 
     def generate(
-        self, prompts: Sequence[Sequence[int]], params: SamplingParams | Sequence[SamplingParams]
+        self,
+        prompts: Sequence[Sequence[int]],
+        params: SamplingParams | Sequence[SamplingParams],
+        consume: Consume | None = None,
     ) -> list[RequestOutput]:
-        """Run prompts through the batch together; outputs in prompt order."""
+        """Run prompts through the batch together; outputs in prompt order. `consume(index,
+        handle)` takes each request's output in turn (default: `handle.result()`) while the
+        later ones keep generating: `generate` prints them as they come."""
         per = list(params) if isinstance(params, Sequence) else [params] * len(prompts)
         handles = [self.submit(p, sp) for p, sp in zip(prompts, per, strict=True)]
-        return [h.result() for h in handles]
+        take = consume or (lambda _, handle: handle.result())
+        return [take(index, handle) for index, handle in enumerate(handles)]
 
     def cancel(self, request: Request) -> None:
         with self._cond:

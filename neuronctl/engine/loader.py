@@ -17,7 +17,6 @@ from neuronctl.backends import get_backend
 from neuronctl.backends.base import Runner
 from neuronctl.engine.engine import Engine
 from neuronctl.engine.tokenizer import EngineTokenizer, TokenizedText
-from neuronctl.errors import NotFoundError, UsageError
 from neuronctl.spec import DEFAULT_GLOBAL_TOPK
 from neuronctl.store.lease import Lease
 from neuronctl.store.lease import hold as hold_lease
@@ -63,36 +62,13 @@ def served_name(model: str | None, revision: str | None) -> str | None:
     return Path(model).name or model
 
 
-def resolve_artifact_path(
-    path: str | Path | None, store: Path | None = None, policy: TrustPolicy | None = None
-) -> Path:
-    """KEY | PATH | URL (store.resolve's one rule); a URL is pulled (verified) first."""
-    if not path:
-        raise UsageError(
-            "no artifact given",
-            "pass an artifact KEY, PATH or URL, or set NEURON_COMPILED_ARTIFACTS",
-        )
-    from neuronctl.store.resolve import resolve_artifact
-
-    resolved = resolve_artifact(path, store, policy=policy)
-    if not resolved.is_dir():
-        raise NotFoundError(
-            f"artifact directory {resolved} does not exist",
-            "compile one with `neuronctl compile MODEL` and pass the path it prints",
-        )
-    return resolved
-
-
 def open_artifact(
-    path: str | Path | None,
-    validate: bool = True,
-    policy: TrustPolicy | None = None,
-    store: Path | None = None,
+    path: Path, validate: bool = True, policy: TrustPolicy | None = None
 ) -> LoadedArtifact:
-    root = resolve_artifact_path(path, store, policy=policy)
-    lease = hold_lease(root)  # before reading it: `artifacts gc` keeps what is in use
+    """Load the artifact directory `path` (what a reference names is target.py's to say)."""
+    lease = hold_lease(path)  # before reading it: `artifacts gc` keeps what is in use
     try:
-        loaded = _load(root, validate, policy)
+        loaded = _load(path, validate, policy)
     except BaseException:
         lease.release()
         raise
@@ -148,6 +124,18 @@ def make_engine(loaded: LoadedArtifact, max_queue: int | None = None) -> Engine:
         global_topk=loaded.global_topk,
         max_queue=max_queue,
     )
+
+
+@contextmanager
+def running(loaded: LoadedArtifact) -> Iterator[Engine]:
+    """An engine over `loaded`, started for the block and stopped however it ends (an error,
+    Ctrl-C): what is still generating then is abandoned, not finished (`generate`, `bench`;
+    the server drains on its own)."""
+    engine = make_engine(loaded).start()
+    try:
+        yield engine
+    finally:
+        engine.stop(drain=False)
 
 
 def load_tokenizer(path: Path) -> EngineTokenizer:

@@ -15,14 +15,19 @@ import traceback
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
 from contextlib import contextmanager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from neuronctl.backends.torch import kernel, modeling, opchoice
+from neuronctl.backends.torch import kernel, opchoice
+from neuronctl.backends.torch.attention import inv_freq
+from neuronctl.backends.torch.config import Numerics, args_from_config
+from neuronctl.backends.torch.layout import graph_shapes
+from neuronctl.backends.torch.linear import Linear, linear_for
+from neuronctl.backends.torch.model import ContextEncoding, TokenGeneration
 from neuronctl.errors import BuildError
 from neuronctl.progress import Progress
 from neuronctl.workers import die_with_parent
@@ -46,22 +51,22 @@ class GraphJob:
     dtype: str
     compiler: str  # "export" | "inductor"
     staging: str
-    compute: str = ""  # activations' dtype; "" = the storage dtype (modeling.Numerics)
+    compute: str = ""  # activations' dtype; "" = the storage dtype (config.Numerics)
     quantized: bool = False  # int8 projections with per-channel scales
     prompts: int = 1  # context encoding: prompts per call (prefill_batch)
     layout: str = opchoice.PLAIN  # the artifact's weight layout (opchoice.READS)
-    path: str = ""  # the matmul path at this graph's rows; "" = the rules' (opchoice)
     carries_kernel: bool = False  # some graph calls the kernel: token generation attends by it
+    path: str = field(kw_only=True)  # the matmul path at this graph's rows (the op choice's)
 
     @property
     def name(self) -> str:
         return graph_name(self.kind, self.bucket, self.prompts)
 
     @property
-    def numerics(self) -> modeling.Numerics:
+    def numerics(self) -> Numerics:
         storage = DTYPES[self.dtype]
         compute = DTYPES[self.compute] if self.compute else storage
-        return modeling.Numerics(storage, compute, self.quantized)
+        return Numerics(storage, compute, self.quantized)
 
     @property
     def relpath(self) -> str:
@@ -76,20 +81,8 @@ class GraphJob:
         return self.layout == opchoice.BLOCKED
 
     @property
-    def rows(self) -> int:
-        """Rows per matmul: the batch, or the bucket's positions of every prompt."""
-        return self.batch_size if self.kind == TOKEN_GEN else self.bucket * self.prompts
-
-    @property
-    def linear(self) -> modeling.Linear:
-        path = self.path or opchoice.rule_path(self.target(), self.layout, self.rows)
-        return modeling.linear_for(path, self.quantized, self.kind == TOKEN_GEN)
-
-    def target(self) -> opchoice.Target:
-        """The rules' view of this job (rule_path reads the numerics, compiler, batch)."""
-        args = modeling.args_from_config(self.config)
-        return opchoice.Target(args, self.numerics, self.compiler, self.batch_size,
-                               (self.rows,), kernel=self.blocked, onednn=self.packed)
+    def linear(self) -> Linear:
+        return linear_for(self.path, self.quantized, self.kind == TOKEN_GEN)
 
 
 def graph_name(kind: str, bucket: int, prompts: int = 1) -> str:
@@ -116,14 +109,14 @@ def graph_rows(context_buckets: list[int], batch_size: int) -> tuple[int, ...]:
 
 def example_inputs(job: GraphJob) -> tuple[Any, ...]:
     """Inputs with the graph's static shapes; values are never read while tracing."""
-    args = modeling.args_from_config(job.config)
+    args = args_from_config(job.config)
     dtype = DTYPES[job.dtype]
-    shapes = modeling.graph_shapes(args, dtype, job.packed, job.quantized, job.blocked)
+    shapes = graph_shapes(args, dtype, job.packed, job.quantized, job.blocked)
     weights = {name: torch.empty(t.shape, dtype=t.dtype) for name, t in shapes.items()}
     cache_shape = (job.batch_size, args.num_kv_heads, job.seq_len, args.head_dim)
     k = [torch.empty(cache_shape, dtype=dtype) for _ in range(args.num_layers)]
     v = [torch.empty(cache_shape, dtype=dtype) for _ in range(args.num_layers)]
-    freq = modeling.inv_freq(args)
+    freq = inv_freq(args)
     if job.kind == CONTEXT:
         tokens = torch.zeros(job.prompts, job.bucket, dtype=torch.long)
         return (
@@ -140,10 +133,10 @@ def example_inputs(job: GraphJob) -> tuple[Any, ...]:
 
 
 def module_for(job: GraphJob) -> torch.nn.Module:
-    args = modeling.args_from_config(job.config)
+    args = args_from_config(job.config)
     if job.kind == CONTEXT:
-        return modeling.ContextEncoding(args, job.numerics, job.linear)
-    return modeling.TokenGeneration(args, job.bucket, job.numerics, job.linear,
+        return ContextEncoding(args, job.numerics, job.linear)
+    return TokenGeneration(args, job.bucket, job.numerics, job.linear,
                                     fused_attention=job.carries_kernel)
 
 

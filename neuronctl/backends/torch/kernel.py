@@ -42,8 +42,8 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from neuronctl.backends.torch import KERNEL_SOURCES
-from neuronctl.backends.torch import kernel_digest as digest  # part of the graph key
+from neuronctl.backends.torch.versions import KERNEL_SOURCES
+from neuronctl.backends.torch.versions import kernel_digest as digest  # part of the graph key
 from neuronctl.doctor import installed_ninja
 from neuronctl.errors import BuildError, UsageError
 from neuronctl.store.local import user_cache_store

@@ -1,13 +1,13 @@
 """Which path each graph's matmuls take: chosen on the build host, recorded in the manifest.
 
-Paths, and the weight layouts each reads (modeling.graph_sources):
+Paths, and the weight layouts each reads (layout.graph_sources):
 
 - `kernel`: kernel.linear (gemv.cpp): neuronctl::linear_blocked on the `blocked` layout,
   neuronctl::linear_rows on the `plain` one;
-- `onednn`: modeling.packed_linear on oneDNN-prepacked (`packed`) weights;
-- `aten`: modeling.linear on `plain` [N, K] weights (int8 token generation:
-  modeling.int8_linear);
-- `gemv`: modeling.gemv, inductor's fused reduction, on `plain` weights. It exists only
+- `onednn`: linear.packed_linear on oneDNN-prepacked (`packed`) weights;
+- `aten`: linear.linear on `plain` [N, K] weights (int8 token generation:
+  linear.int8_linear);
+- `gemv`: linear.gemv, inductor's fused reduction, on `plain` weights. It exists only
   compiled, so it is never timed: it is the rule's choice for a few rows where the kernel
   does not run (arm64, x86 without AVX2).
 
@@ -34,7 +34,11 @@ from typing import TYPE_CHECKING, Any, Final
 
 import torch
 
-from neuronctl.backends.torch import _cpu_flags, kernel, kernel_runs_on, modeling
+from neuronctl.backends.torch import host, kernel
+from neuronctl.backends.torch.config import ModelArgs, Numerics
+from neuronctl.backends.torch.layout import blockable
+from neuronctl.backends.torch.linear import can_pack, linear_for, pack_weight, packed_linear
+from neuronctl.backends.torch.quantize import quantize
 from neuronctl.errors import UsageError
 from neuronctl.store.manifest import MatmulPath, OpChoice, RowChoice, WeightLayout
 
@@ -80,8 +84,8 @@ Timer = Callable[["Target", int], dict[str, float]]
 class Target:
     """What the choice depends on besides timings."""
 
-    args: modeling.ModelArgs
-    numerics: modeling.Numerics
+    args: ModelArgs
+    numerics: Numerics
     compiler: str
     batch_size: int
     rows: tuple[int, ...]  # the row counts the graphs run at, ascending
@@ -115,21 +119,21 @@ def split(name: str) -> tuple[MatmulPath, WeightLayout]:
 
 
 def target_for(
-    spec: BuildSpec, args: modeling.ModelArgs, numerics: modeling.Numerics,
+    spec: BuildSpec, args: ModelArgs, numerics: Numerics,
     rows: tuple[int, ...], cpu_flags: str | None = None,
 ) -> Target:
     """The choice's inputs for a spec: `rows` the graphs' (graphs.graph_rows)."""
     compiler = str(spec.compiler)
-    flags = _cpu_flags() if cpu_flags is None else cpu_flags
+    flags = host.cpu_flags() if cpu_flags is None else cpu_flags
     return Target(
         args=args,
         numerics=numerics,
         compiler=compiler,
         batch_size=spec.batch_size,
         rows=rows,
-        kernel=compiler == "inductor" and kernel_runs_on(flags) and modeling.blockable(args),
+        kernel=compiler == "inductor" and host.kernel_runs_on(flags) and blockable(args),
         onednn=(compiler == "inductor" and not numerics.quantized
-                and numerics.storage == numerics.compute and modeling.can_pack(numerics.storage)),
+                and numerics.storage == numerics.compute and can_pack(numerics.storage)),
     )
 
 
@@ -173,7 +177,7 @@ def rule_path(target: Target, layout: str, rows: int) -> MatmulPath:
     token_gen = rows == target.batch_size
     if token_gen and target.compiler == "inductor" and not numerics.quantized and rows <= most:
         return GEMV
-    return ATEN  # int8 token generation: aten's int8 kernel (modeling.linear_for)
+    return ATEN  # int8 token generation: aten's int8 kernel (linear.linear_for)
 
 
 def by_rules(target: Target, layout: WeightLayout | None = None) -> OpChoice:
@@ -261,7 +265,7 @@ def _call(
     weight = torch.randn(shape, generator=generator)
     scale = None
     if numerics.quantized:
-        weight, scale = modeling.quantize(weight, per_channel=True)
+        weight, scale = quantize(weight, per_channel=True)
     else:
         weight = weight.to(numerics.storage)
     x = torch.randn(rows, shape[1], generator=generator).to(numerics.compute)
@@ -270,9 +274,9 @@ def _call(
         laid_out = kernel.block(weight) if layout == BLOCKED else weight
         return lambda: kernel.linear(x, laid_out, None, scale)
     if path == ONEDNN:
-        packed = modeling.pack_weight(weight, target.batch_size)
-        return lambda: modeling.packed_linear(x, packed)
-    linear = modeling.linear_for(ATEN, numerics.quantized, rows == target.batch_size)
+        packed = pack_weight(weight, target.batch_size)
+        return lambda: packed_linear(x, packed)
+    linear = linear_for(ATEN, numerics.quantized, rows == target.batch_size)
     return lambda: linear(x, weight, None, scale)
 
 

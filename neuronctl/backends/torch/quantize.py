@@ -1,4 +1,4 @@
-"""int8 weight-only artifacts: the checkpoint as the shards should hold it, quantized.
+"""int8 weight-only artifacts: the rounding, and the checkpoint as the shards should hold it.
 
 `QuantizedCheckpoint` presents a checkpoint whose projections and LM head are int8 with a
 `<name>_scale` tensor (one per output channel) after each, so the ordinary streaming sharder
@@ -15,12 +15,27 @@ from typing import TYPE_CHECKING, Any, cast
 
 import torch
 
-from neuronctl.backends.torch import modeling
+from neuronctl.backends.torch.config import args_from_config
+from neuronctl.backends.torch.layout import quantized_names, scale_name
 from neuronctl.checkpoints.safetensors_format import TensorInfo
 
 if TYPE_CHECKING:
     from neuronctl.checkpoints import Checkpoint
     from neuronctl.spec import BuildSpec
+
+
+def quantize(weight: torch.Tensor, per_channel: bool) -> tuple[torch.Tensor, torch.Tensor]:
+    """Symmetric int8: (q [out, in] int8, scale [out]) with weight ~= q * scale[:, None].
+
+    The scale is rounded to bf16 first (linear.int8_linear's kernel reads bf16 scales, and any
+    storage dtype holds it exactly), then the weight divided by it; values the rounding
+    pushes past 127 are clipped.
+    """
+    w = weight.float()
+    amax = w.abs().amax(dim=1) if per_channel else w.abs().amax().expand(w.shape[0])
+    scale = (amax / 127.0).clamp(min=1e-12).to(torch.bfloat16).float()
+    q = torch.round(w / scale[:, None]).clamp(-127, 127).to(torch.int8)
+    return q, scale.to(torch.bfloat16).contiguous()
 
 
 @dataclass
@@ -34,8 +49,8 @@ class QuantizedCheckpoint:
 
     @classmethod
     def wrap(cls, checkpoint: Checkpoint, spec: BuildSpec) -> Checkpoint:
-        args = modeling.args_from_config(checkpoint.config)
-        view = cls(checkpoint, frozenset(modeling.quantized_names(args)),
+        args = args_from_config(checkpoint.config)
+        view = cls(checkpoint, frozenset(quantized_names(args)),
                    spec.quantization_type == "per_channel_symmetric")
         return cast("Checkpoint", view)  # duck-typed: sharding uses only what is below
 
@@ -52,7 +67,7 @@ class QuantizedCheckpoint:
         for name in self.inner.tensor_names():
             names.append(name)
             if name in self.quantized:
-                names.append(modeling.scale_name(name))
+                names.append(scale_name(name))
         return names
 
     def tensor_info(self, name: str) -> TensorInfo:
@@ -69,7 +84,7 @@ class QuantizedCheckpoint:
         if base is None:
             return self.inner.tensor(name)
         if self._last is None or self._last[0] != base:
-            q, scale = modeling.quantize(self.inner.tensor(base), self.per_channel)
+            q, scale = quantize(self.inner.tensor(base), self.per_channel)
             self._last = (base, q, scale)
         return self._last[1] if name == base else self._last[2]
 

@@ -3,16 +3,18 @@
 from __future__ import annotations
 
 import bisect
-import json
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import torch
 
-from neuronctl.backends.base import NEURON_CONFIG
-from neuronctl.backends.torch import modeling, opchoice
+from neuronctl.backends.torch import neuron_config, opchoice
+from neuronctl.backends.torch.attention import inv_freq
+from neuronctl.backends.torch.config import ModelArgs, args_from_config
 from neuronctl.backends.torch.graphs import CONTEXT, DTYPES, TOKEN_GEN, graph_name, prompt_counts
+from neuronctl.backends.torch.layout import new_kv_cache
+from neuronctl.backends.torch.linear import can_pack, pack_weight, packed_names
 from neuronctl.backends.torch.safeload import load_export_graph
 from neuronctl.errors import CheckpointError, NotFoundError, UsageError
 
@@ -32,7 +34,7 @@ class TorchRunner:
     ) -> None:
         assert isinstance(spec.context_buckets, list) and isinstance(spec.token_gen_buckets, list)
         self.path = path
-        self.args = modeling.args_from_config(config)
+        self.args = args_from_config(config)
         self.batch_size = spec.batch_size
         self.seq_len = spec.seq_len
         self.max_context_length = spec.effective_max_context_length()
@@ -42,7 +44,7 @@ class TorchRunner:
         self.dtype = DTYPES[str(spec.dtype)]
         self.compiler = str(spec.compiler)
         # The manifest's op choice says how the graphs read the weights: oneDNN-prepacked
-        # (modeling.packed_linear), blocked for neuronctl's kernel (kernel.block) or plain.
+        # (linear.packed_linear), blocked for neuronctl's kernel (kernel.block) or plain.
         layout, kernel_digest = _matmul_record(path, ops, versions or {})
         self.packed = layout == opchoice.PACKED
         self.blocked = layout == opchoice.BLOCKED
@@ -51,14 +53,14 @@ class TorchRunner:
         self.quantized = bool(spec.quantized)
         self.weights = _load_weights(path / "weights", self.args, self.dtype, self.packed,
                                      self.batch_size, self.quantized, self.blocked)
-        self.k_cache, self.v_cache = modeling.new_kv_cache(
+        self.k_cache, self.v_cache = new_kv_cache(
             self.args, self.batch_size, self.seq_len, self.dtype
         )
         # Flat input prefix shared by every graph: weights, rope frequencies, caches. The
         # graphs mutate the caches in place, so this list never changes between steps.
         self._prefix = [
             *self.weights.values(),
-            modeling.inv_freq(self.args),
+            inv_freq(self.args),
             *self.k_cache,
             *self.v_cache,
         ]
@@ -184,13 +186,6 @@ def _pick(buckets: Sequence[int], need: int, what: str, of: str) -> int:
     return buckets[i]
 
 
-def _neuron_config(path: Path) -> dict[str, Any]:
-    try:
-        return dict(json.loads((path / NEURON_CONFIG).read_text()))
-    except FileNotFoundError:
-        raise NotFoundError(f"{path} has no {NEURON_CONFIG}", "recompile the artifact") from None
-
-
 def _matmul_record(
     path: Path, ops: OpChoice | None, versions: Mapping[str, str]
 ) -> tuple[str, str | None]:
@@ -198,7 +193,7 @@ def _matmul_record(
     graph calls the kernel), from the manifest's record; artifacts from before it say both
     in neuron_config.json."""
     if ops is None:
-        legacy = _neuron_config(path)
+        legacy = neuron_config.read(path)
         digest = legacy.get("blocked_weights")
         return opchoice.legacy_layout(legacy), str(digest) if digest else None
     if opchoice.KERNEL not in ops.paths:
@@ -234,20 +229,20 @@ def _load_kernel(built_with: str, path: Path) -> None:
 
 
 def _load_weights(
-    weights_dir: Path, args: modeling.ModelArgs, dtype: torch.dtype, packed: bool = False,
+    weights_dir: Path, args: ModelArgs, dtype: torch.dtype, packed: bool = False,
     batch_size: int = 1, quantized: bool = False, blocked: bool = False,
 ) -> dict[str, torch.Tensor]:
     """The graphs' weights, read once into their final form (weights.py); the matrices that
     oneDNN-packed graphs take are packed one by one, each plain copy freed as it goes."""
     from neuronctl.backends.torch.weights import load_graph_weights
 
-    if packed and not modeling.can_pack(dtype):
+    if packed and not can_pack(dtype):
         raise CheckpointError(
             "this artifact's graphs need oneDNN prepacked weights, which this torch or "
             "CPU cannot provide", "recompile the artifact on this host",
         )
     weights = load_graph_weights(weights_dir, args, dtype, quantized, packed, blocked)
     if packed:
-        for name in modeling.packed_names(args):
-            weights[name] = modeling.pack_weight(weights[name], batch_size)
+        for name in packed_names(args):
+            weights[name] = pack_weight(weights[name], batch_size)
     return weights

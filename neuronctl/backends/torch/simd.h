@@ -1,5 +1,5 @@
 // AVX2 helpers shared by neuronctl's CPU ops (gemv.cpp, attention.cpp). Part of the kernel
-// digest (backends/torch/__init__.py), like the two sources.
+// digest (backends/torch/versions.py), like the two sources.
 #pragma once
 
 #include <immintrin.h>

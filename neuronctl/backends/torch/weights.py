@@ -2,7 +2,7 @@
 
 The shards hold the checkpoint's tensors (Hugging Face names, Neuron's tp split). The graphs
 take q/k/v and gate/up fused, in the kernel's blocked layout where they call it
-(modeling.graph_sources). Each graph tensor is allocated once, in its final place (the
+(layout.graph_sources). Each graph tensor is allocated once, in its final place (the
 huge-page arena for blocked matrices), and its parts are read from the files straight into
 it: a fused matrix's parts into its row ranges, a tp piece into its slice. Only a blocked
 matrix passes through one transient plain tensor. Files are read, not mapped: the pages of a
@@ -21,7 +21,9 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from neuronctl.backends.torch import kernel, modeling
+from neuronctl.backends.torch import kernel
+from neuronctl.backends.torch.config import ModelArgs
+from neuronctl.backends.torch.layout import graph_layout, graph_sources, is_matrix
 from neuronctl.checkpoints.safetensors_format import TensorInfo, read_header
 from neuronctl.errors import CheckpointError
 from neuronctl.sharding import META_SPLITS, shard_name
@@ -126,22 +128,22 @@ class Shards:
 
 
 def load_graph_weights(
-    weights_dir: Path, args: modeling.ModelArgs, dtype: torch.dtype, quantized: bool,
+    weights_dir: Path, args: ModelArgs, dtype: torch.dtype, quantized: bool,
     packed: bool, blocked: bool,
 ) -> dict[str, Tensor]:
     """The graphs' weight inputs (in graph order), read from the shards with one copy held.
 
     `packed` only adds the tied head's plain table as `lm_head.weight`; the runner packs.
     """
-    sources = modeling.graph_sources(args, quantized, packed, blocked)
-    layout = modeling.graph_layout(args, dtype, packed, quantized, blocked)
+    sources = graph_sources(args, quantized, packed, blocked)
+    layout = graph_layout(args, dtype, packed, quantized, blocked)
     shards = Shards(weights_dir)
     try:
         for parts in sources.values():
             for part in parts:
                 shards.info(part)  # every part exists before anything is allocated
         matrices = {name: layout[name] for name in layout
-                    if blocked and modeling.is_matrix(name)}
+                    if blocked and is_matrix(name)}
         weights = kernel.huge_page_tensors(matrices) if matrices else {}
         widest = max((kernel.ROWS * kernel.unblocked_shape(shape)[1] * dt.itemsize
                       for shape, dt in matrices.values()), default=0)
