@@ -2,6 +2,7 @@ from __future__ import annotations
 
 import random
 import threading
+from typing import Any
 
 import pytest
 
@@ -397,3 +398,52 @@ def test_running_stops_the_engine_however_the_block_ends() -> None:
     assert [h.result().finish_reason for h in handles] == ["abort", "abort"]
     with pytest.raises(EngineStoppedError):
         engine.submit([1], GREEDY)
+
+
+def _openmp() -> Any:
+    """torch's own OpenMP runtime (the one its kernels and the backend's use), or skip."""
+    import ctypes
+    from pathlib import Path
+
+    import torch
+
+    for name in ("libgomp.so.1", "libiomp5.so", "libomp.so"):
+        lib = Path(torch.__file__).parent / "lib" / name
+        if lib.exists():
+            return ctypes.CDLL(str(lib))
+    pytest.skip("torch ships no OpenMP runtime this test can ask")
+
+
+def test_the_engine_thread_runs_kernels_with_the_starting_threads_intra_op_count() -> None:
+    """OpenMP's thread count is per thread (the nthreads-var ICV of the OpenMP spec): a new
+    thread starts at the process default, whatever `torch.set_num_threads` set elsewhere,
+    until torch's first parallel op on it. The backend's own kernels (`#pragma omp parallel`
+    in backends/torch/gemv.cpp and attention.cpp) read the thread's count, so the engine's
+    first runner call must already see the caller's count: the one the Runner alone ran with."""
+    import torch
+
+    omp = _openmp()
+    fresh: list[int] = []
+    probe = threading.Thread(target=lambda: fresh.append(omp.omp_get_max_threads()))
+    probe.start()
+    probe.join()
+    want = 1 if fresh[0] != 1 else 2  # a count no new thread has by itself
+
+    seen: list[int] = []
+
+    class Recording(FakeRunner):
+        def prefill(self, slot: int, token_ids: list[int]) -> Any:
+            seen.append(omp.omp_get_max_threads())  # before any torch op on this thread
+            return super().prefill(slot, token_ids)
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(want)
+    try:
+        engine = make_engine(Recording(batch_size=1))
+        try:
+            engine.generate([[1, 2, 3]], SamplingParams(temperature=0, max_tokens=2))
+        finally:
+            engine.stop()
+    finally:
+        torch.set_num_threads(before)
+    assert seen == [want]

@@ -394,3 +394,101 @@ def test_min_tokens_also_holds_off_stop_strings_as_vllm() -> None:
         assert held.text.startswith(text[:3]) and len(held.token_ids) >= 3
     finally:
         engine.stop()
+
+
+def _forbid(monkeypatch: pytest.MonkeyPatch, *names: str) -> None:
+    """Make these per-row sampling steps fail if they run at all."""
+    from neuronctl.engine import sampling
+
+    def refuse(*args: object, **kwargs: object) -> None:
+        raise AssertionError("per-row sampling work for a row that asked for none")
+
+    for name in names:
+        monkeypatch.setattr(sampling, name, refuse)
+
+
+def _count_argmax(monkeypatch: pytest.MonkeyPatch) -> list[int]:
+    """Rows in each argmax_rows call sample_step makes."""
+    from neuronctl.engine import sampling
+
+    calls: list[int] = []
+    real = sampling.argmax_rows
+
+    def counted(logits: torch.Tensor) -> list[int]:
+        calls.append(logits.shape[0])
+        return real(logits)
+
+    monkeypatch.setattr(sampling, "argmax_rows", counted)
+    return calls
+
+
+def test_a_plain_greedy_batch_is_one_argmax_and_no_per_row_work(monkeypatch) -> None:
+    """Greedy rows with no options cost one batched argmax: no per-row pick, options,
+    sampling or logprobs."""
+    _forbid(monkeypatch, "_pick", "apply_options", "sample", "token_logprobs", "_add_logprobs")
+    calls = _count_argmax(monkeypatch)
+    logits = torch.randn(8, 300, generator=torch.Generator().manual_seed(0))
+    greedy = resolve(SamplingParams(temperature=0))
+    states = [_State(greedy, make_generator(0), [1], []) for _ in range(8)]
+    picks = sample_step(logits, list(range(8)), states)
+    assert [p.token_id for p in picks] == logits.argmax(-1).tolist()  # type: ignore[union-attr]
+    assert calls == [8]
+
+
+def test_options_run_only_for_the_rows_that_ask_for_them(monkeypatch) -> None:
+    """One row with a repetition penalty and one with logprobs among six plain greedy rows:
+    the greedy rows without options share one argmax, options run once (for their row),
+    logprobs once (for theirs)."""
+    from neuronctl.engine import sampling
+
+    optioned: list[int] = []
+    real_options, real_logprobs = sampling.apply_options, sampling.token_logprobs
+
+    def options(row, params, prompt_ids, output_ids, eos_ids=()):  # type: ignore[no-untyped-def]
+        optioned.append(len(prompt_ids))
+        return real_options(row, params, prompt_ids, output_ids, eos_ids)
+
+    scored: list[int] = []
+
+    def logprobs(logits, token_ids, ks):  # type: ignore[no-untyped-def]
+        scored.append(len(token_ids))
+        return real_logprobs(logits, token_ids, ks)
+
+    monkeypatch.setattr(sampling, "apply_options", options)
+    monkeypatch.setattr(sampling, "token_logprobs", logprobs)
+    calls = _count_argmax(monkeypatch)
+    logits = torch.randn(8, 300, generator=torch.Generator().manual_seed(1))
+    greedy = resolve(SamplingParams(temperature=0))
+    penalised = resolve(SamplingParams(temperature=0, repetition_penalty=1.5))
+    scoring = resolve(SamplingParams(temperature=0, logprobs=2))
+    params = [greedy] * 8
+    params[3], params[5] = penalised, scoring
+    states = [_State(p, make_generator(0), [i] * 7, []) for i, p in enumerate(params)]
+    picks = sample_step(logits, list(range(8)), states)
+    assert optioned == [7]  # row 3 alone
+    assert scored == [1]  # row 5 alone
+    assert sorted(calls) == [1, 7]  # every greedy row without options together; row 3 alone
+    assert all(not isinstance(p, Exception) for p in picks)
+
+
+def test_bfloat16_argmax_matches_torch_without_torchs_widening(monkeypatch) -> None:
+    """bf16 logits are widened by numpy (a shift of their bits), not by `Tensor.float`, an
+    OpenMP op whose hand-off costs more than the argmax; the picks are torch's, NaN and
+    negative rows included."""
+    from neuronctl.engine.sampling import argmax_rows
+
+    gen = torch.Generator().manual_seed(2)
+    logits = (torch.randn(6, 5000, generator=gen) * 30).bfloat16()
+    logits[1] = -logits[1].abs() - 1  # all negative
+    logits[2, 77] = float("nan")
+    logits[3, 10] = float("-nan")
+    logits[4, 4999] = float("inf")
+    logits[5, :] = -float("inf")
+    want = [int(i) for i in logits.float().argmax(-1)]
+
+    def refuse(self: torch.Tensor, *args: object, **kwargs: object) -> torch.Tensor:
+        raise AssertionError("bf16 widened by torch")
+
+    monkeypatch.setattr(torch.Tensor, "float", refuse)
+    assert argmax_rows(logits) == want
+    assert argmax_rows(logits[[4, 2]]) == [want[4], want[2]]

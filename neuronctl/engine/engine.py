@@ -20,6 +20,8 @@ from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import partial
 from typing import Any
 
+import torch
+
 from neuronctl.backends.base import Runner
 from neuronctl.engine.errors import EngineDeadError, EngineStoppedError, RequestError
 from neuronctl.engine.request import Event, FinishReason, Request, RequestOutput, Sink
@@ -35,6 +37,19 @@ from neuronctl.engine.text import NewDecoder
 from neuronctl.spec import DEFAULT_GLOBAL_TOPK
 
 logger = logging.getLogger(__name__)
+
+
+def same_intra_op_threads(count: int) -> None:
+    """Give this (new) thread the intra-op thread count its starter had.
+
+    OpenMP keeps the count per thread: a new thread starts with the process default
+    (OMP_NUM_THREADS, else every core), not what `torch.set_num_threads` set elsewhere, until
+    torch's first parallel op on it copies torch's count over. The backend's own OpenMP
+    kernels (backends/torch/gemv.cpp, attention.cpp) read the thread's count directly, so the
+    engine thread's first steps could run them with a team of another size than the Runner
+    measured alone. Setting it first makes every step run with the caller's count."""
+    if count > 0:
+        torch.set_num_threads(count)
 
 
 class EventQueue:
@@ -132,11 +147,13 @@ class Engine:
         self.death: str | None = None  # why the engine thread failed; None while it is alive
         self._step: SchedulerOutput | None = None  # the step being applied
         self.steps = 0  # decode steps run, for tests and metrics
+        self._threads = 0  # the starting thread's intra-op thread count (start())
 
     # -- public API, any thread ---------------------------------------------------------------
 
     def start(self) -> Engine:
         if self._thread is None:
+            self._threads = torch.get_num_threads()
             self._thread = threading.Thread(target=self._loop, name="neuronctl-engine", daemon=True)
             self._thread.start()
         return self
@@ -253,6 +270,7 @@ class Engine:
         """Run steps until stopped; an exception that escapes a step kills the engine, and
         everything it held is failed, so no request waits forever for a thread that is gone."""
         try:
+            same_intra_op_threads(self._threads)
             self._steps()
         except BaseException as exc:
             logger.exception("the engine thread failed; failing every request it held")
