@@ -13,6 +13,7 @@ import torch
 
 from neuronctl.backends import get_backend
 from neuronctl.backends.torch import _cpu_flags, kernel, kernel_runs_on, modeling
+from neuronctl.backends.torch.runner import TorchRunner
 from neuronctl.build import compile_model, resolve_build
 from neuronctl.errors import SpecError, UsageError
 from neuronctl.store.manifest import read_manifest
@@ -30,7 +31,7 @@ SPEC: dict[str, Any] = {
     "context_buckets": "16,32,64",
     "token_gen_buckets": "32,64",
 }
-ARCHS = {
+ARCHS: dict[str, dict[str, Any]] = {
     # (make_checkpoint kwargs): cover the index-sharded layout, tied embeddings, qkv bias.
     "llama": {"sharded": True},
     "mistral": {},
@@ -59,6 +60,7 @@ _GRAPHS: dict[Path, dict[str, Any]] = {}
 
 def load(path: Path) -> Any:
     runner = get_backend("torch").load(path, read_manifest(path))
+    assert isinstance(runner, TorchRunner)
     runner._graphs = _GRAPHS.setdefault(path, {})
     return runner
 
