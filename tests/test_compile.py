@@ -13,7 +13,7 @@ import pytest
 from neuronctl.store.local import Store
 from neuronctl.store.manifest import read_manifest
 from tests.conftest import SMALLEST_SPEC
-from tests.helpers import cli, cli_in_process, make_checkpoint
+from tests.helpers import cli_in_process, make_checkpoint
 from tests.test_remote import (  # noqa: F401  (fixtures)
     bucket,  # moto on 127.0.0.1
     s3server,
@@ -185,7 +185,7 @@ def test_unsupported_architecture_lists_what_is_supported(tiny_llama: Path, tmp_
     config = json.loads((model / "config.json").read_text())
     config["architectures"] = ["FancyNewForCausalLM"]
     (model / "config.json").write_text(json.dumps(config))
-    result = cli("compile", str(model), *FLAGS, "--store", str(tmp_path / "s"))
+    result = cli_in_process("compile", str(model), *FLAGS, "--store", str(tmp_path / "s"))
     assert result.returncode == 1  # a checkpoint no backend supports: CheckpointError
     assert "LlamaForCausalLM" in result.stderr
     assert not (tmp_path / "s").exists() or list(Store(tmp_path / "s").iter_artifacts()) == []

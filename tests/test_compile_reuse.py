@@ -10,7 +10,7 @@ from pathlib import Path
 from neuronctl.build import compile_model, resolve_build
 from neuronctl.store.local import Store
 from neuronctl.store.manifest import Manifest, Source, read_manifest
-from tests.conftest import SMALLEST_SPEC, TINY_SPEC
+from tests.conftest import SMALLEST_SPEC
 from tests.helpers import fine_tuned_copy
 
 
@@ -120,16 +120,17 @@ def _edit_spec(artifact: Path, **changes: object) -> None:
 
 
 def test_an_unlisted_graph_file_is_neither_reusable_nor_a_cache_hit(
-    compiled_artifact: Path, tiny_llama: Path, tmp_path: Path
+    tiny_llama: Path, tmp_path: Path
 ) -> None:
     """compile used to call this a hit while validate refused it, leaving the user stuck."""
     from neuronctl.store.manifest import is_intact
     from neuronctl.validate import quick_validate
 
-    store, artifact = _copied_store(compiled_artifact, tmp_path)
+    store = tmp_path / "store"
+    artifact = _compile(tiny_llama, store).path  # the 2-graph spec: built twice here
     (artifact / "graphs" / "context_encoding_999.pt2").write_bytes(b"not a graph")
     assert not quick_validate(artifact).reusable and not is_intact(artifact)
-    out = _compile(tiny_llama, store, TINY_SPEC)  # the spec compiled_artifact was built with
+    out = _compile(tiny_llama, store)
     assert not out.cache_hit and out.path == artifact  # rebuilt, replaced atomically
     assert quick_validate(artifact).reusable and is_intact(artifact)
     assert not (artifact / "graphs" / "context_encoding_999.pt2").exists()

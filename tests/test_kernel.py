@@ -53,8 +53,21 @@ pytestmark = [
 
 
 @pytest.fixture(scope="module", autouse=True)
-def built() -> None:
-    kernel.load()
+def built(request: pytest.FixtureRequest) -> None:
+    """The library, built once per source digest and torch version into pytest's own cache
+    folder (.pytest_cache, never the user's cache), so that only the first run of a clone
+    pays for the compiler: the build itself is tested in test_faults.py and below."""
+    cache = getattr(request.config, "cache", None)  # None under -p no:cacheprovider
+    saved = os.environ.get("XDG_CACHE_HOME")
+    if cache is not None:
+        os.environ["XDG_CACHE_HOME"] = str(cache.mkdir("neuronctl-kernel"))
+    try:
+        kernel.load()
+    finally:
+        if saved is None:
+            os.environ.pop("XDG_CACHE_HOME", None)
+        else:
+            os.environ["XDG_CACHE_HOME"] = saved
 
 
 def reference(x: torch.Tensor, w: torch.Tensor, scale: torch.Tensor | None) -> torch.Tensor:

@@ -40,7 +40,9 @@ def test_bf16_and_int8_artifacts_pass_logit_matching_at_their_resolution(
     # with the logits and the artifact's numerics, and the reference is float32.
     for overrides, numerics in (({"dtype": "bfloat16"}, "bfloat16"),
                                 ({"quantized": True}, "int8")):
-        spec = {**TINY_SPEC, "context_buckets": "64", "token_gen_buckets": "128", **overrides}
+        # one slot, one bucket each: 2 graphs; the check prefills and decodes slot 0
+        spec = {**TINY_SPEC, "batch_size": 1, "context_buckets": "64",
+                "token_gen_buckets": "128", **overrides}
         path = compile_model(resolve_build(str(tiny_llama), spec, store_dir=tmp_path),
                              jobs=1).path  # in this process: no spawn pool to start
         report = check_accuracy(path, tiny_llama, "logit-matching", max_new_tokens=16)

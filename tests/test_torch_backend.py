@@ -21,7 +21,7 @@ from neuronctl.build import compile_model, resolve_build
 from neuronctl.errors import BuildError, CheckpointError, SpecError, UsageError
 from neuronctl.spec import resolve_spec
 from neuronctl.store.manifest import read_manifest
-from tests.conftest import TINY_SPEC
+from tests.conftest import SMALLEST_SPEC, TINY_SPEC
 from tests.helpers import make_checkpoint, read_config
 
 
@@ -101,8 +101,9 @@ def test_sliding_window_shorter_than_seq_len_is_refused_and_nothing_published(
     with pytest.raises(SpecError, match="sliding window of 64"):
         compile_tiny(ckpt, tmp_path / "store", seq_len=128)
     assert published(tmp_path / "store") == []
-    # A window that covers the whole sequence changes nothing and is accepted.
-    assert compile_tiny(ckpt, tmp_path / "store", seq_len=64, token_gen_buckets="64").path
+    # A window that covers the whole sequence changes nothing and is accepted (the smallest
+    # spec with that sequence length: 2 graphs).
+    assert compile_tiny(ckpt, tmp_path / "store", **SMALLEST_SPEC).path
 
 
 def test_qwen2_sliding_layers_are_refused(tmp_path: Path) -> None:

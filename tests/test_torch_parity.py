@@ -15,22 +15,25 @@ from neuronctl.backends import get_backend
 from neuronctl.backends.torch import kernel
 from neuronctl.backends.torch.host import cpu_flags, kernel_runs_on
 from neuronctl.backends.torch.quantize import quantize
+from neuronctl.backends.torch.runner import TorchRunner
 from neuronctl.build import compile_model, resolve_build
 from neuronctl.errors import SpecError, UsageError
 from neuronctl.store.manifest import read_manifest
 from tests.helpers import make_checkpoint
 
 TOL = 1e-4
+# Three context buckets and two token-generation ones: the tests below cross each bucket
+# boundary (no sequence they run goes past 64 tokens), 8 graphs per artifact.
 SPEC: dict[str, Any] = {
     "compiler": "export",
     "dtype": "float32",
-    "seq_len": 128,
+    "seq_len": 64,
     "max_context_length": 64,
     "batch_size": 4,
     "context_buckets": "16,32,64",
-    "token_gen_buckets": "32,64,128",
+    "token_gen_buckets": "32,64",
 }
-ARCHS = {
+ARCHS: dict[str, dict[str, Any]] = {
     # (make_checkpoint kwargs): cover the index-sharded layout, tied embeddings, qkv bias.
     "llama": {"sharded": True},
     "mistral": {},
@@ -40,7 +43,7 @@ ARCHS = {
 
 def one_bucket(context: int, token_gen: int) -> dict[str, Any]:
     """The smallest spec for a test that is not about buckets: one context bucket (graphs for
-    1 and `batch_size` prompts) and one token-generation bucket, 3 graphs where SPEC has 9."""
+    1 and `batch_size` prompts) and one token-generation bucket, 3 graphs where SPEC has 8."""
     return {"context_buckets": str(context), "max_context_length": context,
             "token_gen_buckets": str(token_gen), "seq_len": token_gen}
 
@@ -51,8 +54,17 @@ def build(ckpt: Path, store: Path, **overrides: Any) -> Any:
     return outcome
 
 
+# Loaded graphs per artifact path. A graph holds no tensors (weights, rope frequencies and
+# the KV cache are its inputs), so runners of one artifact may share them while each keeps
+# its own weights and cache: the module's artifacts load each graph once, not once per test.
+_GRAPHS: dict[Path, dict[str, Any]] = {}
+
+
 def load(path: Path) -> Any:
-    return get_backend("torch").load(path, read_manifest(path))
+    runner = get_backend("torch").load(path, read_manifest(path))
+    assert isinstance(runner, TorchRunner)
+    runner._graphs = _GRAPHS.setdefault(path, {})
+    return runner
 
 
 def hf_model(ckpt: Path) -> Any:
@@ -96,14 +108,16 @@ def test_greedy_32_tokens_identical_to_transformers(artifact: Any) -> None:
     ckpt, path, hf = artifact
     runner = load(path)
     prompt = random_ids(9, seed=2)
-    expected = list(prompt)
-    for _ in range(32):
-        expected.append(int(hf_logits(hf, expected)[-1].argmax()))
     tokens = list(prompt)
     logits = runner.prefill(0, prompt)
     for _ in range(32):
         tokens.append(int(logits.argmax()))
         logits = runner.decode([tokens[-1], 0, 0, 0], [len(tokens) - 1, -1, -1, -1])[0]
+    # transformers' greedy choice after every prefix of `tokens`, from one causal forward
+    # over all of them (position i sees tokens[:i + 1] only): equal to `tokens` exactly
+    # when greedy transformers generates the same 32 tokens from the prompt.
+    ref = hf_logits(hf, tokens[:-1])
+    expected = prompt + [int(ref[i].argmax()) for i in range(len(prompt) - 1, len(tokens) - 1)]
     assert tokens == expected
 
 
@@ -112,17 +126,18 @@ def test_mixed_prompt_lengths_in_different_slots(artifact: Any) -> None:
     runner = load(path)
     lengths = {0: 5, 1: 40, 3: 17}  # slot 2 stays idle throughout
     seqs = {slot: random_ids(n + 8, seed=10 + slot) for slot, n in lengths.items()}
+    # One causal forward per sequence: row i is transformers' logits after seq[:i + 1].
+    refs = {slot: hf_logits(hf, seq) for slot, seq in seqs.items()}
     for slot, n in lengths.items():
         first = runner.prefill(slot, seqs[slot][:n])
-        ref = hf_logits(hf, seqs[slot])
-        assert (first - ref[n - 1]).abs().max() < TOL
+        assert (first - refs[slot][n - 1]).abs().max() < TOL
     for step in range(8):
         tokens, positions = [0] * 4, [-1] * 4
         for slot, n in lengths.items():
             tokens[slot], positions[slot] = seqs[slot][n + step], n + step
         out = runner.decode(tokens, positions)
         for slot, n in lengths.items():
-            ref = hf_logits(hf, seqs[slot][: n + step + 1])[-1]
+            ref = refs[slot][n + step]
             assert (out[slot] - ref).abs().max() < TOL, f"slot {slot} step {step}"
 
 
@@ -137,15 +152,15 @@ def test_artifact_loads_after_being_moved(artifact: Any, tmp_path: Path) -> None
 
 def test_tp1_and_tp2_artifacts_give_identical_results(tmp_path: Path) -> None:
     ckpt = make_checkpoint(tmp_path / "ckpt", "llama")
-    small = one_bucket(32, 64)  # a 30-token prompt, one decode step at 30
+    # a 30-token prompt, one decode step at 30: one slot, 2 graphs per artifact
+    small = {**one_bucket(32, 64), "batch_size": 1}
     one = load(build(ckpt, tmp_path / "store", tp_degree=1, **small).path)
     two_path = build(ckpt, tmp_path / "store", tp_degree=2, **small).path
     assert len(list((two_path / "weights").glob("tp*_sharded_checkpoint.safetensors"))) == 2
     two = load(two_path)
     ids = random_ids(30, seed=4)
     assert torch.equal(one.prefill(0, ids), two.prefill(0, ids))
-    assert torch.equal(one.decode([ids[0]] * 4, [30, -1, -1, -1]),
-                       two.decode([ids[0]] * 4, [30, -1, -1, -1]))
+    assert torch.equal(one.decode([ids[0]], [30]), two.decode([ids[0]], [30]))
 
 
 def test_llama3_rope_scaling_matches_transformers(tmp_path: Path) -> None:
@@ -154,19 +169,20 @@ def test_llama3_rope_scaling_matches_transformers(tmp_path: Path) -> None:
         "high_freq_factor": 4.0, "original_max_position_embeddings": 64,
     }
     ckpt = make_checkpoint(tmp_path / "ckpt", "llama", rope_parameters=rope)
-    runner = load(build(ckpt, tmp_path / "store", **one_bucket(64, 64)).path)
+    runner = load(build(ckpt, tmp_path / "store", batch_size=1, **one_bucket(64, 64)).path)
     ids = random_ids(60, seed=5)
     ref = hf_logits(hf_model(ckpt), ids)
     got = [runner.prefill(0, ids[:50])]
-    got += [runner.decode([ids[p], 0, 0, 0], [p, -1, -1, -1])[0] for p in range(50, 60)]
+    got += [runner.decode([ids[p]], [p])[0] for p in range(50, 60)]
     assert (torch.stack(got) - ref[49:60]).abs().max() < TOL
 
 
 def test_fine_tune_reuses_graphs_and_runs_its_own_weights(tmp_path: Path) -> None:
     base = make_checkpoint(tmp_path / "base", "llama", seed=0)
     tuned = make_checkpoint(tmp_path / "tuned", "llama", seed=7)
-    first = build(base, tmp_path / "store", **one_bucket(16, 32))  # a 10-token prompt
-    second = build(tuned, tmp_path / "store", **one_bucket(16, 32))
+    small = {**one_bucket(16, 32), "batch_size": 1}  # a 10-token prompt in one slot
+    first = build(base, tmp_path / "store", **small)
+    second = build(tuned, tmp_path / "store", **small)
     assert second.graphs_reused and not first.graphs_reused
     graphs = sorted(p.name for p in (second.path / "graphs").iterdir())
     for name in graphs:
@@ -185,6 +201,7 @@ def test_prefill_batch_equals_one_prefill_per_prompt(artifact: Any) -> None:
     batched, single = load(path), load(path)
     slots, lengths = [3, 0, 1], [9, 30, 17]
     seqs = [random_ids(n + 4, seed=20 + n) for n in lengths]
+    refs = [hf_logits(hf, seq) for seq in seqs]  # row i: transformers after seq[:i + 1]
     got = batched.prefill_batch(slots, [s[:n] for s, n in zip(seqs, lengths, strict=True)])
     assert got.shape == (3, hf.config.vocab_size)
     for row, (slot, seq, n) in enumerate(zip(slots, seqs, lengths, strict=True)):
@@ -194,9 +211,8 @@ def test_prefill_batch_equals_one_prefill_per_prompt(artifact: Any) -> None:
         for slot, seq, n in zip(slots, seqs, lengths, strict=True):
             tokens[slot], positions[slot] = seq[n + step], n + step
         out = batched.decode(tokens, positions)
-        for slot, seq, n in zip(slots, seqs, lengths, strict=True):
-            ref = hf_logits(hf, seq[: n + step + 1])[-1]
-            assert (out[slot] - ref).abs().max() < TOL, f"slot {slot} step {step}"
+        for slot, ref, n in zip(slots, refs, lengths, strict=True):
+            assert (out[slot] - ref[n + step]).abs().max() < TOL, f"slot {slot} step {step}"
 
 
 def test_prefill_batch_splits_more_prompts_than_a_graph_takes(tmp_path: Path) -> None:
@@ -259,8 +275,8 @@ def test_bf16_with_bf16_units_computes_in_bf16(
 
     monkeypatch.setattr(host, "half_units", lambda: "bf16")
     ckpt = make_checkpoint(tmp_path / "ckpt", "llama")
-    path = build(ckpt, tmp_path / "store", dtype="bfloat16", context_buckets="16",
-                 token_gen_buckets="32", seq_len=32, max_context_length=16).path
+    path = build(ckpt, tmp_path / "store", dtype="bfloat16", batch_size=1,
+                 **one_bucket(16, 32)).path
     config = json.loads((path / "neuron_config.json").read_text())
     assert config["numerics"]["compute"] == "bfloat16"
     assert read_manifest(path).host["compute_dtype"] == "bfloat16"
