@@ -120,6 +120,27 @@ def fine_tuned_copy(checkpoint: Path, out: Path) -> Path:
     return out
 
 
+def sharded_qwen2(tmp_path: Path, tp: int, tied: bool, quantized: bool) -> tuple[Path, Any]:
+    """A tiny qwen2 checkpoint (qkv bias) sharded tp ways in bf16, int8 per-channel where
+    `quantized`, into tmp_path/weights; that folder and the model's ModelArgs."""
+    from types import SimpleNamespace
+
+    import torch
+
+    from neuronctl.backends.torch.config import args_from_config
+    from neuronctl.backends.torch.quantize import QuantizedCheckpoint
+    from neuronctl.checkpoints import open_checkpoint
+    from neuronctl.sharding import shard_checkpoint
+
+    ckpt = open_checkpoint(str(make_checkpoint(tmp_path / "ckpt", "qwen2",
+                                               tie_word_embeddings=tied)), None)
+    if quantized:
+        spec = SimpleNamespace(quantization_type="per_channel_symmetric")
+        ckpt = QuantizedCheckpoint.wrap(ckpt, spec)  # type: ignore[arg-type]
+    shard_checkpoint(ckpt, tp, torch.bfloat16, tmp_path / "weights")
+    return tmp_path / "weights", args_from_config(ckpt.config)
+
+
 def read_config(path: Path) -> dict[str, Any]:
     return json.loads((path / "config.json").read_text())
 

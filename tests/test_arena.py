@@ -13,9 +13,8 @@ import pytest
 import torch
 
 from neuronctl.backends.torch import arena
-from neuronctl.backends.torch.config import args_from_config
 from neuronctl.backends.torch.layout import is_matrix
-from tests.helpers import make_checkpoint
+from tests.helpers import sharded_qwen2
 
 MiB = 1 << 20
 pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="MADV_POPULATE_WRITE is Linux's")
@@ -62,22 +61,6 @@ def test_take_hands_over_a_faulted_in_reservation_once_and_only_when_large_enoug
         assert resident(mapping) == 3 * MiB // mmap.PAGESIZE
 
 
-def shards(tmp_path: Path, tied: bool, quantized: bool, tp: int = 2) -> tuple[Path, object]:
-    from types import SimpleNamespace
-
-    from neuronctl.backends.torch.quantize import QuantizedCheckpoint
-    from neuronctl.checkpoints import open_checkpoint
-    from neuronctl.sharding import shard_checkpoint
-
-    ckpt = open_checkpoint(str(make_checkpoint(tmp_path / "ckpt", "qwen2",
-                                               tie_word_embeddings=tied)), None)
-    if quantized:
-        spec = SimpleNamespace(quantization_type="per_channel_symmetric")
-        ckpt = QuantizedCheckpoint.wrap(ckpt, spec)  # type: ignore[arg-type]
-    shard_checkpoint(ckpt, tp, torch.bfloat16, tmp_path / "weights")
-    return tmp_path / "weights", args_from_config(ckpt.config)
-
-
 @pytest.mark.parametrize("tied,quantized", [(True, False), (False, False), (False, True)])
 def test_a_reservation_of_the_weight_files_size_holds_the_blocked_matrices(
     tmp_path: Path, tied: bool, quantized: bool
@@ -86,7 +69,7 @@ def test_a_reservation_of_the_weight_files_size_holds_the_blocked_matrices(
     # blocked beside the plain embedding) must fit in it, and load exactly as without it.
     from neuronctl.backends.torch.weights import load_graph_weights
 
-    weights_dir, args = shards(tmp_path, tied, quantized)
+    weights_dir, args = sharded_qwen2(tmp_path, 2, tied, quantized)
     plain = load_graph_weights(weights_dir, args, torch.bfloat16, quantized, False, True)
     nbytes = sum(f.stat().st_size for f in weights_dir.glob("*.safetensors"))
     arena.reserve(nbytes)

@@ -12,6 +12,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -51,15 +52,20 @@ NOT_FOR_GENERATE = (
 COMPILER_STACK = ("torch._dynamo", "torch._inductor", "sympy")
 
 
-def imported_by_generate(artifact: Path, tmp_path: Path) -> set[str]:
-    out = tmp_path / "modules.json"
+def audited_generate(audit: str, artifact: Path, out: Path) -> Any:
+    """Generate one token from `artifact` in a fresh process under the `audit` program, which
+    writes what it saw to `out`; what it wrote."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
     args = ["generate", str(artifact), "--prompt", "Hello", "--max-tokens", "1"]
-    done = subprocess.run([sys.executable, "-c", AUDIT, str(out), *args], env=env,
+    done = subprocess.run([sys.executable, "-c", audit, str(out), *args], env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    return set(json.loads(out.read_text()))
+    return json.loads(out.read_text())
+
+
+def imported_by_generate(artifact: Path, tmp_path: Path) -> set[str]:
+    return set(audited_generate(AUDIT, artifact, tmp_path / "modules.json"))
 
 
 def present(modules: set[str], names: tuple[str, ...]) -> list[str]:
@@ -108,14 +114,7 @@ def test_generate_prepares_the_load_before_it_imports_torch(
 ) -> None:
     """The weights' memory faults in on another core while `import torch` runs (arena.py):
     only if generate asks for it first."""
-    out = tmp_path / "seen.json"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join(
-        filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    args = ["generate", str(compiled_artifact), "--prompt", "Hello", "--max-tokens", "1"]
-    done = subprocess.run([sys.executable, "-c", PREPARE_AUDIT, str(out), *args], env=env,
-                          capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert json.loads(out.read_text()) == [False]
+    assert audited_generate(PREPARE_AUDIT, compiled_artifact, tmp_path / "seen.json") == [False]
 
 
 def test_the_arena_module_imports_no_torch() -> None:

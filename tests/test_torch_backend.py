@@ -22,7 +22,7 @@ from neuronctl.errors import BuildError, CheckpointError, SpecError, UsageError
 from neuronctl.spec import resolve_spec
 from neuronctl.store.manifest import read_manifest
 from tests.conftest import SMALLEST_SPEC, TINY_SPEC
-from tests.helpers import make_checkpoint, read_config
+from tests.helpers import make_checkpoint, read_config, sharded_qwen2
 
 
 def compile_tiny(ckpt: Path, store: Path, **overrides: Any) -> Any:
@@ -315,24 +315,14 @@ def test_weights_load_into_their_graph_form_as_the_checkpoint_assembled_whole(
     # reference reassembles the whole checkpoint first, then fuses and blocks (graph_weights).
     # tp 4 with 2 KV heads replicates k/v per head ("kv" splits); o/down split on dim 1.
     # Blocked matrices go 4 rows a band here, so bands cross every part and piece boundary.
-    from types import SimpleNamespace
-
     from neuronctl.backends.torch import weights as loader
 
     monkeypatch.setattr(loader, "BAND_BYTES", 1)
 
-    from neuronctl.backends.torch.quantize import QuantizedCheckpoint
     from neuronctl.backends.torch.weights import load_graph_weights
-    from neuronctl.checkpoints import open_checkpoint
-    from neuronctl.sharding import load_full_tensors, shard_checkpoint
+    from neuronctl.sharding import load_full_tensors
 
-    ckpt = open_checkpoint(str(make_checkpoint(tmp_path / "ckpt", "qwen2",
-                                               tie_word_embeddings=tied)), None)
-    if quantized:
-        spec = SimpleNamespace(quantization_type="per_channel_symmetric")
-        ckpt = QuantizedCheckpoint.wrap(ckpt, spec)  # type: ignore[arg-type]
-    shard_checkpoint(ckpt, tp, torch.bfloat16, tmp_path / "weights")
-    args = args_from_config(ckpt.config)
+    _, args = sharded_qwen2(tmp_path, tp, tied, quantized)
     packed, blocked = layout == "packed", layout == "blocked"
     got = load_graph_weights(tmp_path / "weights", args, torch.bfloat16, quantized, packed,
                              blocked)
