@@ -15,6 +15,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -24,7 +25,13 @@ import httpx
 import openai
 import pytest
 
+from neuronctl.engine.sampling import SamplingParams
+from neuronctl.server.app import create_app
+from neuronctl.server.metrics import Metrics
+from neuronctl.server.streams import Run
+from tests.fake_runner import BYTE_TOKENS, FakeRunner
 from tests.helpers import cli_in_process, wait_until
+from tests.test_faults import ByteModel, engine_over
 
 API_KEY = "test-key"
 MODEL = "tiny"
@@ -525,3 +532,109 @@ def test_logprobs_of_a_compiled_artifact_match_log_softmax_of_transformers_logit
     for i in range(1, len(ids)):
         assert lp.token_logprobs[i] == pytest.approx(ref[i - 1, ids[i]].item(), abs=1e-4)
         assert max(lp.top_logprobs[i].values()) == pytest.approx(ref[i - 1].max().item(), abs=1e-4)
+
+
+# -- event-loop wake-ups, in process over the FakeRunner ----------------------------------------
+
+
+class ByteText(ByteModel):
+    """ByteModel with the token strings logprobs need."""
+
+    def token_str(self, token_id: int) -> str:
+        return chr(token_id) if token_id < BYTE_TOKENS else ""
+
+
+def post_counting_wakes(
+    monkeypatch: pytest.MonkeyPatch, path: str, body: dict[str, Any]
+) -> tuple[httpx.Response, int]:
+    """POST `body` to an in-process server over the FakeRunner; returns the response and how
+    many times the engine thread woke the event loop (call_soon_threadsafe) meanwhile."""
+    engine = engine_over(FakeRunner(batch_size=4, seq_len=128)).start()
+    app = create_app(engine, ByteText(), "fake")
+    wakes = 0
+
+    async def send() -> httpx.Response:
+        loop = asyncio.get_running_loop()
+        wake = loop.call_soon_threadsafe
+
+        def counted(*args: Any, **kwargs: Any) -> Any:
+            nonlocal wakes
+            wakes += threading.current_thread().name == "neuronctl-engine"
+            return wake(*args, **kwargs)
+
+        monkeypatch.setattr(loop, "call_soon_threadsafe", counted)
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            return await client.post(path, json={"model": "fake", **body})
+
+    try:
+        response = asyncio.run(send())
+    finally:
+        engine.stop()
+    assert response.status_code == 200, response.text
+    return response, wakes
+
+
+TOKENS = 24
+LONG = {"max_tokens": TOKENS, "ignore_eos": True, "seed": 7}
+CHAT = [{"role": "user", "content": "hello"}]
+
+
+@pytest.mark.parametrize(
+    ("path", "body", "requests"),
+    [
+        ("/v1/completions", {"prompt": "abc"}, 1),
+        ("/v1/chat/completions", {"messages": CHAT}, 1),
+        ("/v1/completions", {"prompt": "abc", "n": 2, "logprobs": 2}, 2),
+        ("/v1/chat/completions", {"messages": CHAT, "n": 2, "logprobs": True}, 2),
+        ("/v1/completions", {"prompt": "abc", "best_of": 3}, 3),
+    ],
+    ids=["completion", "chat", "completion-n2-logprobs", "chat-n2-logprobs", "best_of3"],
+)
+def test_a_whole_answer_wakes_the_event_loop_once_per_sequence_not_per_token(
+    monkeypatch: pytest.MonkeyPatch, path: str, body: dict[str, Any], requests: int
+) -> None:
+    """A request that does not stream needs only each sequence's output. Its sink woke the
+    event loop at every token (TOKENS times per sequence here), and on a 2-core host the loop
+    thread then took the GIL and a core from every other request's engine step."""
+    response, wakes = post_counting_wakes(monkeypatch, path, {**body, **LONG})
+    assert response.json()["usage"]["completion_tokens"] == TOKENS * requests
+    assert wakes == requests
+
+
+def test_a_stream_still_gets_each_token_as_it_comes_in_order(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    body = {"prompt": "abc", "return_token_ids": True, **LONG}
+    whole, _ = post_counting_wakes(monkeypatch, "/v1/completions", body)
+    streamed, wakes = post_counting_wakes(monkeypatch, "/v1/completions", {**body, "stream": True})
+    chunks = [
+        json.loads(line.removeprefix("data: "))
+        for line in streamed.text.splitlines()
+        if line.startswith("data: {")
+    ]
+    ids = [i for c in chunks for i in c["choices"][0]["token_ids"]]
+    text = "".join(c["choices"][0]["text"] for c in chunks)
+    choice = whole.json()["choices"][0]
+    assert ids == choice["token_ids"] and len(ids) == TOKENS
+    assert text == choice["text"]
+    assert wakes == TOKENS  # one per token; the last token's event carries the end
+
+
+def test_a_whole_answer_whose_event_loop_closed_stops_generating() -> None:
+    """The engine ends a request whose sink raises (its consumer is gone); a request that
+    does not stream still raises at its next token once its event loop has closed, though
+    its sink no longer wakes the loop per token."""
+    engine = engine_over(FakeRunner(batch_size=1, seq_len=512, step_delay=0.01)).start()
+    params = SamplingParams(temperature=0, max_tokens=400, ignore_eos=True)
+
+    async def submit() -> None:
+        Run(engine, [([1, 2], params)], Metrics(engine.stats, "fake", 512), [[1, 2]], stream=False)
+        while engine.stats()["running"] == 0:
+            await asyncio.sleep(0.01)
+
+    asyncio.run(submit())  # the loop closes with the request 4 s from its end
+    try:
+        wait_until(lambda: engine.stats()["running"] == 0, 2, "the orphaned request ended")
+    finally:
+        engine.stop(drain=False)

@@ -96,7 +96,9 @@ def add_routes(
         prompts = [await _encode(model.encode, p) if isinstance(p, str) else p for p in texts]
         if per_prompt > body.choices_per_prompt and params.logprobs is None:
             params = replace(params, logprobs=0)  # best_of ranks by cumulative logprob
-        run = Run(engine, jobs(prompts, params, per_prompt), metrics, prompts)
+        run = Run(
+            engine, jobs(prompts, params, per_prompt), metrics, prompts, stream=body.streaming
+        )
         echo = [p if isinstance(p, str) else model.decode(p) for p in texts] if body.echo else None
         stream = CompletionStream(run, served_model_name, body, model, echo)
         if body.streaming:
@@ -112,7 +114,9 @@ def add_routes(
         check_chars(body.prompt_chars(), "messages")
         messages = [m.as_template_message() for m in body.messages]
         prompt = await run_in_threadpool(model.encode_chat, messages)
-        run = Run(engine, jobs([prompt], params, per_prompt), metrics, [prompt])
+        run = Run(
+            engine, jobs([prompt], params, per_prompt), metrics, [prompt], stream=body.streaming
+        )
         stream = CompletionStream(run, served_model_name, body, model)
         if body.streaming:
             return sse(stream.chunks())

@@ -9,13 +9,14 @@ import json
 import time
 import uuid
 from collections.abc import AsyncGenerator, AsyncIterator, Sequence
+from functools import partial
 from typing import Any, Literal, Protocol
 
 from fastapi import Request
 from fastapi.responses import StreamingResponse
 
 from neuronctl.engine.engine import Engine, RequestHandle
-from neuronctl.engine.request import Event, RequestOutput
+from neuronctl.engine.request import Event, RequestOutput, Sink
 from neuronctl.engine.sampling import SamplingParams, TokenLogprob
 from neuronctl.server.errors import ApiError
 from neuronctl.server.metrics import Metrics
@@ -46,7 +47,12 @@ class TokenStrings(Protocol):
 
 
 class Run:
-    """One API request's engine requests (one per choice); events arrive on the event loop."""
+    """One API request's engine requests (one per choice); events arrive on the event loop.
+
+    With `stream`, every event does; without, only each request's last (its output), since a
+    whole answer needs nothing else. Each event handed over wakes the event loop from the
+    engine thread, and the woken loop thread takes the GIL and a core from the engine's
+    next step: per token, one request's wake-ups slowed every other request in the batch."""
 
     def __init__(
         self,
@@ -54,11 +60,14 @@ class Run:
         jobs: Sequence[tuple[Sequence[int], SamplingParams]],
         metrics: Metrics,
         prompts: Sequence[Sequence[int]],
+        *,
+        stream: bool,
     ) -> None:
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
         self.metrics = metrics
         self.prompts = prompts
+        self.stream = stream
         self.handles: list[RequestHandle] = []
         try:
             for i, (prompt, params) in enumerate(jobs):
@@ -67,8 +76,21 @@ class Run:
             self.cancel()
             raise
 
-    def _sink(self, index: int) -> Any:
-        return lambda event: self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, event))
+    def _sink(self, index: int) -> Sink:
+        return partial(self._deliver if self.stream else self._deliver_last, index)
+
+    def _deliver(self, index: int, event: Event) -> None:
+        """Engine thread: queue the event on the loop (raises once the loop has closed)."""
+        self.loop.call_soon_threadsafe(self.queue.put_nowait, (index, event))
+
+    def _deliver_last(self, index: int, event: Event) -> None:
+        """Engine thread: deliver only the last event; before it, only check that the loop
+        is open. The engine stops a request whose sink raises, as `_deliver` raises at every
+        token once the loop has closed."""
+        if event.output is not None:
+            self._deliver(index, event)
+        elif self.loop.is_closed():
+            raise RuntimeError("the event loop is closed")
 
     @property
     def prompt_tokens(self) -> int:
