@@ -538,7 +538,13 @@ def test_logprobs_of_a_compiled_artifact_match_log_softmax_of_transformers_logit
 
 
 class ByteText(ByteModel):
-    """ByteModel with the token strings logprobs need."""
+    """ByteModel with the rest of the TextModel protocol (logprobs need token strings)."""
+
+    def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
+        return self.encode(text)
+
+    def decode(self, token_ids: list[int]) -> str:
+        return "".join(map(self.token_str, token_ids))
 
     def token_str(self, token_id: int) -> str:
         return chr(token_id) if token_id < BYTE_TOKENS else ""
