@@ -70,9 +70,13 @@ def test_take_hands_over_the_early_mapping_of_the_same_file_once(
     mapping = arena.take(file)
     assert mapping is not None and mapping[:] == file.read_bytes()
     assert arena.take(file) is None  # taken once
+    other = tmp_path / "other.safetensors"
+    other.write_bytes(b"o" * MiB)
     arena.map_early(art)
-    assert arena.take(tmp_path / "other.safetensors") is None  # another file: dropped
+    assert arena.take(other) is None  # another file: dropped
     assert arena.take(file) is None
+    arena.map_early(art)
+    assert arena.take(art / "weights" / ".." / "weights" / arena.GRAPH_WEIGHTS) is not None
     # The file replaced between the early map and the load (a new inode): mapped afresh.
     arena.map_early(art)
     replaced = file.with_suffix(".new")

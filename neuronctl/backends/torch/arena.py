@@ -31,7 +31,6 @@ logger = logging.getLogger(__name__)
 GRAPH_WEIGHTS = "graph_weights.safetensors"  # in the artifact's weights/ (weights.py)
 # Python's mmap module names neither; kernels before 5.14 answer EINVAL.
 MADV_POPULATE_READ = 22
-MADV_POPULATE_WRITE = 23
 MADV_DONTNEED = 4
 Ranges = Sequence[tuple[int, int]]  # (address, length), whole pages
 
@@ -40,7 +39,6 @@ class EarlyMapping:
     """A weights file mapped, and faulted in on a thread."""
 
     def __init__(self, path: Path) -> None:
-        self.path = path
         self.identity, self.mapping = _map(path)
         self._thread = threading.Thread(
             target=advise, args=([(address_of(self.mapping), len(self.mapping))],
@@ -83,16 +81,17 @@ def map_early(artifact: Path) -> None:
 
 
 def take(path: Path) -> mmap.mmap | None:
-    """The early mapping, faulted in, when it maps the file now at `path` (the same inode:
-    a file replaced in between is mapped afresh); None otherwise. Taken once."""
+    """The early mapping, faulted in, when it maps the file now at `path` (the same device,
+    inode, size and mtime: a file replaced in between is mapped afresh); None otherwise.
+    Taken once."""
     global _early
     with _lock:
         early, _early = _early, None
     if early is None:
         return None
     mapping = early.wait()
-    try:
-        same = early.path == path and _identity(os.stat(path)) == early.identity
+    try:  # the file, not its name: an artifact can be reached by more than one path
+        same = _identity(os.stat(path)) == early.identity
     except OSError:
         same = False
     if not same:
