@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from neuronctl.backends.torch import arena
+from neuronctl.backends.torch.layout import is_matrix
 from neuronctl.backends.torch.weights import load_graph_weights, release
 from tests.helpers import graph_weights_qwen2
 
@@ -142,3 +143,52 @@ def artifact_with_weights(art: Path, compiled_artifact: Path, data: bytes) -> Pa
     (art / "manifest.json").write_bytes((compiled_artifact / "manifest.json").read_bytes())
     (art / "weights" / arena.GRAPH_WEIGHTS).write_bytes(data)
     return art
+
+
+def test_blocked_matrices_move_to_anonymous_huge_pages_where_the_file_maps_as_small_pages(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A page cache without 2 MiB folios (an older kernel or filesystem) maps the file as
+    4 KiB pages: the blocked matrices the kernel streams are copied into an anonymous mapping
+    advised for 2 MiB pages, and everything else stays a view of the file."""
+    weights_dir, args = graph_weights_qwen2(tmp_path, True, False, blocked=True)
+    mapped = load_graph_weights(weights_dir, args, torch.bfloat16, False, False, True)
+    monkeypatch.setattr(arena, "huge_share", lambda mapping: 0.0)
+    monkeypatch.setattr(arena, "anonymous_huge_pages", lambda: True)
+    got = load_graph_weights(weights_dir, args, torch.bfloat16, False, False, True)
+    file = str(weights_dir / arena.GRAPH_WEIGHTS)
+    for name, tensor in got.items():
+        assert torch.equal(tensor, mapped[name]), name
+        in_file = mapping_name(tensor.data_ptr()) == file
+        assert in_file != is_matrix(name), name
+    monkeypatch.setattr(arena, "anonymous_huge_pages", lambda: False)  # THP "never": stay
+    got = load_graph_weights(weights_dir, args, torch.bfloat16, False, False, True)
+    assert all(mapping_name(t.data_ptr()) == file for t in got.values())
+
+
+def test_huge_share_reads_this_mappings_own_smaps_entry(tmp_path: Path) -> None:
+    file = tmp_path / "w.bin"
+    file.write_bytes(bytes(4 * MiB))
+    mapping = arena.map_file(file)
+    share = arena.huge_share(mapping)
+    assert 0.0 <= share <= 1.0
+    smaps = [f"{arena.address_of(mapping) - 8192:x}-{arena.address_of(mapping):x} rw-p 0 0:0 0",
+             "Rss:                 8 kB", "FilePmdMapped:    2048 kB",
+             f"{arena.address_of(mapping):x}-{arena.address_of(mapping) + 4 * MiB:x} rw-p 0 "
+             f"fd:00 12 {file}", "Rss:              4096 kB", "FilePmdMapped:    2048 kB",
+             "VmFlags: rd wr mr mw me ac hg", "7f00-7f01 r--p 0 0:0 0", "Rss: 4 kB"]
+    fields = arena._entry_fields(smaps, f"{arena.address_of(mapping):x}-")
+    assert fields == {"Rss": 4 * MiB, "FilePmdMapped": 2 * MiB}
+    small = tmp_path / "small.bin"
+    small.write_bytes(bytes(MiB))  # no whole 2 MiB piece: nothing to judge
+    assert arena.huge_share(arena.map_file(small)) == 1.0
+
+
+def mapping_name(address: int) -> str:
+    """The path (or "") of the mapping that holds `address` (/proc/self/maps)."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        span, *rest = line.split(maxsplit=5)
+        start, end = (int(x, 16) for x in span.split("-"))
+        if start <= address < end:
+            return rest[4].strip() if len(rest) == 5 else ""
+    raise AssertionError(f"no mapping holds {address:#x}")

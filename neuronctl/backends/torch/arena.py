@@ -23,7 +23,7 @@ import mmap
 import os
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
 logger = logging.getLogger(__name__)
@@ -32,6 +32,7 @@ GRAPH_WEIGHTS = "graph_weights.safetensors"  # in the artifact's weights/ (weigh
 # Python's mmap module names neither; kernels before 5.14 answer EINVAL.
 MADV_POPULATE_READ = 22
 MADV_DONTNEED = 4
+HUGE_PAGE = 2 << 20
 Ranges = Sequence[tuple[int, int]]  # (address, length), whole pages
 
 
@@ -121,6 +122,46 @@ def _map(path: Path) -> tuple[tuple[int, int, int, int], mmap.mmap]:
 
 def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
     return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def huge_share(mapping: mmap.mmap) -> float:
+    """The share of the mapping's whole 2 MiB pieces that are mapped as 2 MiB pages
+    (/proc/self/smaps FilePmdMapped); 1.0 where it has none or smaps cannot be read (then
+    nothing is done about it)."""
+    pieces = len(mapping) // HUGE_PAGE * HUGE_PAGE
+    if not pieces:
+        return 1.0
+    start = f"{address_of(mapping):x}-"
+    try:
+        with open("/proc/self/smaps") as smaps:
+            fields = _entry_fields(smaps, start)
+    except OSError:
+        return 1.0
+    return fields.get("FilePmdMapped", 0) / pieces
+
+
+def _entry_fields(lines: Iterable[str], start: str) -> dict[str, int]:
+    """The kB fields of the smaps entry whose address range begins with `start`."""
+    fields: dict[str, int] = {}
+    inside = False
+    for line in lines:
+        if line[:1] in "0123456789abcdef" and "-" in line.split(" ", 1)[0]:
+            if inside:
+                break
+            inside = line.startswith(start)
+        elif inside and line.rstrip().endswith(" kB"):
+            name, value = line.split(":", 1)
+            fields[name] = int(value.split()[0]) * 1024
+    return fields
+
+
+def anonymous_huge_pages() -> bool:
+    """Whether an anonymous mapping advised MADV_HUGEPAGE gets 2 MiB pages here."""
+    try:
+        mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return False
+    return "[never]" not in mode and hasattr(mmap, "MADV_HUGEPAGE")
 
 
 def available_memory() -> int:
