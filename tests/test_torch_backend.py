@@ -336,3 +336,42 @@ def test_weights_load_in_their_graph_form_as_the_checkpoint_assembled_whole(
         assert got[name].dtype == want[name].dtype, name
         assert torch.equal(got[name], want[name]), name
         assert got[name].data_ptr() % ALIGN == 0, name
+
+
+def test_a_weights_file_that_is_not_what_the_graphs_take_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loader maps the file and hands the graphs views of it: the header is checked
+    against the graphs' layout, the mapping against the header it checked."""
+    import safetensors.torch
+
+    from neuronctl.backends.torch import arena
+    from neuronctl.backends.torch.weights import GRAPH_WEIGHTS, load_graph_weights
+
+    weights_dir, args = graph_weights_qwen2(tmp_path, False, False, False)
+    file = weights_dir / GRAPH_WEIGHTS
+    good = file.read_bytes()
+
+    def refused(match: str, **kw: bool) -> None:
+        with pytest.raises(CheckpointError, match=match):
+            load_graph_weights(weights_dir, args, torch.bfloat16, kw.get("quantized", False),
+                               False, kw.get("blocked", False))
+
+    refused("does not hold the graphs' weights", quantized=True)  # another spec's layout
+    refused("the graphs take", blocked=True)  # blocked matrices have other shapes
+    # The same tensors written by another tool: no neuronctl metadata, no alignment.
+    tensors = load_graph_weights(weights_dir, args, torch.bfloat16, False, False, False)
+    safetensors.torch.save_file({n: t.clone() for n, t in tensors.items()}, str(file))
+    refused("not written by this neuronctl")
+    # Replaced between the header check and the mapping.
+    file.write_bytes(good)
+    other = tmp_path / "other.safetensors"
+    other.write_bytes(good[:-64])
+    real_map = arena.map_file
+    monkeypatch.setattr(arena, "map_file", lambda path: real_map(other))
+    refused("changed while it was being loaded")
+    monkeypatch.undo()
+    # An artifact from before this format: tp shards, no weights file.
+    file.unlink()
+    (weights_dir / "tp0_sharded_checkpoint.safetensors").write_bytes(good)
+    refused("older neuronctl")

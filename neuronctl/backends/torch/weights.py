@@ -182,8 +182,10 @@ def load_graph_weights(
             + (" (its tp shards are an older neuronctl's torch format)" if older else ""),
             RECOMPILE)
     layout = stored_layout(args, dtype, quantized, blocked)
-    offsets = _checked_offsets(path, layout)
+    offsets, header, size = _checked_offsets(path, layout)
     mapping = arena.take(path) or arena.map_file(path)
+    if len(mapping) != size or mapping[:len(header)] != header:  # replaced since it was read
+        raise CheckpointError(f"{path} changed while it was being loaded", "load it again")
     space = torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping while views live
     stored = {name: space[offsets[name]:offsets[name] + _nbytes(shape, dt)].view(dt).view(shape)
               for name, (shape, dt) in layout.items()}
@@ -210,9 +212,10 @@ def into_anonymous_huge_pages(weights: dict[str, Tensor]) -> None:
         weights[name] = copies[name]
 
 
-def _checked_offsets(path: Path, layout: Layout) -> dict[str, int]:
+def _checked_offsets(path: Path, layout: Layout) -> tuple[dict[str, int], bytes, int]:
     """Each tensor's file offset, after checking the file holds exactly `layout`, in order,
-    each on its boundary (read_header has checked the offsets cover the file)."""
+    each on its boundary (read_header has checked the offsets cover the file); the header's
+    bytes and the file's size, which the mapping must have too."""
     infos, metadata = read_header(path)
     if metadata.get("neuronctl.weights") != FORMAT:
         raise CheckpointError(f"{path} was not written by this neuronctl's compile", RECOMPILE)
@@ -227,14 +230,18 @@ def _checked_offsets(path: Path, layout: Layout) -> dict[str, int]:
                                   f"{list(infos[name].shape)}, the graphs take {dtype} "
                                   f"{list(shape)}", RECOMPILE)
     with open(path, "rb") as f:
-        length = struct.unpack("<Q", f.read(8))[0]
-        header = json.loads(f.read(length))
+        prefix = f.read(8)
+        length = struct.unpack("<Q", prefix)[0]
+        raw = f.read(length)
+    header = json.loads(raw)
     offsets = {name: 8 + length + int(header[name]["data_offsets"][0]) for name in layout}
     crooked = [name for name, offset in offsets.items() if offset % ALIGN]
     if crooked:
         raise CheckpointError(f"{path}: {crooked[0]} is not on a {ALIGN}-byte boundary",
                               RECOMPILE)
-    return offsets
+    end = max((int(entry["data_offsets"][1]) for name, entry in header.items()
+               if name != "__metadata__"), default=0)
+    return offsets, prefix + raw, 8 + length + end
 
 
 def release(view: Tensor) -> None:
