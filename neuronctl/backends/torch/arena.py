@@ -18,7 +18,6 @@ mapping to the loader when it maps the same file, which then checks the header a
 
 from __future__ import annotations
 
-import logging
 import mmap
 import os
 import sys
@@ -26,12 +25,9 @@ import threading
 from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-logger = logging.getLogger(__name__)
-
 GRAPH_WEIGHTS = "graph_weights.safetensors"  # in the artifact's weights/ (weights.py)
-# Python's mmap module names neither; kernels before 5.14 answer EINVAL.
+# Python's mmap module does not name it; kernels before 5.14 answer EINVAL.
 MADV_POPULATE_READ = 22
-MADV_DONTNEED = 4
 HUGE_PAGE = 2 << 20
 Ranges = Sequence[tuple[int, int]]  # (address, length), whole pages
 

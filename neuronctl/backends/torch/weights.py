@@ -47,7 +47,8 @@ logger = logging.getLogger(__name__)
 RECOMPILE = "recompile the artifact"
 # Below this share of the mapping in 2 MiB pages, blocked matrices move into anonymous ones.
 HUGE_ENOUGH = 0.5
-ALIGN = 64  # a cache line; AVX-512 loads and inductor's aligned-input fast path need <= 64
+# A cache line: each weight starts on its own (inductor's code assumes inputs 16-byte aligned).
+ALIGN = 64
 PAD = "neuronctl.pad."  # padding entries' name prefix: never a graph tensor
 FORMAT = "graph-1"
 Layout = dict[str, tuple[tuple[int, ...], torch.dtype]]
@@ -252,5 +253,5 @@ def release(view: Tensor) -> None:
     first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
     end = (start + view.numel() * view.element_size()) // mmap.PAGESIZE * mmap.PAGESIZE
     if end > first:
-        arena.advise([(first, end - first)], arena.MADV_DONTNEED)
+        arena.advise([(first, end - first)], mmap.MADV_DONTNEED)
 
