@@ -120,25 +120,30 @@ def fine_tuned_copy(checkpoint: Path, out: Path) -> Path:
     return out
 
 
-def sharded_qwen2(tmp_path: Path, tp: int, tied: bool, quantized: bool) -> tuple[Path, Any]:
-    """A tiny qwen2 checkpoint (qkv bias) sharded tp ways in bf16, int8 per-channel where
-    `quantized`, into tmp_path/weights; that folder and the model's ModelArgs."""
+def graph_weights_qwen2(
+    tmp_path: Path, tied: bool, quantized: bool, blocked: bool
+) -> tuple[Path, Any]:
+    """A tiny qwen2 checkpoint (qkv bias) written as a torch artifact's weights file (bf16,
+    int8 per-channel where `quantized`, blocked for the kernel where `blocked`) into
+    tmp_path/weights; that folder and the model's ModelArgs."""
     from types import SimpleNamespace
 
     import torch
 
     from neuronctl.backends.torch.config import args_from_config
     from neuronctl.backends.torch.quantize import QuantizedCheckpoint
+    from neuronctl.backends.torch.weights import GRAPH_WEIGHTS, write_graph_weights
     from neuronctl.checkpoints import open_checkpoint
-    from neuronctl.sharding import shard_checkpoint
 
     ckpt = open_checkpoint(str(make_checkpoint(tmp_path / "ckpt", "qwen2",
                                                tie_word_embeddings=tied)), None)
     if quantized:
         spec = SimpleNamespace(quantization_type="per_channel_symmetric")
         ckpt = QuantizedCheckpoint.wrap(ckpt, spec)  # type: ignore[arg-type]
-    shard_checkpoint(ckpt, tp, torch.bfloat16, tmp_path / "weights")
-    return tmp_path / "weights", args_from_config(ckpt.config)
+    args = args_from_config(ckpt.config)
+    write_graph_weights(ckpt, args, torch.bfloat16, quantized, blocked,
+                        tmp_path / "weights" / GRAPH_WEIGHTS)
+    return tmp_path / "weights", args
 
 
 def read_config(path: Path) -> dict[str, Any]:

@@ -1,11 +1,11 @@
-"""The blocked weights' memory, faulted in ahead of the loader (backends/torch/arena.py)."""
+"""The weights file mapped and faulted in, early or at load (backends/torch/arena.py)."""
 
 from __future__ import annotations
 
 import ctypes
 import json
 import mmap
-import shutil
+import os
 import sys
 from pathlib import Path
 
@@ -14,91 +14,181 @@ import torch
 
 from neuronctl.backends.torch import arena
 from neuronctl.backends.torch.layout import is_matrix
-from tests.helpers import sharded_qwen2
+from neuronctl.backends.torch.weights import load_graph_weights, release
+from tests.helpers import graph_weights_qwen2
 
 MiB = 1 << 20
-pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="MADV_POPULATE_WRITE is Linux's")
+pytestmark = pytest.mark.skipif(sys.platform != "linux", reason="MADV_POPULATE_READ is Linux's")
 
 
-def resident(mapping: mmap.mmap) -> int:
-    """Pages of `mapping` in memory (mincore)."""
-    pages = -(-len(mapping) // mmap.PAGESIZE)
+def resident(address: int, nbytes: int) -> int:
+    """Pages of [address, address + nbytes) in this process's memory (mincore)."""
+    start = address // mmap.PAGESIZE * mmap.PAGESIZE
+    pages = -(-(address + nbytes - start) // mmap.PAGESIZE)
     vec = (ctypes.c_ubyte * pages)()
     mincore = ctypes.CDLL(None, use_errno=True).mincore
     mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
-    assert mincore(arena.address_of(mapping), len(mapping), vec) == 0, ctypes.get_errno()
+    assert mincore(start, pages * mmap.PAGESIZE, vec) == 0, ctypes.get_errno()
     return sum(v & 1 for v in vec)
 
 
+def mapped_pages(address: int, nbytes: int) -> int:
+    """Pages of the range this process has mapped in its page tables (/proc/self/pagemap's
+    present bit: mincore would also count page-cache pages this process never mapped)."""
+    first, last = address // mmap.PAGESIZE, (address + nbytes - 1) // mmap.PAGESIZE
+    with open("/proc/self/pagemap", "rb") as pagemap:
+        pagemap.seek(first * 8)
+        entries = pagemap.read((last - first + 1) * 8)
+    return sum(entries[i + 7] >> 7 & 1 for i in range(0, len(entries), 8))
+
+
 @pytest.fixture(autouse=True)
-def nothing_reserved() -> None:
-    arena.take(0)  # a test's reservation never reaches the next one
+def nothing_mapped_early() -> None:
+    arena.take(Path("/"))  # a test's early mapping never reaches the next one
 
 
-def test_populate_faults_pages_in_and_changes_no_byte() -> None:
-    mapping = mmap.mmap(-1, 4 * MiB, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    mapping.madvise(mmap.MADV_NOHUGEPAGE)  # 4 KiB pages: a write faults one in, not 2 MiB
-    mapping[5:10] = b"hello"
-    mapping[3 * MiB:3 * MiB + 2] = b"ok"
-    assert resident(mapping) < 4 * MiB // mmap.PAGESIZE
-    if not arena.populate([(arena.address_of(mapping), len(mapping))]):
-        pytest.skip("this kernel has no MADV_POPULATE_WRITE (Linux < 5.14)")
-    assert resident(mapping) == 4 * MiB // mmap.PAGESIZE
-    assert mapping[5:10] == b"hello" and mapping[3 * MiB:3 * MiB + 2] == b"ok"
-    assert mapping[:5] == bytes(5) and mapping[-7:] == bytes(7)
+def test_map_file_faults_the_file_in_privately(tmp_path: Path) -> None:
+    file = tmp_path / "w.bin"
+    data = os.urandom(3 * MiB + 123)
+    file.write_bytes(data)
+    mapping = arena.map_file(file)
+    address = arena.address_of(mapping)
+    assert mapping[:] == data
+    if not mapped_pages(address, len(mapping)):
+        pytest.skip("this kernel has no MADV_POPULATE_READ (Linux < 5.14)")
+    assert mapped_pages(address, len(mapping)) == -(-len(data) // mmap.PAGESIZE)
+    mapping[:5] = b"stray"  # a write changes this process's copy, never the file
+    assert file.read_bytes() == data
 
 
-def test_take_hands_over_a_faulted_in_reservation_once_and_only_when_large_enough() -> None:
-    assert arena.take(MiB) is None  # nothing reserved
-    arena.reserve(8 * MiB)
-    assert arena.take(16 * MiB) is None  # too small: dropped, not kept for later
-    assert arena.take(MiB) is None
-    arena.reserve(8 * MiB)
-    mapping = arena.take(3 * MiB)
-    assert mapping is not None and len(mapping) == 8 * MiB
-    assert arena.take(MiB) is None
-    if resident(mapping):  # faulted in (Linux 5.14+): the pages past the 3 MiB are given back
-        assert resident(mapping) == 3 * MiB // mmap.PAGESIZE
-
-
-@pytest.mark.parametrize("tied,quantized", [(True, False), (False, False), (False, True)])
-def test_a_reservation_of_the_weight_files_size_holds_the_blocked_matrices(
-    tmp_path: Path, tied: bool, quantized: bool
+def test_take_hands_over_the_early_mapping_of_the_same_file_once(
+    tmp_path: Path, compiled_artifact: Path
 ) -> None:
-    # reserve_for reserves the weight files' size: the blocked matrices (fused, a tied head
-    # blocked beside the plain embedding) must fit in it, and load exactly as without it.
-    from neuronctl.backends.torch.weights import load_graph_weights
+    art = artifact_with_weights(tmp_path / "art", compiled_artifact, b"w" * (2 * MiB))
+    file = art / "weights" / arena.GRAPH_WEIGHTS
+    assert arena.take(file) is None  # nothing mapped early
+    arena.map_early(art)
+    mapping = arena.take(file)
+    assert mapping is not None and mapping[:] == file.read_bytes()
+    assert arena.take(file) is None  # taken once
+    other = tmp_path / "other.safetensors"
+    other.write_bytes(b"o" * MiB)
+    arena.map_early(art)
+    assert arena.take(other) is None  # another file: dropped
+    assert arena.take(file) is None
+    arena.map_early(art)
+    assert arena.take(art / "weights" / ".." / "weights" / arena.GRAPH_WEIGHTS) is not None
+    # The file replaced between the early map and the load (a new inode): mapped afresh.
+    arena.map_early(art)
+    replaced = file.with_suffix(".new")
+    replaced.write_bytes(b"n" * (2 * MiB))
+    os.replace(replaced, file)
+    assert arena.take(file) is None
 
-    weights_dir, args = sharded_qwen2(tmp_path, 2, tied, quantized)
+
+def test_map_early_maps_only_a_torch_artifacts_weights(
+    tmp_path: Path, compiled_artifact: Path
+) -> None:
+    art = artifact_with_weights(tmp_path / "art", compiled_artifact, b"w" * MiB)
+    manifest = json.loads((art / "manifest.json").read_text())
+    (art / "manifest.json").write_text(json.dumps({**manifest, "backend": "nxdi"}))
+    arena.map_early(art)
+    assert arena._early is None
+    (art / "manifest.json").write_text("{not json")
+    arena.map_early(art)  # loading says what is wrong; nothing here
+    assert arena._early is None
+    (art / "manifest.json").write_text(json.dumps(manifest))
+    (art / "weights" / arena.GRAPH_WEIGHTS).unlink()
+    arena.map_early(art)
+    assert arena._early is None
+
+
+@pytest.mark.parametrize("tied,quantized", [(True, False), (False, True)])
+def test_loaded_weights_are_views_of_the_early_mapping(
+    tmp_path: Path, tied: bool, quantized: bool, compiled_artifact: Path
+) -> None:
+    weights_dir, args = graph_weights_qwen2(tmp_path / "w", tied, quantized, blocked=True)
     plain = load_graph_weights(weights_dir, args, torch.bfloat16, quantized, False, True)
-    nbytes = sum(f.stat().st_size for f in weights_dir.glob("*.safetensors"))
-    arena.reserve(nbytes)
-    mapping = arena._reserved.mapping  # type: ignore[union-attr]
+    art = artifact_with_weights(tmp_path / "art", compiled_artifact,
+                                (weights_dir / arena.GRAPH_WEIGHTS).read_bytes())
+    arena.map_early(art)
+    mapping = arena._early.mapping  # type: ignore[union-attr]
     start = arena.address_of(mapping)
-    got = load_graph_weights(weights_dir, args, torch.bfloat16, quantized, False, True)
-    assert arena._reserved is None  # taken
-    blocked = [n for n in got if is_matrix(n)]
-    assert blocked and all(start <= got[n].data_ptr() < start + nbytes for n in blocked)
+    got = load_graph_weights(art / "weights", args, torch.bfloat16, quantized, False, True)
+    assert arena._early is None  # taken
+    assert all(start <= t.data_ptr() < start + len(mapping) for t in got.values())
     assert list(got) == list(plain)
     for name in plain:
         assert torch.equal(got[name], plain[name]), name
 
 
-def test_reserve_for_reserves_only_for_a_torch_artifact_with_blocked_weights(
-    tmp_path: Path, compiled_artifact: Path
-) -> None:
-    art = tmp_path / "art"
+def test_release_gives_a_weights_pages_back_and_keeps_it_readable(tmp_path: Path) -> None:
+    weights_dir, args = graph_weights_qwen2(tmp_path, False, False, blocked=False)
+    got = load_graph_weights(weights_dir, args, torch.bfloat16, False, False, False)
+    name = max(got, key=lambda n: got[n].numel())
+    tensor = got[name]
+    nbytes = tensor.numel() * tensor.element_size()
+    before = tensor.clone()
+    if not mapped_pages(tensor.data_ptr(), nbytes):
+        pytest.skip("this kernel has no MADV_POPULATE_READ (Linux < 5.14)")
+    release(tensor)
+    # Only whole pages inside the tensor go: its first and last may hold its neighbours.
+    assert mapped_pages(tensor.data_ptr(), nbytes) <= 2
+    assert torch.equal(tensor, before)  # read again from the file
+
+
+def artifact_with_weights(art: Path, compiled_artifact: Path, data: bytes) -> Path:
+    """A copy of a torch artifact's manifest, with `data` as its weights file."""
     (art / "weights").mkdir(parents=True)
-    (art / "weights" / "tp0_sharded_checkpoint.safetensors").write_bytes(bytes(3 * MiB))
-    (art / "weights" / "tp1_sharded_checkpoint.safetensors").write_bytes(bytes(MiB))
-    manifest = json.loads((compiled_artifact / "manifest.json").read_text())
-    for layout, reserved in (("plain", None), ("blocked", 4 * MiB)):
-        manifest["ops"] = {**(manifest.get("ops") or {"rows": []}), "layout": layout}
-        (art / "manifest.json").write_text(json.dumps(manifest))
-        arena.reserve_for(art)
-        assert (arena._reserved and arena._reserved.nbytes) == reserved, layout
-        arena.take(0)
-    shutil.rmtree(art / "weights")
-    (art / "manifest.json").write_text("{not json")
-    arena.reserve_for(art)  # loading says what is wrong; nothing here
-    assert arena._reserved is None
+    (art / "manifest.json").write_bytes((compiled_artifact / "manifest.json").read_bytes())
+    (art / "weights" / arena.GRAPH_WEIGHTS).write_bytes(data)
+    return art
+
+
+def test_blocked_matrices_move_to_anonymous_huge_pages_where_the_file_maps_as_small_pages(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A page cache without 2 MiB folios (an older kernel or filesystem) maps the file as
+    4 KiB pages: the blocked matrices the kernel streams are copied into an anonymous mapping
+    advised for 2 MiB pages, and everything else stays a view of the file."""
+    weights_dir, args = graph_weights_qwen2(tmp_path, True, False, blocked=True)
+    mapped = load_graph_weights(weights_dir, args, torch.bfloat16, False, False, True)
+    monkeypatch.setattr(arena, "huge_share", lambda mapping: 0.0)
+    monkeypatch.setattr(arena, "anonymous_huge_pages", lambda: True)
+    got = load_graph_weights(weights_dir, args, torch.bfloat16, False, False, True)
+    file = str(weights_dir / arena.GRAPH_WEIGHTS)
+    for name, tensor in got.items():
+        assert torch.equal(tensor, mapped[name]), name
+        in_file = mapping_name(tensor.data_ptr()) == file
+        assert in_file != is_matrix(name), name
+    monkeypatch.setattr(arena, "anonymous_huge_pages", lambda: False)  # THP "never": stay
+    got = load_graph_weights(weights_dir, args, torch.bfloat16, False, False, True)
+    assert all(mapping_name(t.data_ptr()) == file for t in got.values())
+
+
+def test_huge_share_reads_this_mappings_own_smaps_entry(tmp_path: Path) -> None:
+    file = tmp_path / "w.bin"
+    file.write_bytes(bytes(4 * MiB))
+    mapping = arena.map_file(file)
+    share = arena.huge_share(mapping)
+    assert 0.0 <= share <= 1.0
+    smaps = [f"{arena.address_of(mapping) - 8192:x}-{arena.address_of(mapping):x} rw-p 0 0:0 0",
+             "Rss:                 8 kB", "FilePmdMapped:    2048 kB",
+             f"{arena.address_of(mapping):x}-{arena.address_of(mapping) + 4 * MiB:x} rw-p 0 "
+             f"fd:00 12 {file}", "Rss:              4096 kB", "FilePmdMapped:    2048 kB",
+             "VmFlags: rd wr mr mw me ac hg", "7f00-7f01 r--p 0 0:0 0", "Rss: 4 kB"]
+    fields = arena._entry_fields(smaps, f"{arena.address_of(mapping):x}-")
+    assert fields == {"Rss": 4 * MiB, "FilePmdMapped": 2 * MiB}
+    small = tmp_path / "small.bin"
+    small.write_bytes(bytes(MiB))  # no whole 2 MiB piece: nothing to judge
+    assert arena.huge_share(arena.map_file(small)) == 1.0
+
+
+def mapping_name(address: int) -> str:
+    """The path (or "") of the mapping that holds `address` (/proc/self/maps)."""
+    for line in Path("/proc/self/maps").read_text().splitlines():
+        span, *rest = line.split(maxsplit=5)
+        start, end = (int(x, 16) for x in span.split("-"))
+        if start <= address < end:
+            return rest[4].strip() if len(rest) == 5 else ""
+    raise AssertionError(f"no mapping holds {address:#x}")

@@ -46,7 +46,7 @@ def test_artifact_is_complete_and_self_contained(compiled_artifact: Path) -> Non
     manifest = read_manifest(compiled_artifact)
     names = set(manifest.files)
     assert "neuron_config.json" in names
-    assert "weights/tp0_sharded_checkpoint.safetensors" in names
+    assert "weights/graph_weights.safetensors" in names
     for name in (
         "config.json",
         "generation_config.json",
@@ -94,7 +94,7 @@ def test_fine_tune_reuses_graphs_and_only_reshards(tiny_llama: Path, tmp_path: P
     a, b = read_manifest(Path(base["path"])), read_manifest(Path(result["path"]))
     for graph in a.graphs:
         assert a.files[graph].sha256 == b.files[graph].sha256
-    shard = "weights/tp0_sharded_checkpoint.safetensors"
+    shard = "weights/graph_weights.safetensors"
     assert a.files[shard].sha256 != b.files[shard].sha256
 
 

@@ -471,20 +471,28 @@ def test_matrices_move_into_one_mapping_that_asks_for_huge_pages() -> None:
         assert " hg" in a.split("VmFlags:")[1], a
 
 
-def test_a_blocked_runner_reads_its_matrices_from_the_huge_page_mapping(tmp_path: Path) -> None:
+def test_a_blocked_runner_reads_its_matrices_from_the_weights_files_huge_page_mapping(
+    tmp_path: Path,
+) -> None:
+    """The runner's weights are views of one private mapping of the artifact's weights
+    file, advised for 2 MiB pages ("hg"); a blocked file holds kernel.block of each matrix."""
+    from neuronctl.backends.torch.weights import GRAPH_WEIGHTS, write_graph_weights
     from neuronctl.checkpoints import open_checkpoint
-    from neuronctl.sharding import shard_checkpoint
 
     ckpt = open_checkpoint(str(make_checkpoint(tmp_path / "ckpt", "llama")))
-    shard_checkpoint(ckpt, 1, torch.float32, tmp_path / "weights")
     args = args_from_config(ckpt.config)
-    plain = _load_weights(tmp_path / "weights", args, torch.float32)
-    blocked = _load_weights(tmp_path / "weights", args, torch.float32, blocked=True)
+    for layout in ("plain", "blocked"):
+        write_graph_weights(ckpt, args, torch.float32, False, layout == "blocked",
+                            tmp_path / layout / GRAPH_WEIGHTS)
+    plain = _load_weights(tmp_path / "plain", args, torch.float32)
+    blocked = _load_weights(tmp_path / "blocked", args, torch.float32, blocked=True)
     matrices = [n for n in blocked if is_matrix(n)]
     assert matrices and all(blocked[n].dim() == 4 for n in matrices)
-    mappings = {_mapping_of(blocked[n].data_ptr()) for n in matrices}
+    mappings = {_mapping_of(blocked[n].data_ptr()) for n in blocked}
     assert len({m.split()[0] for m in mappings}) == 1
+    entry = mappings.pop()
+    assert entry.splitlines()[0].endswith(str(tmp_path / "blocked" / GRAPH_WEIGHTS))
     if _thp_mode() != "never":
-        assert " hg" in mappings.pop().split("VmFlags:")[1]
+        assert " hg" in entry.split("VmFlags:")[1]
     for name in matrices:
         assert torch.equal(blocked[name], kernel.block(plain[name]))

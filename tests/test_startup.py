@@ -93,15 +93,20 @@ def test_inductor_generate_skips_torchs_compiler_stack(
 
 
 # Run the CLI's main() and write to argv[1], at exit, whether torch was imported at each call
-# of backends.prepare_load.
+# of backends.prepare_load, and whether each arena.take handed the loader a mapping.
 PREPARE_AUDIT = """
 import atexit, json, sys
 import neuronctl.backends as backends
-out, seen, real = sys.argv[1], [], backends.prepare_load
+from neuronctl.backends.torch import arena
+out, seen, real, real_take = sys.argv[1], [], backends.prepare_load, arena.take
 def prepare_load(path):
-    seen.append("torch" in sys.modules)
+    seen.append(["prepare", "torch" in sys.modules])
     real(path)
-backends.prepare_load = prepare_load
+def take(path):
+    mapping = real_take(path)
+    seen.append(["take", mapping is not None])
+    return mapping
+backends.prepare_load, arena.take = prepare_load, take
 atexit.register(lambda: json.dump(seen, open(out, "w")))
 sys.argv = ["neuronctl", *sys.argv[2:]]
 from neuronctl.cli.main import main
@@ -109,12 +114,13 @@ main()
 """
 
 
-def test_generate_prepares_the_load_before_it_imports_torch(
+def test_generate_maps_the_weights_before_it_imports_torch_and_loads_from_that_mapping(
     compiled_artifact: Path, tmp_path: Path
 ) -> None:
-    """The weights' memory faults in on another core while `import torch` runs (arena.py):
-    only if generate asks for it first."""
-    assert audited_generate(PREPARE_AUDIT, compiled_artifact, tmp_path / "seen.json") == [False]
+    """The weights file is mapped and faulted in on another core while `import torch` runs
+    (arena.py): only if generate asks for it first; and the loader uses that mapping."""
+    seen = audited_generate(PREPARE_AUDIT, compiled_artifact, tmp_path / "seen.json")
+    assert seen == [["prepare", False], ["take", sys.platform == "linux"]]
 
 
 def test_the_arena_module_imports_no_torch() -> None:

@@ -18,11 +18,12 @@ from neuronctl.backends.torch.host import cpu_isa
 from neuronctl.backends.torch.layout import graph_weights
 from neuronctl.backends.torch.model import TokenGeneration
 from neuronctl.build import compile_model, resolve_build
+from neuronctl.checkpoints import open_checkpoint
 from neuronctl.errors import BuildError, CheckpointError, SpecError, UsageError
 from neuronctl.spec import resolve_spec
 from neuronctl.store.manifest import read_manifest
 from tests.conftest import SMALLEST_SPEC, TINY_SPEC
-from tests.helpers import make_checkpoint, read_config, sharded_qwen2
+from tests.helpers import graph_weights_qwen2, make_checkpoint, read_config
 
 
 def compile_tiny(ckpt: Path, store: Path, **overrides: Any) -> Any:
@@ -303,34 +304,74 @@ def test_a_host_without_a_compiler_still_runs_the_isa_it_has(
 
 
 @pytest.mark.parametrize(
-    "tp,quantized,tied,layout",
-    [(1, False, False, "plain"), (2, False, True, "blocked"), (4, False, True, "packed"),
-     (2, True, False, "blocked"), (4, True, True, "plain")],
+    "quantized,tied,layout",
+    [(False, False, "plain"), (False, True, "blocked"), (False, True, "packed"),
+     (True, False, "blocked"), (True, True, "plain"), (True, True, "packed")],
 )
-def test_weights_load_into_their_graph_form_as_the_checkpoint_assembled_whole(
-    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, tp: int, quantized: bool, tied: bool,
-    layout: str
+def test_weights_load_in_their_graph_form_as_the_checkpoint_assembled_whole(
+    tmp_path: Path, quantized: bool, tied: bool, layout: str
 ) -> None:
-    # The loader reads each graph tensor's parts straight into their place (weights.py); the
-    # reference reassembles the whole checkpoint first, then fuses and blocks (graph_weights).
-    # tp 4 with 2 KV heads replicates k/v per head ("kv" splits); o/down split on dim 1.
-    # Blocked matrices go 4 rows a band here, so bands cross every part and piece boundary.
-    from neuronctl.backends.torch import weights as loader
+    # compile writes each graph tensor fused, converted and blocked into one file, one
+    # tensor at a time (weights.write_graph_weights); the loader maps it. The reference
+    # holds the whole checkpoint in memory and makes every graph tensor at once
+    # (layout.graph_weights). A packed artifact's tied head is the embedding's view.
+    from neuronctl.backends.torch.weights import ALIGN, load_graph_weights
 
-    monkeypatch.setattr(loader, "BAND_BYTES", 1)
-
-    from neuronctl.backends.torch.weights import load_graph_weights
-    from neuronctl.sharding import load_full_tensors
-
-    _, args = sharded_qwen2(tmp_path, tp, tied, quantized)
     packed, blocked = layout == "packed", layout == "blocked"
-    got = load_graph_weights(tmp_path / "weights", args, torch.bfloat16, quantized, packed,
-                             blocked)
-    full = load_full_tensors(tmp_path / "weights")
-    full = {n: t if t.dtype == torch.int8 else t.to(
-        torch.bfloat16) for n, t in full.items()}
+    weights_dir, args = graph_weights_qwen2(tmp_path, tied, quantized, blocked)
+    got = load_graph_weights(weights_dir, args, torch.bfloat16, quantized, packed, blocked)
+    ckpt = open_checkpoint(str(tmp_path / "ckpt"), None)
+    if quantized:
+        from types import SimpleNamespace
+
+        from neuronctl.backends.torch.quantize import QuantizedCheckpoint
+
+        ckpt = QuantizedCheckpoint.wrap(
+            ckpt, SimpleNamespace(quantization_type="per_channel_symmetric"))  # type: ignore[arg-type]
+    full = {n: t if t.dtype == torch.int8 else t.to(torch.bfloat16)
+            for n in ckpt.tensor_names() for t in [ckpt.tensor(n)]}
     want = graph_weights(full, args, packed, quantized, blocked)
     assert list(got) == list(want)
     for name in want:
         assert got[name].dtype == want[name].dtype, name
         assert torch.equal(got[name], want[name]), name
+        assert got[name].data_ptr() % ALIGN == 0, name
+
+
+def test_a_weights_file_that_is_not_what_the_graphs_take_is_refused(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The loader maps the file and hands the graphs views of it: the header is checked
+    against the graphs' layout, the mapping against the header it checked."""
+    import safetensors.torch
+
+    from neuronctl.backends.torch import arena
+    from neuronctl.backends.torch.weights import GRAPH_WEIGHTS, load_graph_weights
+
+    weights_dir, args = graph_weights_qwen2(tmp_path, False, False, False)
+    file = weights_dir / GRAPH_WEIGHTS
+    good = file.read_bytes()
+
+    def refused(match: str, **kw: bool) -> None:
+        with pytest.raises(CheckpointError, match=match):
+            load_graph_weights(weights_dir, args, torch.bfloat16, kw.get("quantized", False),
+                               False, kw.get("blocked", False))
+
+    refused("does not hold the graphs' weights", quantized=True)  # another spec's layout
+    refused("the graphs take", blocked=True)  # blocked matrices have other shapes
+    # The same tensors written by another tool: no neuronctl metadata, no alignment.
+    tensors = load_graph_weights(weights_dir, args, torch.bfloat16, False, False, False)
+    safetensors.torch.save_file({n: t.clone() for n, t in tensors.items()}, str(file))
+    refused("not written by this neuronctl")
+    # Replaced between the header check and the mapping.
+    file.write_bytes(good)
+    other = tmp_path / "other.safetensors"
+    other.write_bytes(good[:-64])
+    real_map = arena.map_file
+    monkeypatch.setattr(arena, "map_file", lambda path: real_map(other))
+    refused("changed while it was being loaded")
+    monkeypatch.undo()
+    # An artifact from before this format: tp shards, no weights file.
+    file.unlink()
+    (weights_dir / "tp0_sharded_checkpoint.safetensors").write_bytes(good)
+    refused("older neuronctl")

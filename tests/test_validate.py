@@ -22,7 +22,7 @@ from tests.helpers import cli
 
 runner = CliRunner()
 
-WEIGHT = "weights/tp0_sharded_checkpoint.safetensors"
+WEIGHT = "weights/graph_weights.safetensors"
 GRAPH = "graphs/context_encoding_32.pt2"
 
 

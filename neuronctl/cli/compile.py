@@ -113,7 +113,7 @@ def compile_command(
         _exit_if_inaccurate(data)
         return
     verb = "pulled" if outcome.pulled else "reused" if outcome.cache_hit else "compiled"
-    extra = " (graphs reused, weights re-sharded)" if outcome.graphs_reused else ""
+    extra = " (graphs reused, weights written again)" if outcome.graphs_reused else ""
     console.print(
         f"[green]{verb}[/green] in {outcome.compile_seconds:.1f} s{extra}: {outcome.path}",
         soft_wrap=True,

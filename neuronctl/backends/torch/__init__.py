@@ -1,10 +1,10 @@
 """The embedded torch backend: neuronctl's own Llama-family model, one graph per bucket.
 
-Runs on any CPU. `build` shards the weights (Neuron's tp layout), writes neuron_config.json
-and traces one context-encoding graph per context bucket and one token-generation graph per
-token-generation bucket (torch.export, then AOTInductor with `--compiler inductor`). `load`
-reassembles the weights and returns a TorchRunner. docs/torch-backend.md explains the model;
-docs/architecture.md lists the modules beside this one.
+Runs on any CPU. `build` writes the weights in the form the graphs take (weights.py),
+writes neuron_config.json and traces one context-encoding graph per context bucket and one
+token-generation graph per token-generation bucket (torch.export, then AOTInductor with
+`--compiler inductor`). `load` maps the weights and returns a TorchRunner.
+docs/torch-backend.md explains the model; docs/architecture.md lists the modules beside it.
 """
 
 from __future__ import annotations
@@ -71,7 +71,8 @@ class TorchBackend:
     def build(self, request: BuildRequest) -> BuildResult:
         from neuronctl.backends.torch import neuron_config
         from neuronctl.backends.torch.graphs import DTYPES, build_graphs
-        from neuronctl.sharding import shard_checkpoint
+        from neuronctl.backends.torch.opchoice import BLOCKED
+        from neuronctl.backends.torch.weights import GRAPH_WEIGHTS, write_graph_weights
 
         spec, staging = request.spec, request.staging
         config = dict(request.checkpoint.config)
@@ -95,11 +96,9 @@ class TorchBackend:
             from neuronctl.backends.torch.quantize import QuantizedCheckpoint
 
             checkpoint = QuantizedCheckpoint.wrap(checkpoint, spec)
-        shard_checkpoint(
-            checkpoint,
-            spec.tp_degree,
-            DTYPES[str(spec.dtype)],
-            staging / "weights",
+        write_graph_weights(
+            checkpoint, args_from_config(config), DTYPES[str(spec.dtype)], bool(spec.quantized),
+            ops.layout == BLOCKED, staging / "weights" / GRAPH_WEIGHTS,
             request.progress,
         )
         return BuildResult(graphs=graphs, graphs_reused=donor is not None,

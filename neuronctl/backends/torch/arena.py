@@ -1,49 +1,46 @@
-"""Memory for the blocked weights, faulted in before the loader writes to it.
+"""The memory the weights live in: their file mapped, faulted in before the loader needs it.
 
-The kernel's blocked matrices live in one anonymous mapping that asks Linux for 2 MiB pages
-(kernel.huge_page_tensors). The first write to each page stops for a page fault in which the
-kernel zeroes it. On a 2-core AMD EPYC VM, faulting in the 270 MB arena of the
-SmolLM2-135M-shaped bf16 artifact took 0.04-1.1 s of CPU in a fresh process (bimodal, where
-4 KiB pages took a steady 0.15-0.2 s: a 2 MiB block the VM's host has to back again is
-slow), 10 % of a cold `generate`'s CPU in one perf profile (`clear_page_erms` under the
-blocking copy), all of it on the one thread that loads.
+A torch artifact's weights are one file in the form the graphs take (weights.py). Loading maps
+it privately (a stray write would change this process's copy, never the file), asks Linux for
+2 MiB pages and faults every page in with madvise(MADV_POPULATE_READ) (Linux 5.14+, called
+through ctypes, which releases the GIL; it changes no byte). On a kernel whose page cache
+keeps large folios (ext4 and xfs on recent kernels) the populated mapping is made of 2 MiB
+pages, as the anonymous huge-page arena this replaces was: a decode step streams every matrix,
+and on 4 KiB pages each page is a TLB miss (kernel.huge_page_tensors). Where the file is not
+in the page cache yet, populating it is the disk read.
 
-`reserve` moves it off that thread, without touching torch (this module imports only the
-standard library, so it runs before `import torch`): a command that knows it will load an
-artifact (`generate`, through backends.prepare_load) maps the arena and faults it in on a
-second thread while the main thread imports torch, single-threaded, for seconds; `take`
-hands it to the loader, which finds every page in place.
-
-Faulting in is madvise(MADV_POPULATE_WRITE) (Linux 5.14+), called through ctypes, which
-releases the GIL; it changes no byte. Where it is not available nothing is faulted in ahead
-and the loader's writes fault the pages in as before.
+`map_early` moves that off the loading thread without touching torch (this module imports only
+the standard library, so it runs before `import torch`): a command that knows it will load an
+artifact (`generate`, through backends.prepare_load) maps the file and faults it in on a second
+thread while the main thread imports torch, single-threaded, for seconds; `take` hands the
+mapping to the loader when it maps the same file, which then checks the header as always.
 """
 
 from __future__ import annotations
 
-import logging
 import mmap
+import os
 import sys
 import threading
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from pathlib import Path
 
-logger = logging.getLogger(__name__)
-
+GRAPH_WEIGHTS = "graph_weights.safetensors"  # in the artifact's weights/ (weights.py)
 # Python's mmap module does not name it; kernels before 5.14 answer EINVAL.
-MADV_POPULATE_WRITE = 23
+MADV_POPULATE_READ = 22
+HUGE_PAGE = 2 << 20
 Ranges = Sequence[tuple[int, int]]  # (address, length), whole pages
 
 
-class Reservation:
-    """An anonymous mapping of `nbytes`, asked for 2 MiB pages, faulted in on a thread."""
+class EarlyMapping:
+    """A weights file mapped, and faulted in on a thread."""
 
-    def __init__(self, nbytes: int) -> None:
-        self.nbytes = nbytes
-        self.mapping = new_mapping(nbytes)
+    def __init__(self, path: Path) -> None:
+        self.identity, self.mapping = _map(path)
         self._thread = threading.Thread(
-            target=populate, args=([(address_of(self.mapping), nbytes)],), daemon=True,
-            name="neuronctl-reserve")
+            target=advise, args=([(address_of(self.mapping), len(self.mapping))],
+                                 MADV_POPULATE_READ),
+            daemon=True, name="neuronctl-map")
         self._thread.start()
 
     def wait(self) -> mmap.mmap:
@@ -51,25 +48,15 @@ class Reservation:
         return self.mapping
 
 
-_reserved: Reservation | None = None
+_early: EarlyMapping | None = None
 _lock = threading.Lock()
 
 
-def reserve(nbytes: int) -> None:
-    """Start faulting in a mapping of `nbytes` for the next `take` (replacing one not taken).
-    A no-op off Linux, where MADV_POPULATE_WRITE does not exist."""
-    global _reserved
-    if sys.platform != "linux" or nbytes <= 0:
-        return
-    with _lock:
-        _reserved = Reservation(nbytes)
-
-
-def reserve_for(artifact: Path) -> None:
-    """Reserve the arena for a torch artifact whose matrices are blocked (the manifest's op
-    choice), as large as its weight files: the blocked matrices are some of the tensors the
-    files hold, fused or tied ones included, so never larger. Nothing for other artifacts, or
-    where that would take more than half the memory available (then loading finds out)."""
+def map_early(artifact: Path) -> None:
+    """Map and fault in a torch artifact's weights file ahead of the load, on a thread.
+    Nothing for another artifact, off Linux, or where the file takes more than half the
+    memory available (the load then maps it as it goes)."""
+    global _early
     from neuronctl.errors import NeuronctlError
     from neuronctl.store.manifest import read_manifest
 
@@ -77,16 +64,100 @@ def reserve_for(artifact: Path) -> None:
         manifest = read_manifest(artifact)
     except NeuronctlError:
         return  # loading says what is wrong with it
-    # "blocked" is opchoice.BLOCKED, which imports torch
-    if manifest.backend != "torch" or manifest.ops is None or manifest.ops.layout != "blocked":
+    path = artifact / "weights" / GRAPH_WEIGHTS
+    if manifest.backend != "torch" or sys.platform != "linux":
         return
     try:
-        nbytes = sum(f.stat().st_size for f in (artifact / "weights").glob("*.safetensors")
-                     if f.is_file())
+        if path.stat().st_size > available_memory() // 2:
+            return
+        early = EarlyMapping(path)
+    except (OSError, ValueError):
+        return  # loading says what is wrong with it
+    with _lock:
+        _early = early
+
+
+def take(path: Path) -> mmap.mmap | None:
+    """The early mapping, faulted in, when it maps the file now at `path` (the same device,
+    inode, size and mtime: a file replaced in between is mapped afresh); None otherwise.
+    Taken once."""
+    global _early
+    with _lock:
+        early, _early = _early, None
+    if early is None:
+        return None
+    mapping = early.wait()
+    try:  # the file, not its name: an artifact can be reached by more than one path
+        same = _identity(os.stat(path)) == early.identity
     except OSError:
-        return
-    if nbytes and nbytes <= available_memory() // 2:
-        reserve(nbytes)
+        same = False
+    if not same:
+        mapping.close()
+        return None
+    return mapping
+
+
+def map_file(path: Path) -> mmap.mmap:
+    """`path` mapped privately, asked for 2 MiB pages, and faulted in."""
+    _, mapping = _map(path)
+    advise([(address_of(mapping), len(mapping))], MADV_POPULATE_READ)
+    return mapping
+
+
+def _map(path: Path) -> tuple[tuple[int, int, int, int], mmap.mmap]:
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        identity = _identity(os.fstat(fd))
+        mapping = mmap.mmap(fd, 0, flags=mmap.MAP_PRIVATE,
+                            prot=mmap.PROT_READ | mmap.PROT_WRITE)
+    finally:
+        os.close(fd)  # the mapping holds the file
+    _ask_for_huge_pages(mapping)
+    return identity, mapping
+
+
+def _identity(st: os.stat_result) -> tuple[int, int, int, int]:
+    return st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns
+
+
+def huge_share(mapping: mmap.mmap) -> float:
+    """The share of the mapping's whole 2 MiB pieces that are mapped as 2 MiB pages
+    (/proc/self/smaps FilePmdMapped); 1.0 where it has none or smaps cannot be read (then
+    nothing is done about it)."""
+    pieces = len(mapping) // HUGE_PAGE * HUGE_PAGE
+    if not pieces:
+        return 1.0
+    start = f"{address_of(mapping):x}-"
+    try:
+        with open("/proc/self/smaps") as smaps:
+            fields = _entry_fields(smaps, start)
+    except OSError:
+        return 1.0
+    return fields.get("FilePmdMapped", 0) / pieces
+
+
+def _entry_fields(lines: Iterable[str], start: str) -> dict[str, int]:
+    """The kB fields of the smaps entry whose address range begins with `start`."""
+    fields: dict[str, int] = {}
+    inside = False
+    for line in lines:
+        if line[:1] in "0123456789abcdef" and "-" in line.split(" ", 1)[0]:
+            if inside:
+                break
+            inside = line.startswith(start)
+        elif inside and line.rstrip().endswith(" kB"):
+            name, value = line.split(":", 1)
+            fields[name] = int(value.split()[0]) * 1024
+    return fields
+
+
+def anonymous_huge_pages() -> bool:
+    """Whether an anonymous mapping advised MADV_HUGEPAGE gets 2 MiB pages here."""
+    try:
+        mode = Path("/sys/kernel/mm/transparent_hugepage/enabled").read_text()
+    except OSError:
+        return False
+    return "[never]" not in mode and hasattr(mmap, "MADV_HUGEPAGE")
 
 
 def available_memory() -> int:
@@ -101,33 +172,17 @@ def available_memory() -> int:
     return 0
 
 
-def take(nbytes: int) -> mmap.mmap | None:
-    """The reserved mapping when it holds `nbytes`, once faulted in; its pages past `nbytes`
-    are given back. None when nothing, or too little, was reserved (then it is dropped)."""
-    global _reserved
-    with _lock:
-        reservation, _reserved = _reserved, None
-    if reservation is None:
-        return None
-    mapping = reservation.wait()
-    if reservation.nbytes < nbytes:
-        logger.debug("reserved %d bytes, the weights take %d: not used", reservation.nbytes,
-                     nbytes)
-        mapping.close()
-        return None
-    spare = -(-nbytes // mmap.PAGESIZE) * mmap.PAGESIZE
-    if spare < reservation.nbytes:
-        mapping.madvise(mmap.MADV_DONTNEED, spare, reservation.nbytes - spare)
-    return mapping
-
-
 def new_mapping(nbytes: int) -> mmap.mmap:
     """An anonymous private mapping that asks for 2 MiB pages where Linux offers them."""
     mapping = mmap.mmap(-1, nbytes, flags=mmap.MAP_PRIVATE | mmap.MAP_ANONYMOUS)
-    advice = getattr(mmap, "MADV_HUGEPAGE", None)
-    if advice is not None:
-        mapping.madvise(advice)
+    _ask_for_huge_pages(mapping)
     return mapping
+
+
+def _ask_for_huge_pages(mapping: mmap.mmap) -> None:
+    advice = getattr(mmap, "MADV_HUGEPAGE", None)
+    if advice is not None and len(mapping):
+        mapping.madvise(advice)
 
 
 def address_of(mapping: mmap.mmap) -> int:
@@ -139,11 +194,13 @@ def address_of(mapping: mmap.mmap) -> int:
     return address
 
 
-def populate(ranges: Ranges) -> bool:
-    """madvise(MADV_POPULATE_WRITE) over each range, GIL released; False where the kernel
-    does not offer it (the pages then fault in when first written, as they would anyway)."""
+def advise(ranges: Ranges, advice: int) -> bool:
+    """madvise(advice) over each range, GIL released; False where the kernel refuses it
+    (populating then happens page by page as the pages are first read, as it would anyway)."""
+    if sys.platform != "linux":
+        return False
     import ctypes
 
     madvise = ctypes.CDLL(None, use_errno=True).madvise
     madvise.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int]
-    return all(madvise(address, length, MADV_POPULATE_WRITE) == 0 for address, length in ranges)
+    return all(madvise(address, length, advice) == 0 for address, length in ranges)

@@ -87,8 +87,7 @@ def huge_page_tensors(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) ->
     sizes = {name: -(-math.prod(shape) * dtype.itemsize // 64) * 64
              for name, (shape, dtype) in shapes.items()}
     total = sum(sizes.values())
-    # Faulted in already where a command reserved it before importing torch (arena.py).
-    mapping = arena.take(total) or arena.new_mapping(total)
+    mapping = arena.new_mapping(total)
     space = torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping while views live
     out, offset = {}, 0
     for name, (shape, dtype) in shapes.items():

@@ -232,9 +232,10 @@ def _load_weights(
     weights_dir: Path, args: ModelArgs, dtype: torch.dtype, packed: bool = False,
     batch_size: int = 1, quantized: bool = False, blocked: bool = False,
 ) -> dict[str, torch.Tensor]:
-    """The graphs' weights, read once into their final form (weights.py); the matrices that
-    oneDNN-packed graphs take are packed one by one, each plain copy freed as it goes."""
-    from neuronctl.backends.torch.weights import load_graph_weights
+    """The graphs' weights, mapped in their final form (weights.py); the matrices that
+    oneDNN-packed graphs take are packed one by one, each plain one's pages given back as
+    it goes (a tied head's are the embedding's, which the graphs still read)."""
+    from neuronctl.backends.torch.weights import load_graph_weights, release
 
     if packed and not can_pack(dtype):
         raise CheckpointError(
@@ -243,6 +244,9 @@ def _load_weights(
         )
     weights = load_graph_weights(weights_dir, args, dtype, quantized, packed, blocked)
     if packed:
+        embedding = weights.get("model.embed_tokens.weight")
         for name in packed_names(args):
-            weights[name] = pack_weight(weights[name], batch_size)
+            plain, weights[name] = weights[name], pack_weight(weights[name], batch_size)
+            if plain is not embedding:
+                release(plain)
     return weights

@@ -12,9 +12,10 @@ from pathlib import Path
 
 from neuronctl.backends.torch import host
 
-# Bump when the model (model.py, config.py, layout.py, linear.py, attention.py) or the graph
-# signatures change what a graph computes or takes.
-MODELING_VERSION = "6"
+# Bump when the model (model.py, config.py, layout.py, linear.py, attention.py), the graph
+# signatures or the stored form of the weights (weights.py) change what a graph computes or
+# takes.
+MODELING_VERSION = "7"
 # neuronctl's own CPU ops, one library (kernel.py): the matmul and decode attention, and
 # the header they share (in the digest, not compiled on its own).
 KERNEL_SOURCES = tuple(Path(__file__).with_name(n) for n in ("simd.h", "gemv.cpp", "attention.cpp"))

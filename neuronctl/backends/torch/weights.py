@@ -1,186 +1,257 @@
-"""An artifact's weights read into the form its graphs take, one tensor at a time.
+"""An artifact's weights, written once at compile in the form its graphs take, mapped at load.
 
-The shards hold the checkpoint's tensors (Hugging Face names, Neuron's tp split). The graphs
-take q/k/v and gate/up fused, in the kernel's blocked layout where they call it
-(layout.graph_sources). Each graph tensor is allocated once, in its final place (the
-huge-page arena for blocked matrices), and its parts are read from the files straight into
-it: a fused matrix's parts into its row ranges, a tp piece into its slice. Only a blocked
-matrix passes through one transient plain tensor. Files are read, not mapped: the pages of a
-mapped file count in the process's resident memory until it is unmapped, which doubled the
-peak (bench/load.py).
+The graphs take q/k/v and gate/up fused, int8 with bf16 scales where quantized, and every
+matrix in the kernel's blocked layout where they call it (layout.graph_sources). `compile`
+writes exactly those tensors, in graph order, into one safetensors file
+(`weights/graph_weights.safetensors`), each tensor's bytes on a 64-byte boundary (uint8
+padding entries fill the gaps: safetensors allows no holes). Loading maps that file and hands
+the graphs views of it: nothing is copied, the pages are the page cache's (two processes
+serving one artifact share them), and on a kernel whose page cache keeps 2 MiB folios the
+mapping is made of 2 MiB pages like the anonymous arena it replaces (arena.py).
+
+One process runs the whole model on a CPU, so the file is not split by tp: the tp degree is
+recorded in the spec and the host check, as on Neuron, and changes no byte here.
 """
 
 from __future__ import annotations
 
 import json
-import math
-import os
+import logging
+import mmap
 import struct
+from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING, BinaryIO
 
 import torch
 from torch import Tensor
 
-from neuronctl.backends.torch import kernel
+from neuronctl.backends.torch import arena, kernel
+from neuronctl.backends.torch.arena import GRAPH_WEIGHTS
 from neuronctl.backends.torch.config import ModelArgs
 from neuronctl.backends.torch.layout import graph_layout, graph_sources, is_matrix
-from neuronctl.checkpoints.safetensors_format import TensorInfo, read_header
+from neuronctl.checkpoints.safetensors_format import (
+    DTYPE_NAMES,
+    TensorInfo,
+    read_header,
+    write_tensor_bytes,
+)
 from neuronctl.errors import CheckpointError
-from neuronctl.sharding import META_SPLITS, shard_name
+from neuronctl.progress import NullProgress, Progress
+
+if TYPE_CHECKING:
+    from neuronctl.checkpoints import Checkpoint
+
+logger = logging.getLogger(__name__)
 
 RECOMPILE = "recompile the artifact"
-# A blocked matrix is read and blocked this many bytes of rows at a time (one scratch buffer).
-BAND_BYTES = 4 << 20
+# Below this share of the mapping in 2 MiB pages, blocked matrices move into anonymous ones.
+HUGE_ENOUGH = 0.5
+# A cache line: each weight starts on its own (inductor's code assumes inputs 16-byte aligned).
+ALIGN = 64
+PAD = "neuronctl.pad."  # padding entries' name prefix: never a graph tensor
+FORMAT = "graph-1"
+Layout = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 
-class Shard:
-    """One safetensors file, read tensor by tensor with pread."""
-
-    def __init__(self, path: Path) -> None:
-        self.path = path
-        self.infos, self.metadata = read_header(path)  # validated: offsets fit the file
-        self.fd = os.open(path, os.O_RDONLY)
-        header_len = struct.unpack("<Q", os.pread(self.fd, 8, 0))[0]
-        header = json.loads(os.pread(self.fd, header_len, 8))
-        self.offsets = {name: 8 + header_len + int(entry["data_offsets"][0])
-                        for name, entry in header.items() if name != "__metadata__"}
-
-    def read_rows(self, name: str, start: int, out: Tensor) -> None:
-        """Rows start.. of the stored tensor `name` (as many as `out` has) into `out`."""
-        info = self.infos[name]
-        if (tuple(out.shape[1:]) != info.shape[1:] or start + out.shape[0] > info.shape[0]
-                or not info.shape):
-            raise CheckpointError(f"{self.path}: {name} has shape {list(info.shape)}, the "
-                                  f"graphs take {list(out.shape)}", RECOMPILE)
-        if out.dtype != info.dtype or not out.is_contiguous():
-            staged = torch.empty(tuple(out.shape), dtype=info.dtype)
-            self.read_rows(name, start, staged)
-            out.copy_(staged)
-            return
-        row_bytes = math.prod(info.shape[1:]) * info.dtype.itemsize
-        view = out.reshape(-1).view(torch.uint8).numpy().data
-        done, offset = 0, self.offsets[name] + start * row_bytes
-        while done < len(view):
-            got = os.preadv(self.fd, [view[done:]], offset + done)
-            if got <= 0:
-                raise CheckpointError(f"{self.path} ends inside {name}", RECOMPILE)
-            done += got
-
-    def close(self) -> None:
-        os.close(self.fd)
+def stored_layout(args: ModelArgs, dtype: torch.dtype, quantized: bool, blocked: bool) -> Layout:
+    """The tensors the file holds: the graphs' weights, less the tied head a packed graph
+    takes beside the embedding (the loader hands it the embedding's view to pack)."""
+    return graph_layout(args, dtype, False, quantized, blocked)
 
 
-class Shards:
-    """The tp shards of an artifact: each tensor reassembled whole from its pieces."""
+def write_graph_weights(
+    checkpoint: Checkpoint, args: ModelArgs, dtype: torch.dtype, quantized: bool, blocked: bool,
+    path: Path, progress: Progress | None = None,
+) -> None:
+    """Write the graphs' weights from `checkpoint` (a Checkpoint, or its int8 wrapper) into
+    `path`, one graph tensor in memory at a time. A failure leaves no file."""
+    layout = stored_layout(args, dtype, quantized, blocked)
+    sources = graph_sources(args, quantized, False, blocked)
+    header, offsets = _header(layout, {"neuronctl.weights": FORMAT,
+                                       "neuronctl.dtype": str(dtype).removeprefix("torch.")})
+    advance = (progress or NullProgress()).task(
+        "writing weights", total=sum(_nbytes(shape, dt) for shape, dt in layout.values()))
+    path.parent.mkdir(parents=True, exist_ok=True)
+    try:
+        with open(path, "wb", buffering=0) as file:
+            out = PageWriter(file)
+            out.write(header)
+            for name, tensor in _graph_tensors(checkpoint, sources, layout, blocked):
+                out.write(bytes(offsets[name] - out.tell()))  # padding to its boundary
+                write_tensor_bytes(out, tensor)  # type: ignore[arg-type]
+                advance(tensor.numel() * tensor.element_size())
+            out.flush()
+    except BaseException:
+        path.unlink(missing_ok=True)
+        raise
 
-    def __init__(self, weights_dir: Path) -> None:
-        first = weights_dir / shard_name(0)
-        if not first.is_file():
-            raise CheckpointError(f"{weights_dir} has no {first.name}", RECOMPILE)
-        self.shards = [Shard(first)]
-        meta = self.shards[0].metadata
-        if META_SPLITS not in meta:
-            raise CheckpointError(f"{first} was not written by neuronctl (no split metadata)")
-        self.tp = int(meta["neuronctl.tp_degree"])
-        self.splits = json.loads(meta[META_SPLITS])
-        for rank in range(1, self.tp):
-            path = weights_dir / shard_name(rank)
-            if not path.is_file():
-                raise CheckpointError(f"{weights_dir} is missing {path.name} "
-                                      f"(tp degree {self.tp})", RECOMPILE)
-            self.shards.append(Shard(path))
-        self.dir = weights_dir
 
-    def info(self, name: str) -> TensorInfo:
-        if name not in self.splits:
-            raise CheckpointError(f"{self.dir} lacks {name}", RECOMPILE)
-        kind, dim, kv_heads = self.splits[name]
-        piece = self.shards[0].infos[name]
-        shape = list(piece.shape)
-        shape[dim] *= {"replicate": 1, "kv": kv_heads}.get(kind, self.tp)
-        return TensorInfo(piece.dtype, tuple(shape))
+class PageWriter:
+    """Writes a file in whole, aligned 2 MiB pieces (the last one shorter).
 
-    def read_rows(self, name: str, start: int, out: Tensor) -> None:
-        """Rows start.. of the whole tensor `name` (as many as `out` has; any dtype,
-        converted) into `out`, from the pieces that hold them."""
-        kind, dim, kv_heads = self.splits[name]
-        if kind == "replicate":
-            self.shards[0].read_rows(name, start, out)
-            return
-        # "kv": head h lives on ranks h*tp//kv onwards; "split": even pieces, rank order.
-        ranks = ([h * self.tp // kv_heads for h in range(kv_heads)] if kind == "kv"
-                 else list(range(self.tp)))
-        if dim != 0:  # every piece holds every row, a slice of the columns
-            size = out.shape[dim] // len(ranks)
-            for i, rank in enumerate(ranks):
-                self.shards[rank].read_rows(name, start, out.narrow(dim, i * size, size))
-            return
-        size = self.info(name).shape[0] // len(ranks)  # rows per piece
-        end = start + out.shape[0]
-        for i, rank in enumerate(ranks):
-            lo, hi = max(start, i * size), min(end, (i + 1) * size)
-            if lo < hi:
-                self.shards[rank].read_rows(name, lo - i * size, out.narrow(0, lo - start, hi - lo))
+    Linux's page cache gives a buffered write folios no larger, nor more aligned, than the
+    write: tensor-sized writes left a just-compiled 257 MB weights file 16-37 % in 2 MiB
+    folios, so its mapping was mostly 4 KiB pages until the file left the cache; written in
+    2 MiB pieces it maps as 2 MiB pages at once (bench/load.py's in_2mib_pages)."""
 
-    def close(self) -> None:
-        for shard in self.shards:
-            shard.close()
+    PIECE = arena.HUGE_PAGE
+
+    def __init__(self, file: BinaryIO) -> None:
+        self.file = file
+        self.buffer = bytearray(self.PIECE)
+        self.filled = 0
+        self.written = 0
+
+    def tell(self) -> int:
+        return self.written + self.filled
+
+    def write(self, data: bytes | memoryview) -> None:
+        view = memoryview(data).cast("B")
+        while view:
+            take = min(len(view), self.PIECE - self.filled)
+            self.buffer[self.filled:self.filled + take] = view[:take]
+            self.filled, view = self.filled + take, view[take:]
+            if self.filled == self.PIECE:
+                self.flush()
+
+    def flush(self) -> None:
+        done = 0
+        while done < self.filled:  # a raw write may write less than asked
+            done += self.file.write(memoryview(self.buffer)[done:self.filled]) or 0
+        self.written, self.filled = self.written + self.filled, 0
+
+
+def _graph_tensors(
+    checkpoint: Checkpoint, sources: dict[str, list[str]], layout: Layout, blocked: bool
+) -> Iterator[tuple[str, Tensor]]:
+    """Each graph tensor, built from its checkpoint parts: fused, converted, blocked."""
+    for name, parts in sources.items():
+        shape, dtype = layout[name]
+        tensors = [checkpoint.tensor(part).to(dtype) for part in parts]
+        tensor = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
+        del tensors
+        if blocked and is_matrix(name):
+            tensor = kernel.block(tensor)
+        if tuple(tensor.shape) != shape:
+            raise CheckpointError(f"{name} is {list(tensor.shape)} from {parts}, the graphs "
+                                  f"take {list(shape)}")
+        yield name, tensor
+
+
+def _nbytes(shape: tuple[int, ...], dtype: torch.dtype) -> int:
+    return TensorInfo(dtype, shape).nbytes
+
+
+def _header(layout: Layout, metadata: dict[str, str]) -> tuple[bytes, dict[str, int]]:
+    """The safetensors header for `layout`, each tensor's data on an ALIGN boundary of the
+    file, and each tensor's file offset."""
+    # The header's length moves every offset: lay the data out relative to its start, then
+    # pad the JSON so that the data starts on a boundary.
+    table: dict[str, object] = {"__metadata__": metadata}
+    starts, offset, pads = {}, 0, 0
+    for name, (shape, dtype) in layout.items():
+        gap = -offset % ALIGN
+        if gap:
+            table[f"{PAD}{pads}"] = {"dtype": "U8", "shape": [gap],
+                                     "data_offsets": [offset, offset + gap]}
+            pads, offset = pads + 1, offset + gap
+        nbytes = _nbytes(shape, dtype)
+        table[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape),
+                       "data_offsets": [offset, offset + nbytes]}
+        starts[name], offset = offset, offset + nbytes
+    text = json.dumps(table, separators=(",", ":")).encode()
+    text += b" " * (-(8 + len(text)) % ALIGN)
+    data = 8 + len(text)
+    return struct.pack("<Q", len(text)) + text, {n: data + s for n, s in starts.items()}
 
 
 def load_graph_weights(
     weights_dir: Path, args: ModelArgs, dtype: torch.dtype, quantized: bool,
     packed: bool, blocked: bool,
 ) -> dict[str, Tensor]:
-    """The graphs' weight inputs (in graph order), read from the shards with one copy held.
+    """The graphs' weight inputs (in graph order): views of the mapped weights file.
 
-    `packed` only adds the tied head's plain table as `lm_head.weight`; the runner packs.
+    `packed` adds the tied head's plain table as `lm_head.weight` (the embedding's view);
+    the runner packs the matrices and gives their pages back (release).
     """
-    sources = graph_sources(args, quantized, packed, blocked)
-    layout = graph_layout(args, dtype, packed, quantized, blocked)
-    shards = Shards(weights_dir)
-    try:
-        for parts in sources.values():
-            for part in parts:
-                shards.info(part)  # every part exists before anything is allocated
-        matrices = {name: layout[name] for name in layout
-                    if blocked and is_matrix(name)}
-        weights = kernel.huge_page_tensors(matrices) if matrices else {}
-        widest = max((kernel.ROWS * kernel.unblocked_shape(shape)[1] * dt.itemsize
-                      for shape, dt in matrices.values()), default=0)
-        scratch = torch.empty(max(BAND_BYTES, widest) if matrices else 0, dtype=torch.uint8)
-        for name, (shape, dt) in layout.items():
-            if name in matrices:
-                _read_blocked(shards, sources[name], weights[name], scratch)
-            else:
-                weights[name] = torch.empty(shape, dtype=dt)
-                _read_rows(shards, sources[name], 0, weights[name])
-    finally:
-        shards.close()
-    return {name: weights[name] for name in layout}
+    path = weights_dir / GRAPH_WEIGHTS
+    if not path.is_file():
+        older = any(weights_dir.glob("tp*_sharded_checkpoint.safetensors"))
+        raise CheckpointError(
+            f"{weights_dir} has no {GRAPH_WEIGHTS}"
+            + (" (its tp shards are an older neuronctl's torch format)" if older else ""),
+            RECOMPILE)
+    layout = stored_layout(args, dtype, quantized, blocked)
+    offsets, header, size = _checked_offsets(path, layout)
+    mapping = arena.take(path) or arena.map_file(path)
+    if len(mapping) != size or mapping[:len(header)] != header:  # replaced since it was read
+        raise CheckpointError(f"{path} changed while it was being loaded", "load it again")
+    space = torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping while views live
+    stored = {name: space[offsets[name]:offsets[name] + _nbytes(shape, dt)].view(dt).view(shape)
+              for name, (shape, dt) in layout.items()}
+    if blocked and arena.huge_share(mapping) < HUGE_ENOUGH and arena.anonymous_huge_pages():
+        into_anonymous_huge_pages(stored)
+    want = graph_layout(args, dtype, packed, quantized, blocked)
+    return {name: stored[name] if name in stored else stored["model.embed_tokens.weight"]
+            for name in want}
 
 
-def _read_blocked(shards: Shards, parts: list[str], out: Tensor, scratch: Tensor) -> None:
-    """A matrix into its blocked place, a band of rows at a time through `scratch` (so the
-    plain form never exists whole: a tied head is a fifth of a small model)."""
-    n, k = kernel.unblocked_shape(tuple(out.shape))
-    step = max(kernel.ROWS, scratch.numel() // (k * out.dtype.itemsize)
-               // kernel.ROWS * kernel.ROWS)
-    for row in range(0, n, step):
-        rows = min(step, n - row)
-        band = scratch[:rows * k * out.dtype.itemsize].view(out.dtype).view(rows, k)
-        _read_rows(shards, parts, row, band)
-        kernel.block(band, out=out[row // kernel.ROWS:(row + rows) // kernel.ROWS])
+def into_anonymous_huge_pages(weights: dict[str, Tensor]) -> None:
+    """Copy the blocked matrices out of a mapping the page cache could not give 2 MiB pages
+    (a filesystem or kernel without large folios) into anonymous memory that has them
+    (kernel.huge_page_tensors), each one's mapped pages given back as it goes: the kernel
+    streams them every step, up to 16 % faster on 2 MiB pages (bench/kernel.py)."""
+    matrices = [name for name in weights if is_matrix(name)]
+    logger.info("the weights file maps as 4 KiB pages here: copying %d matrices into 2 MiB "
+                "pages", len(matrices))
+    copies = kernel.huge_page_tensors(
+        {name: (tuple(weights[name].shape), weights[name].dtype) for name in matrices})
+    for name in matrices:
+        copies[name].copy_(weights[name])
+        release(weights[name])
+        weights[name] = copies[name]
 
 
-def _read_rows(shards: Shards, parts: list[str], start: int, out: Tensor) -> None:
-    """Rows start.. of the parts concatenated along dim 0, into `out`."""
-    row, end = 0, start + out.shape[0]
-    for part in parts:
-        rows = shards.info(part).shape[0]
-        lo, hi = max(start, row), min(end, row + rows)
-        if lo < hi:
-            shards.read_rows(part, lo - row, out.narrow(0, lo - start, hi - lo))
-        row += rows
-    if row < end:
-        raise CheckpointError(f"{shards.dir}: {parts} make {row} rows, the graphs take "
-                              f"{end}", RECOMPILE)
+def _checked_offsets(path: Path, layout: Layout) -> tuple[dict[str, int], bytes, int]:
+    """Each tensor's file offset, after checking the file holds exactly `layout`, in order,
+    each on its boundary (read_header has checked the offsets cover the file); the header's
+    bytes and the file's size, which the mapping must have too."""
+    infos, metadata = read_header(path)
+    if metadata.get("neuronctl.weights") != FORMAT:
+        raise CheckpointError(f"{path} was not written by this neuronctl's compile", RECOMPILE)
+    names = [name for name in infos if not name.startswith(PAD)]
+    if names != list(layout):
+        missing = sorted(set(layout) - set(names)) or sorted(set(names) - set(layout))
+        raise CheckpointError(f"{path} does not hold the graphs' weights (first difference: "
+                              f"{missing[:1] or 'their order'})", RECOMPILE)
+    for name, (shape, dtype) in layout.items():
+        if infos[name] != TensorInfo(dtype, shape):
+            raise CheckpointError(f"{path}: {name} is {infos[name].dtype} "
+                                  f"{list(infos[name].shape)}, the graphs take {dtype} "
+                                  f"{list(shape)}", RECOMPILE)
+    with open(path, "rb") as f:
+        prefix = f.read(8)
+        length = struct.unpack("<Q", prefix)[0]
+        raw = f.read(length)
+    header = json.loads(raw)
+    offsets = {name: 8 + length + int(header[name]["data_offsets"][0]) for name in layout}
+    crooked = [name for name, offset in offsets.items() if offset % ALIGN]
+    if crooked:
+        raise CheckpointError(f"{path}: {crooked[0]} is not on a {ALIGN}-byte boundary",
+                              RECOMPILE)
+    end = max((int(entry["data_offsets"][1]) for name, entry in header.items()
+               if name != "__metadata__"), default=0)
+    return offsets, prefix + raw, 8 + length + end
+
+
+def release(view: Tensor) -> None:
+    """Give back the whole pages of a mapped weight that nothing reads any more (a matrix
+    the runner packed into its own memory): they leave the process's resident set and the
+    mapping stays valid (a later read would fault them in again from the file)."""
+    start = view.data_ptr()
+    first = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE
+    end = (start + view.numel() * view.element_size()) // mmap.PAGESIZE * mmap.PAGESIZE
+    if end > first:
+        arena.advise([(first, end - first)], mmap.MADV_DONTNEED)
+
