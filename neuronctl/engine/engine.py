@@ -12,10 +12,12 @@ and its own incremental detokenizer, so text costs O(1) per token.
 
 from __future__ import annotations
 
+import atexit
 import logging
 import queue
 import threading
 import time
+import weakref
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from functools import partial
 from typing import Any
@@ -116,6 +118,36 @@ class RequestHandle:
         return self._events
 
 
+# The engines whose thread has started, for `stop_started` at exit; weak, so an engine that
+# was stopped and dropped goes as before (a running thread holds its engine itself).
+_started: weakref.WeakSet[Engine] = weakref.WeakSet()
+
+
+def stop_started() -> None:
+    """Stop every started engine and wait for its thread: the interpreter's exit must not
+    find one running.
+
+    The engine thread is a daemon, so a process whose main thread ends without `stop` (a
+    library user, a test, an exception escaping between start and stop) does not wait for
+    it, and Python finalizes while the thread is inside a torch op with the GIL released.
+    When the op returns and asks for the GIL back, CPython ends the thread with pthread_exit
+    (take_gil in Python/ceval_gil.h, on `_PyThreadState_MustExit`), and the forced unwind
+    that does it stops at the torch binding that asked (`THPVariable_matmul`,
+    `THPVariable_clear` in the core dumps of such exits): std::terminate, "terminate called
+    without an active exception", SIGABRT, exit code 134. Only a thread that takes the GIL
+    back does this: torch's OpenMP workers never hold it, and an idle engine thread sleeps
+    in its wait until the process is gone. One that ran on into exit also found the
+    operators torch.library defined already dropped ("Could not find schema for
+    neuronctl::linear_blocked" loading a graph): weakref.finalize drops them at exit.
+
+    atexit runs this after Python has joined the non-daemon threads (which may still use an
+    engine) and before it finalizes, while the engine thread can still take the GIL and end
+    cleanly. What is in flight is aborted, not finished: the process is ending. The wait is
+    for the step in progress, which a runner call always ends."""
+    for engine in list(_started):
+        engine.stop(drain=False)
+
+
 # What `Engine.generate` calls for each request in prompt order: its index and handle in, its
 # output out.
 Consume = Callable[[int, RequestHandle], RequestOutput]
@@ -156,6 +188,12 @@ class Engine:
             self._threads = torch.get_num_threads()
             self._thread = threading.Thread(target=self._loop, name="neuronctl-engine", daemon=True)
             self._thread.start()
+            _started.add(self)
+            # atexit runs the last registered first: registered again now, stop_started runs
+            # before every handler registered until now, weakref.finalize's among them,
+            # which drops torch.library's operators (the graphs call them until it stops).
+            atexit.unregister(stop_started)
+            atexit.register(stop_started)
         return self
 
     def stop(self, drain: bool = True, timeout: float | None = None) -> None:
