@@ -258,12 +258,13 @@ def _build_in_pool(
 ) -> list[str]:
     results: dict[str, str] = {}
     timeout = graph_timeout()
-    # Workers die with this process (SIGKILL included): no orphan keeps compiling.
+    # Workers die with this process (SIGKILL included), and kill the C++ compilers AOTInductor
+    # runs in them first (whole_tree): no orphan keeps compiling.
     with ProcessPoolExecutor(
         max_workers=workers,
         mp_context=get_context("spawn"),
         initializer=die_with_parent,
-        initargs=(os.getpid(),),
+        initargs=(os.getpid(), True),
     ) as pool:
         pending: dict[Future[str], GraphJob] = {pool.submit(build, j): j for j in jobs}
         try:
