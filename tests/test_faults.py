@@ -664,6 +664,42 @@ def test_a_graph_worker_that_hangs_is_killed_at_the_timeout(
             os.kill(pid, 0)
 
 
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_graph_workers_kill_what_runs_below_them_and_not_their_group_when_the_compile_dies(
+    tmp_path: Path,
+) -> None:
+    """A SIGKILLed compile's graph workers die with it and take what runs below them along
+    (AOTInductor's compiler ran on, orphaned), but leave the compile's process group alone: it
+    may hold the user's shell pipeline or a test runner (here, a bystander in the group)."""
+    code = (
+        "import subprocess, sys\n"
+        "from neuronctl.backends.torch import graphs\n"
+        "from tests.hang_worker import Job, hang_below\n"
+        "print(subprocess.Popen(['sleep', '600']).pid, flush=True)\n"
+        "jobs = [Job(f'context_encoding_{b}', sys.argv[1]) for b in (64, 128)]\n"
+        "graphs._build_in_pool(jobs, 2, {j.name: print for j in jobs}, build=hang_below)\n"
+    )
+    compile_ = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True, text=True,
+    )  # fmt: skip
+    assert compile_.stdout is not None
+    bystander = int(compile_.stdout.readline())
+    try:
+        wait_until(lambda: len(list(tmp_path.glob("*.tree"))) == 2, DEADLINE, "both workers")
+        trees = [int(p) for note in tmp_path.glob("*.tree") for p in note.read_text().split()]
+    finally:
+        compile_.kill()  # SIGKILL
+        compile_.wait(DEADLINE)
+    try:
+        wait_until(lambda: not any(alive(p) for p in trees), 10, "the workers and below them")
+        assert alive(bystander), "a graph worker killed its compile's process group"
+    finally:
+        for pid in [bystander, *trees]:
+            if alive(pid):
+                kill(pid)
+
+
 # -- generate --engine vllm ----------------------------------------------------------------------
 
 
