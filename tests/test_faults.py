@@ -30,7 +30,7 @@ from neuronctl.store.lease import unused
 from neuronctl.store.local import Store
 from tests.conftest import SMALLEST_SPEC
 from tests.fake_runner import EOS_ID, FakeRunner, byte_decoder
-from tests.hang_worker import Job, hang
+from tests.hang_worker import Job, hang, hang_below
 from tests.helpers import cli_in_process, spec_flags, wait_until
 from tests.test_store import manifest
 
@@ -662,6 +662,31 @@ def test_a_graph_worker_that_hangs_is_killed_at_the_timeout(
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_graph_workers_killed_at_the_timeout_take_what_runs_below_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker killed at the graph timeout with SIGKILL left its compiler running, orphaned
+    (and a compiler that hangs is what the timeout is for): the workers are asked to stop
+    first, and kill what runs below them."""
+    from neuronctl.backends.torch import graphs
+    from neuronctl.errors import BuildError
+
+    monkeypatch.setenv(graphs.GRAPH_TIMEOUT_ENV, "5")
+    jobs = [Job(f"context_encoding_{bucket}", str(tmp_path)) for bucket in (64, 128)]
+    bars = {job.name: (lambda _: None) for job in jobs}
+    with pytest.raises(BuildError, match="no graph finished in 5 s"):
+        graphs._build_in_pool(jobs, 2, bars, build=hang_below)  # type: ignore[arg-type]
+    trees = [int(p) for note in tmp_path.glob("*.tree") for p in note.read_text().split()]
+    assert len(trees) == 4, "the workers never started"
+    try:
+        wait_until(lambda: not any(alive(p) for p in trees), 10, "the workers and below them")
+    finally:
+        for pid in trees:
+            if alive(pid):
+                kill(pid)
 
 
 @pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
