@@ -11,8 +11,10 @@ guards, both set up by `die_with_parent` as the pool's initializer:
   is gone (covers other platforms, and the kernel rule's one gap: it is tied to the parent
   *thread* that spawned the worker).
 
-A process that runs other programs (the kernel build, which runs ninja and the compilers)
-asks for `whole_tree`: it kills everything below it before it exits.
+A process that runs other programs asks for `whole_tree`: it kills everything below it
+before it exits. Both kinds do: the kernel build runs ninja and the compilers, and a graph
+worker runs AOTInductor's C++ compiler, which otherwise ran on, orphaned, after a SIGKILLed
+compile (for minutes on a large model).
 """
 
 from __future__ import annotations
@@ -33,9 +35,14 @@ POLL_SECONDS = 0.5
 def die_with_parent(parent_pid: int, whole_tree: bool = False) -> None:
     """Pool initializer: make this worker exit when `parent_pid` exits.
 
-    whole_tree: this process runs programs that know nothing of its parent (ninja and the
-    compilers under it): when the parent dies, or on SIGTERM, kill every process below this
-    one first (`kill_tree`)."""
+    whole_tree: this process runs programs that know nothing of its parent (ninja, the
+    compilers): when the parent dies, or on SIGTERM, kill every process below this one first
+    (`kill_tree`).
+
+    The kernel's rule fires when the *thread* that started this process exits (prctl(2)),
+    not only the process: a ProcessPoolExecutor starts spawn workers in the thread that calls
+    submit(), so that thread must outlive the pool (build_graphs holds it until the pool has
+    shut down)."""
     if sys.platform.startswith("linux"):
         try:
             libc = ctypes.CDLL(None, use_errno=True)
@@ -66,7 +73,11 @@ def _watch(parent_pid: int, whole_tree: bool) -> None:
 def _exit(whole_tree: bool) -> None:
     if whole_tree:
         kill_tree()
-        os.killpg(os.getpgrp(), signal.SIGKILL)  # this process included
+        # Our group only if we lead it (the kernel build runs in a session of its own). A
+        # graph worker shares its compile's group, which may hold the user's shell pipeline
+        # or the test runner that started the compile.
+        if os.getpgrp() == os.getpid():
+            os.killpg(os.getpgrp(), signal.SIGKILL)  # this process included
     os._exit(1)
 
 

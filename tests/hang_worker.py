@@ -20,3 +20,16 @@ def hang(job: Job) -> str:
     (Path(job.staging) / f"{os.getpid()}.pid").write_text("")
     time.sleep(600)
     return ""
+
+
+def hang_below(job: Job) -> str:
+    """`hang`, with a program running below the worker (what AOTInductor's compiler is):
+    notes `<worker pid> <program pid>` in `<staging>/<worker pid>.tree`."""
+    import subprocess
+
+    program = subprocess.Popen(["sleep", "600"])
+    note = Path(job.staging) / f"{os.getpid()}.tree"
+    note.with_suffix(".part").write_text(f"{os.getpid()} {program.pid}")
+    note.with_suffix(".part").rename(note)
+    time.sleep(600)
+    return ""

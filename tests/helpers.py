@@ -166,6 +166,11 @@ def cli(*args: str, env: dict[str, str] | None = None, cwd: Path | None = None) 
     )
 
 
+def spec_flags(spec: dict[str, Any]) -> list[str]:
+    """A spec dict (conftest's TINY_SPEC, SMALLEST_SPEC) as `compile` flags."""
+    return [arg for k, v in spec.items() for arg in (f"--{k.replace('_', '-')}", str(v))]
+
+
 def run_in_process(args: list[str], capsys: Any, monkeypatch: Any) -> tuple[int, str, str]:
     """Run the CLI in this process (argv patched); return (exit code, stdout, stderr)."""
     import sys

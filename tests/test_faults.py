@@ -28,9 +28,10 @@ from neuronctl.server.app import create_app
 from neuronctl.store.gc import collect
 from neuronctl.store.lease import unused
 from neuronctl.store.local import Store
+from tests.conftest import SMALLEST_SPEC
 from tests.fake_runner import EOS_ID, FakeRunner, byte_decoder
-from tests.hang_worker import Job, hang
-from tests.helpers import cli_in_process
+from tests.hang_worker import Job, hang, hang_below
+from tests.helpers import cli_in_process, spec_flags, wait_until
 from tests.test_store import manifest
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -424,6 +425,87 @@ def test_sigkill_during_a_kernel_build_leaves_no_compiler_and_the_next_build_pro
 COMPILERS = {"ninja", "c++", "g++", "cc1plus", "clang++", "clang", "ld", "collect2", "as"}
 
 
+@pytest.mark.slow
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_sigkill_during_an_inductor_compile_leaves_no_compiler_and_the_next_compile_proceeds(
+    tiny_llama: Path, tmp_path: Path
+) -> None:
+    """SIGKILL a compile while AOTInductor runs the C++ compiler below a graph worker. The
+    workers died with the compile, but the compilers AOTInductor started in them
+    (pytorch/pytorch, torch/_inductor/cpp_builder.py, _run_compile_cmd: subprocess.run of the
+    compile command; line 693 in torch 2.13.0) ran on, orphaned: for minutes, and gigabytes,
+    on a large model. The tiny model's compilers finish in seconds, so the test stops them
+    (SIGSTOP) before the kill: only a kill ends them then. The next compile, in the same
+    inductor cache, finishes."""
+    import time
+
+    env = {**os.environ, "PYTHONPATH": str(ROOT),
+           "TORCHINDUCTOR_CACHE_DIR": str(tmp_path / "inductor")}  # fmt: skip
+    spec = {**SMALLEST_SPEC, "compiler": "inductor", "context_buckets": "16,32"}  # 3 graphs
+    argv = [sys.executable, "-m", "neuronctl.cli.main", "compile", str(tiny_llama)]
+    argv += [*spec_flags(spec), "--store", str(tmp_path / "store"), "--jobs", "2", "--json"]
+    first = subprocess.Popen(
+        argv, cwd=ROOT, env=env, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL
+    )
+    stopped: list[int] = []
+
+    def stop_graph_compilers() -> bool:
+        assert first.poll() is None, "the compile finished before a graph compiler was seen"
+        table = parents()
+        for worker in graph_workers(first.pid):
+            # AOTInductor's own, not the kernel build's (whose child runs ninja)
+            for pid in [p for p, ppid in table.items() if ppid == worker]:
+                if command(pid) in COMPILERS:
+                    stopped.extend(p for p in [pid, *descendants(pid)] if stop(p))
+        return bool(stopped)
+
+    try:
+        wait_until(stop_graph_compilers, 300, "a C++ compiler below a graph worker")
+        below = descendants(first.pid)
+    finally:
+        first.kill()  # SIGKILL
+        first.wait(DEADLINE)
+    deadline = time.monotonic() + 10
+    while [p for p in below if alive(p)] and time.monotonic() < deadline:
+        time.sleep(0.1)
+    survivors = [p for p in below if alive(p)]
+    report = [f"{p} {command(p)}" for p in survivors]
+    for pid in survivors:  # before failing
+        kill(pid)
+    assert not report, f"processes of the compile survived it: {report}"
+    second = subprocess.run(argv, cwd=ROOT, env=env, capture_output=True, text=True, timeout=600)
+    assert second.returncode == 0, second.stderr
+    assert Path(json.loads(second.stdout)["path"]).is_dir()
+
+
+def graph_workers(compile_pid: int) -> list[int]:
+    """The compile's spawned pool workers (not the resource tracker, also a child)."""
+    return [pid for pid in descendants(compile_pid) if b"spawn_main" in cmdline(pid)]
+
+
+def cmdline(pid: int) -> bytes:
+    try:
+        return Path(f"/proc/{pid}/cmdline").read_bytes()
+    except OSError:
+        return b""
+
+
+def stop(pid: int) -> bool:
+    """SIGSTOP `pid`; False when it is gone already."""
+    try:
+        os.kill(pid, signal.SIGSTOP)
+    except ProcessLookupError:
+        return False
+    return alive(pid)
+
+
+def kill(pid: int) -> None:
+    try:
+        os.kill(pid, signal.SIGKILL)
+    except ProcessLookupError:
+        pass
+
+
 def parents() -> dict[int, int]:
     """pid -> parent pid of every live process (/proc/PID/stat, field 4)."""
     table = {}
@@ -580,6 +662,67 @@ def test_a_graph_worker_that_hangs_is_killed_at_the_timeout(
     for pid in pids:
         with pytest.raises(ProcessLookupError):
             os.kill(pid, 0)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_graph_workers_killed_at_the_timeout_take_what_runs_below_them(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A worker killed at the graph timeout with SIGKILL left its compiler running, orphaned
+    (and a compiler that hangs is what the timeout is for): the workers are asked to stop
+    first, and kill what runs below them."""
+    from neuronctl.backends.torch import graphs
+    from neuronctl.errors import BuildError
+
+    monkeypatch.setenv(graphs.GRAPH_TIMEOUT_ENV, "5")
+    jobs = [Job(f"context_encoding_{bucket}", str(tmp_path)) for bucket in (64, 128)]
+    bars = {job.name: (lambda _: None) for job in jobs}
+    with pytest.raises(BuildError, match="no graph finished in 5 s"):
+        graphs._build_in_pool(jobs, 2, bars, build=hang_below)  # type: ignore[arg-type]
+    trees = [int(p) for note in tmp_path.glob("*.tree") for p in note.read_text().split()]
+    assert len(trees) == 4, "the workers never started"
+    try:
+        wait_until(lambda: not any(alive(p) for p in trees), 10, "the workers and below them")
+    finally:
+        for pid in trees:
+            if alive(pid):
+                kill(pid)
+
+
+@pytest.mark.skipif(not sys.platform.startswith("linux"), reason="reads /proc")
+def test_graph_workers_kill_what_runs_below_them_and_not_their_group_when_the_compile_dies(
+    tmp_path: Path,
+) -> None:
+    """A SIGKILLed compile's graph workers die with it and take what runs below them along
+    (AOTInductor's compiler ran on, orphaned), but leave the compile's process group alone: it
+    may hold the user's shell pipeline or a test runner (here, a bystander in the group)."""
+    code = (
+        "import subprocess, sys\n"
+        "from neuronctl.backends.torch import graphs\n"
+        "from tests.hang_worker import Job, hang_below\n"
+        "print(subprocess.Popen(['sleep', '600']).pid, flush=True)\n"
+        "jobs = [Job(f'context_encoding_{b}', sys.argv[1]) for b in (64, 128)]\n"
+        "graphs._build_in_pool(jobs, 2, {j.name: print for j in jobs}, build=hang_below)\n"
+    )
+    compile_ = subprocess.Popen(
+        [sys.executable, "-c", code, str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE,
+        env={**os.environ, "PYTHONPATH": str(ROOT)}, start_new_session=True, text=True,
+    )  # fmt: skip
+    assert compile_.stdout is not None
+    bystander = int(compile_.stdout.readline())
+    try:
+        wait_until(lambda: len(list(tmp_path.glob("*.tree"))) == 2, DEADLINE, "both workers")
+        trees = [int(p) for note in tmp_path.glob("*.tree") for p in note.read_text().split()]
+    finally:
+        compile_.kill()  # SIGKILL
+        compile_.wait(DEADLINE)
+    try:
+        wait_until(lambda: not any(alive(p) for p in trees), 10, "the workers and below them")
+        assert alive(bystander), "a graph worker killed its compile's process group"
+    finally:
+        for pid in [bystander, *trees]:
+            if alive(pid):
+                kill(pid)
 
 
 # -- generate --engine vllm ----------------------------------------------------------------------

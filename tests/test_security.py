@@ -32,7 +32,7 @@ from neuronctl.store.remote.client import open_remote
 from neuronctl.store.remote.errors import RemoteArtifactError
 from neuronctl.store.signing import SIGNATURE, sign
 from tests.conftest import TINY_SPEC
-from tests.helpers import cli_in_process
+from tests.helpers import cli_in_process, spec_flags
 from tests.test_remote import (  # noqa: F401  (fixtures)
     SIGNER,
     TRUST,
@@ -47,10 +47,6 @@ from tests.test_remote import (  # noqa: F401  (fixtures)
 )
 
 ROOT = Path(__file__).resolve().parents[1]
-
-
-def _spec_flags(spec: dict[str, object]) -> list[str]:
-    return [arg for k, v in spec.items() for arg in (f"--{k.replace('_', '-')}", str(v))]
 
 
 def _workers_of(proc: psutil.Process) -> list[psutil.Process]:
@@ -71,7 +67,7 @@ def test_sigkill_of_compile_leaves_no_worker_behind(tiny_llama: Path, tmp_path: 
     spec = {**TINY_SPEC, "context_buckets": ",".join(str(8 * i) for i in range(1, 9))}
     proc = subprocess.Popen(
         [sys.executable, "-m", "neuronctl.cli.main", "compile", str(tiny_llama),
-         *_spec_flags(spec), "--store", str(tmp_path / "store"), "--jobs", "2", "--json"],
+         *spec_flags(spec), "--store", str(tmp_path / "store"), "--jobs", "2", "--json"],
         cwd=ROOT, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
         env={**os.environ, "PYTHONPATH": str(ROOT)},
     )  # fmt: skip

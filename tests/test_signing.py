@@ -31,7 +31,7 @@ from neuronctl.store.signing import (
     key_id,
     sign,
 )
-from tests.helpers import cli_in_process, fine_tuned_copy
+from tests.helpers import cli_in_process, fine_tuned_copy, spec_flags
 from tests.test_remote import (  # noqa: F401  (fixtures)
     SIGNER,
     TRUST,
@@ -293,11 +293,10 @@ def test_compile_remote_refuses_an_unsigned_hit_instead_of_using_it(
     tmp_path: Path, tiny_llama: Path, compiled_artifact: Path
 ) -> None:
     from tests.conftest import TINY_SPEC
-    from tests.test_security import _spec_flags
 
     url = (tmp_path / "shared").as_uri()
     open_remote(url).push(compiled_artifact)  # unsigned, under the key this compile computes
-    args = ["compile", str(tiny_llama), *_spec_flags(TINY_SPEC), "--remote", url,
+    args = ["compile", str(tiny_llama), *spec_flags(TINY_SPEC), "--remote", url,
             "--store", str(tmp_path / "host")]  # fmt: skip
 
     refused = cli_in_process(*args)

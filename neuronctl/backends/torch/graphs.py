@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import logging
 import os
+import time
 import traceback
 from collections.abc import Callable, Iterator
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
@@ -258,12 +259,13 @@ def _build_in_pool(
 ) -> list[str]:
     results: dict[str, str] = {}
     timeout = graph_timeout()
-    # Workers die with this process (SIGKILL included): no orphan keeps compiling.
+    # Workers die with this process (SIGKILL included), and kill the C++ compilers AOTInductor
+    # runs in them first (whole_tree): no orphan keeps compiling.
     with ProcessPoolExecutor(
         max_workers=workers,
         mp_context=get_context("spawn"),
         initializer=die_with_parent,
-        initargs=(os.getpid(),),
+        initargs=(os.getpid(), True),
     ) as pool:
         pending: dict[Future[str], GraphJob] = {pool.submit(build, j): j for j in jobs}
         try:
@@ -289,7 +291,15 @@ def _build_in_pool(
 
 
 def _kill_workers(pool: ProcessPoolExecutor) -> None:
-    """SIGKILL every worker: shutdown() alone waits for the running jobs to finish."""
+    """Stop every worker: shutdown() alone waits for the running jobs to finish. SIGTERM
+    first, as a worker then kills what runs below it (die_with_parent's whole_tree), where a
+    SIGKILL left its compiler running, orphaned; SIGKILL whatever remains after a grace."""
+    processes = list((getattr(pool, "_processes", None) or {}).values())
+    for process in processes:
+        process.terminate()
+    deadline = time.monotonic() + kernel.KILL_GRACE_SECONDS
+    for process in processes:
+        process.join(max(0.0, deadline - time.monotonic()))
     kill = getattr(pool, "kill_workers", None)  # Python 3.14
     if kill is not None:
         kill()
