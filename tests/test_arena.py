@@ -192,3 +192,29 @@ def mapping_name(address: int) -> str:
         if start <= address < end:
             return rest[4].strip() if len(rest) == 5 else ""
     raise AssertionError(f"no mapping holds {address:#x}")
+
+
+def test_a_weights_file_that_is_a_fifo_is_neither_waited_on_nor_mapped(
+    tmp_path: Path, compiled_artifact: Path
+) -> None:
+    """`generate` maps the weights before it has vouched for the artifact, which may be any
+    directory: a FIFO in the weights file's place must not block it (opening one for reading
+    waits for a writer), and the loader refuses it with a clear error."""
+    import threading
+
+    from neuronctl.backends.torch.config import args_from_config
+    from neuronctl.errors import CheckpointError
+    from neuronctl.store.manifest import read_manifest
+
+    art = artifact_with_weights(tmp_path / "art", compiled_artifact, b"")
+    (art / "weights" / arena.GRAPH_WEIGHTS).unlink()
+    os.mkfifo(art / "weights" / arena.GRAPH_WEIGHTS)
+    early = threading.Thread(target=arena.map_early, args=(art,), daemon=True)
+    early.start()
+    early.join(10)
+    assert not early.is_alive() and arena._early is None
+    with pytest.raises(ValueError, match="not a regular file"):
+        arena.map_file(art / "weights" / arena.GRAPH_WEIGHTS)
+    args = args_from_config(read_manifest(compiled_artifact).architecture)
+    with pytest.raises(CheckpointError, match="has no graph_weights"):
+        load_graph_weights(art / "weights", args, torch.bfloat16, False, False, False)

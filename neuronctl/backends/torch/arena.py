@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import mmap
 import os
+import stat
 import sys
 import threading
 from collections.abc import Iterable, Sequence
@@ -105,9 +106,15 @@ def map_file(path: Path) -> mmap.mmap:
 
 
 def _map(path: Path) -> tuple[tuple[int, int, int, int], mmap.mmap]:
-    fd = os.open(path, os.O_RDONLY)
+    """ValueError for anything but a regular file: opening a FIFO for reading would wait for
+    a writer (O_NONBLOCK opens it at once), and `generate` maps before it has vouched for the
+    artifact, which may be any directory named on the command line."""
+    fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
-        identity = _identity(os.fstat(fd))
+        st = os.fstat(fd)
+        if not stat.S_ISREG(st.st_mode):
+            raise ValueError(f"{path} is not a regular file")
+        identity = _identity(st)
         mapping = mmap.mmap(fd, 0, flags=mmap.MAP_PRIVATE,
                             prot=mmap.PROT_READ | mmap.PROT_WRITE)
     finally:

@@ -184,7 +184,10 @@ def load_graph_weights(
             RECOMPILE)
     layout = stored_layout(args, dtype, quantized, blocked)
     offsets, header, size = _checked_offsets(path, layout)
-    mapping = arena.take(path) or arena.map_file(path)
+    try:
+        mapping = arena.take(path) or arena.map_file(path)
+    except (OSError, ValueError) as exc:
+        raise CheckpointError(f"cannot map {path}: {exc}", RECOMPILE) from None
     if len(mapping) != size or mapping[:len(header)] != header:  # replaced since it was read
         raise CheckpointError(f"{path} changed while it was being loaded", "load it again")
     space = torch.frombuffer(mapping, dtype=torch.uint8)  # holds the mapping while views live
