@@ -241,13 +241,17 @@ def test_an_artifact_computing_in_bf16_needs_bf16_units(
     monkeypatch.setattr(host, "half_units", lambda: "none")
     failed = [c.reason for c in TorchBackend().host_checks(native) if not c.ok]
     assert failed and "compute in bfloat16" in failed[0] and "recompile here" in failed[0]
+    assert "on a CPU with bf16 units, this host has no half-precision units" in failed[0]
     monkeypatch.setattr(host, "half_units", lambda: "bf16 fp16")
     assert all(c.ok for c in TorchBackend().host_checks(native))
     # Built where bf16 is emulated, it computes in float32 and runs anywhere.
     emulated = native.model_copy(update={
         "backend_versions": {**manifest.backend_versions, "cpu_half_units": "none"}})
     monkeypatch.setattr(host, "half_units", lambda: "none")
-    assert all(c.ok for c in TorchBackend().host_checks(emulated))
+    checks = {c.name: c for c in TorchBackend().host_checks(emulated)}
+    assert all(c.ok for c in checks.values())
+    assert checks["half-precision units"].reason == (
+        "computes in float32; this host has no half-precision units")
 
 
 def test_cpu_isa_off_x86_is_cached_across_processes(tmp_path: Path, monkeypatch) -> None:  # type: ignore[no-untyped-def]

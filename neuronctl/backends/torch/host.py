@@ -205,15 +205,19 @@ def half_units_check(manifest: Manifest, here: Mapping[str, str]) -> Check:
     compute = compute_dtype(str(spec.dtype), bool(spec.quantized), built_with)
     units = here.get("cpu_half_units", "none")
     if compute == "float32" or compute_dtype(compute, False, units) == compute:
-        return Check(
-            "half-precision units", True, f"computes in {compute}; this host has {units} units"
-        )
+        return Check("half-precision units", True,
+                     f"computes in {compute}; this host has {_units_phrase(units)}")
     return Check(
         "half-precision units",
         False,
-        f"compiled to compute in {compute} on a CPU with {built_with} units, this host has "
-        f"{units}; recompile here (it will compute in float32)",
+        f"compiled to compute in {compute} on a CPU with {_units_phrase(built_with)}, this "
+        f"host has {_units_phrase(units)}; recompile here (it will compute in float32)",
     )
+
+
+def _units_phrase(units: str) -> str:
+    """"bf16 units", "no half-precision units" (the versions record says "none")."""
+    return "no half-precision units" if units == "none" else f"{units} units"
 
 
 def isa_check(manifest: Manifest, here: Mapping[str, str]) -> Check:
