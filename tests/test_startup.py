@@ -52,12 +52,12 @@ NOT_FOR_GENERATE = (
 COMPILER_STACK = ("torch._dynamo", "torch._inductor", "sympy")
 
 
-def audited_generate(audit: str, artifact: Path, out: Path) -> Any:
-    """Generate one token from `artifact` in a fresh process under the `audit` program, which
-    writes what it saw to `out`; what it wrote."""
+def audited_generate(audit: str, artifact: Path, out: Path, *args: str) -> Any:
+    """Generate one token from `artifact` (or run `args` instead) in a fresh process under the
+    `audit` program, which writes what it saw to `out`; what it wrote."""
     env = {**os.environ, "PYTHONPATH": os.pathsep.join(
         filter(None, [str(ROOT), os.environ.get("PYTHONPATH")]))}
-    args = ["generate", str(artifact), "--prompt", "Hello", "--max-tokens", "1"]
+    args = args or ("generate", str(artifact), "--prompt", "Hello", "--max-tokens", "1")
     done = subprocess.run([sys.executable, "-c", audit, str(out), *args], env=env,
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
@@ -120,6 +120,17 @@ def test_generate_maps_the_weights_before_it_imports_torch_and_loads_from_that_m
     """The weights file is mapped and faulted in on another core while `import torch` runs
     (arena.py): only if generate asks for it first; and the loader uses that mapping."""
     seen = audited_generate(PREPARE_AUDIT, compiled_artifact, tmp_path / "seen.json")
+    assert seen == [["prepare", False], ["take", sys.platform == "linux"]]
+
+
+def test_serve_maps_the_weights_before_it_imports_torch_too(
+    compiled_artifact: Path, tmp_path: Path
+) -> None:
+    """`serve` loads the artifact as `generate` does (a dry run loads it and prints its plan
+    without binding a port): the weights file is mapped before torch is imported, and the
+    loader takes that mapping."""
+    seen = audited_generate(PREPARE_AUDIT, compiled_artifact, tmp_path / "seen.json",
+                            "serve", str(compiled_artifact), "--dry-run")
     assert seen == [["prepare", False], ["take", sys.platform == "linux"]]
 
 

@@ -152,6 +152,9 @@ def serve_command(
         say_vouch(vouch_for(path, policy))  # vLLM loads the artifact's code itself
         _serve_vllm(path, host, port, served_model_name, launch_for, dry_run, json_out)
         return
+    from neuronctl.backends import prepare_load
+
+    prepare_load(path)  # on another core, while this one imports the server and torch
     from neuronctl.server.app import Limits
 
     limits = Limits(max_body_bytes, max_prompt_chars or None)

@@ -11,9 +11,10 @@ in the page cache yet, populating it is the disk read.
 
 `map_early` moves that off the loading thread without touching torch (this module imports only
 the standard library, so it runs before `import torch`): a command that knows it will load an
-artifact (`generate`, through backends.prepare_load) maps the file and faults it in on a second
-thread while the main thread imports torch, single-threaded, for seconds; `take` hands the
-mapping to the loader when it maps the same file, which then checks the header as always.
+artifact (`generate` and `serve`, through backends.prepare_load) maps the file and faults it
+in on a second thread while the main thread imports torch, single-threaded, for seconds;
+`take` hands the mapping to the loader when it maps the same file, which then checks the
+header as always.
 """
 
 from __future__ import annotations
@@ -107,8 +108,8 @@ def map_file(path: Path) -> mmap.mmap:
 
 def _map(path: Path) -> tuple[tuple[int, int, int, int], mmap.mmap]:
     """ValueError for anything but a regular file: opening a FIFO for reading would wait for
-    a writer (O_NONBLOCK opens it at once), and `generate` maps before it has vouched for the
-    artifact, which may be any directory named on the command line."""
+    a writer (O_NONBLOCK opens it at once), and `generate` and `serve` map before vouching
+    for the artifact, which may be any directory named on the command line."""
     fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
         st = os.fstat(fd)
