@@ -218,3 +218,35 @@ def test_a_weights_file_that_is_a_fifo_is_neither_waited_on_nor_mapped(
     args = args_from_config(read_manifest(compiled_artifact).architecture)
     with pytest.raises(CheckpointError, match="has no graph_weights"):
         load_graph_weights(art / "weights", args, torch.bfloat16, False, False, False)
+
+
+def test_weights_written_in_whole_pieces_map_as_2_mib_pages_where_tensor_writes_do_not(
+    tmp_path: Path,
+) -> None:
+    """The page cache gives a buffered write folios no larger than the write: the weights
+    file is written through PageWriter (aligned 2 MiB pieces) so that its mapping is 2 MiB
+    pages while the file is still in the page cache from compile; the same bytes written in
+    tensor-sized pieces are not."""
+    from neuronctl.backends.torch.weights import PageWriter
+
+    data = os.urandom(6 * MiB + 4321)
+    probe = tmp_path / "probe.bin"
+    probe.write_bytes(data[:4 * MiB])  # one aligned write: the best this host can do
+    if arena.huge_share(arena.map_file(probe)) == 0.0:
+        pytest.skip("file mappings get no 2 MiB pages here (no large folios, or THP off)")
+    pieces = [1000, 300_000, 2 * MiB + 17, 64, 3 * MiB, len(data)]  # tensor-like sizes
+    written = {}
+    for how in ("tensor writes", "PageWriter"):
+        file = tmp_path / f"{how}.bin"
+        with open(file, "wb", buffering=0) as raw:
+            out = PageWriter(raw) if how == "PageWriter" else raw
+            at = 0
+            for size in pieces:
+                out.write(data[at:at + size])
+                at = min(len(data), at + size)
+            if isinstance(out, PageWriter):
+                out.flush()
+        assert file.read_bytes() == data
+        written[how] = arena.huge_share(arena.map_file(file))
+    assert written["PageWriter"] == 1.0
+    assert written["tensor writes"] < written["PageWriter"]
