@@ -34,7 +34,7 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from functools import cache
 from pathlib import Path
@@ -97,15 +97,21 @@ def huge_page_tensors(shapes: dict[str, tuple[tuple[int, ...], torch.dtype]]) ->
     return out
 
 
-def into_huge_pages(weights: dict[str, Tensor], names: list[str]) -> None:
+def into_huge_pages(
+    weights: dict[str, Tensor], names: list[str],
+    release: Callable[[Tensor], None] | None = None,
+) -> None:
     """Move the tensors named, one by one and in place in `weights`, into one huge-page
-    mapping (huge_page_tensors). Each tensor replaced is freed as the next is copied, so
-    resident memory peaks one tensor above the weights, not at a second copy."""
+    mapping (huge_page_tensors). Each tensor replaced is freed as the next is copied (a view
+    of a mapping goes to `release`, which gives its pages back), so resident memory peaks one
+    tensor above the weights, not at a second copy."""
     if getattr(mmap, "MADV_HUGEPAGE", None) is None:
         return
     views = huge_page_tensors({n: (tuple(weights[n].shape), weights[n].dtype) for n in names})
     for name in names:
-        weights[name] = views[name].copy_(weights[name])
+        old, weights[name] = weights[name], views[name].copy_(weights[name])
+        if release is not None:
+            release(old)
 
 
 def linear(

@@ -208,12 +208,7 @@ def into_anonymous_huge_pages(weights: dict[str, Tensor]) -> None:
     matrices = [name for name in weights if is_matrix(name)]
     logger.info("the weights file maps as 4 KiB pages here: copying %d matrices into 2 MiB "
                 "pages", len(matrices))
-    copies = kernel.huge_page_tensors(
-        {name: (tuple(weights[name].shape), weights[name].dtype) for name in matrices})
-    for name in matrices:
-        copies[name].copy_(weights[name])
-        release(weights[name])
-        weights[name] = copies[name]
+    kernel.into_huge_pages(weights, matrices, release)
 
 
 def _checked_offsets(path: Path, layout: Layout) -> tuple[dict[str, int], bytes, int]:
