@@ -127,13 +127,19 @@ def graph_weights(
     blocked: bool = False,
 ) -> dict[str, Tensor]:
     """The tensors the graphs take (graph_sources), from checkpoint-named ones."""
-    out = {}
-    for name, parts in graph_sources(args, quantized, packed, blocked).items():
-        tensor = full[parts[0]] if len(parts) == 1 else torch.cat([full[p] for p in parts])
-        if blocked and is_matrix(name):
-            tensor = kernel.block(tensor)
-        out[name] = tensor.contiguous()
-    return out
+    return {name: graph_tensor(name, [full[p] for p in parts], blocked)
+            for name, parts in graph_sources(args, quantized, packed, blocked).items()}
+
+
+def graph_tensor(name: str, parts: list[Tensor], blocked: bool) -> Tensor:
+    """Graph tensor `name` from its checkpoint parts (graph_sources): concatenated along dim
+    0, and in the kernel's blocked layout where `blocked` graphs multiply by it. Consumes
+    `parts` (emptied once joined), so compile never holds the parts beside the blocked form."""
+    tensor = parts[0] if len(parts) == 1 else torch.cat(parts)
+    parts.clear()
+    if blocked and is_matrix(name):
+        return kernel.block(tensor)
+    return tensor.contiguous()
 
 
 def graph_layout(

@@ -29,7 +29,12 @@ from torch import Tensor
 from neuronctl.backends.torch import arena, kernel
 from neuronctl.backends.torch.arena import GRAPH_WEIGHTS
 from neuronctl.backends.torch.config import ModelArgs
-from neuronctl.backends.torch.layout import graph_layout, graph_sources, is_matrix
+from neuronctl.backends.torch.layout import (
+    graph_layout,
+    graph_sources,
+    graph_tensor,
+    is_matrix,
+)
 from neuronctl.checkpoints.safetensors_format import (
     DTYPE_NAMES,
     TensorInfo,
@@ -128,11 +133,8 @@ def _graph_tensors(
     """Each graph tensor, built from its checkpoint parts: fused, converted, blocked."""
     for name, parts in sources.items():
         shape, dtype = layout[name]
-        tensors = [checkpoint.tensor(part).to(dtype) for part in parts]
-        tensor = tensors[0] if len(tensors) == 1 else torch.cat(tensors)
-        del tensors
-        if blocked and is_matrix(name):
-            tensor = kernel.block(tensor)
+        tensor = graph_tensor(name, [checkpoint.tensor(part).to(dtype) for part in parts],
+                              blocked)
         if tuple(tensor.shape) != shape:
             raise CheckpointError(f"{name} is {list(tensor.shape)} from {parts}, the graphs "
                                   f"take {list(shape)}")
