@@ -26,7 +26,7 @@ import tempfile
 import time
 from pathlib import Path
 
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.asymmetric import ec
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
@@ -37,7 +37,7 @@ from neuronctl.store.remote.client import open_remote  # noqa: E402
 from neuronctl.store.signing import Signer, TrustedKey, TrustPolicy, key_id  # noqa: E402
 
 # The pull path measured is the production one: a signed manifest, checked, then every byte.
-_KEY = Ed25519PrivateKey.generate()
+_KEY = ec.generate_private_key(ec.SECP256R1())
 SIGNER = Signer(_KEY, key_id(_KEY.public_key()))
 TRUST = TrustPolicy((TrustedKey(_KEY.public_key(), SIGNER.key_id, "bench"),))
 

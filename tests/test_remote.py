@@ -16,7 +16,7 @@ from typing import Any
 
 import pytest
 from cryptography.hazmat.primitives import serialization
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.asymmetric import ec
 
 from neuronctl.store.local import Store
 from neuronctl.store.manifest import MANIFEST, Manifest, Source, read_manifest
@@ -41,12 +41,12 @@ from tests.s3server import S3Server, new_bucket
 ROOT = Path(__file__).resolve().parents[1]
 # The publisher's key: tests push signed, and every pull trusts it (through the environment,
 # so subprocesses and the CLI trust it too; see `trusted_env`).
-_KEY = Ed25519PrivateKey.generate()
+_KEY = ec.generate_private_key(ec.SECP256R1())
 SIGNER = Signer(_KEY, key_id(_KEY.public_key()))
 TRUST = TrustPolicy((TrustedKey(_KEY.public_key(), SIGNER.key_id, "tests"),))
 
 
-def write_keypair(key: Ed25519PrivateKey, prefix: Path) -> tuple[Path, Path]:
+def write_keypair(key: Any, prefix: Path) -> tuple[Path, Path]:
     private, public = prefix.with_suffix(".key"), prefix.with_suffix(".pub")
     private.write_bytes(
         key.private_bytes(

@@ -13,7 +13,7 @@ from pathlib import Path
 
 import openai
 import pytest
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+from cryptography.hazmat.primitives.asymmetric import ec
 
 from neuronctl.store.local import Store
 from neuronctl.store.manifest import MANIFEST, FileEntry, Manifest, read_manifest
@@ -55,7 +55,7 @@ class PatientServer(Server):
         super()._wait_healthy(timeout)
 
 
-STRANGER_KEY = Ed25519PrivateKey.generate()
+STRANGER_KEY = ec.generate_private_key(ec.SECP256R1())
 STRANGER = Signer(STRANGER_KEY, key_id(STRANGER_KEY.public_key()))
 
 

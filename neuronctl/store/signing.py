@@ -1,15 +1,28 @@
-"""Signed artifacts: an ed25519 signature over manifest.json, checked against trusted keys.
+"""Signed artifacts: an OpenSSF model-signing signature over the artifact, checked against
+trusted keys, and the record of what was verified that every later load checks again.
 
-The manifest lists the size and sha256 of every file of an artifact, so a signature over its
-exact bytes covers every byte the artifact holds: pull checks the signature first, then every
-downloaded file against the signed sha256 list. (Why ed25519 from `cryptography` rather than
-OpenSSF model-signing: docs/security.md.)
+The manifest lists the size and sha256 of every file of an artifact. The signature,
+`model.sig`, is a sigstore bundle in model-signing's key format (store/model_signature.py):
+an ECDSA signature over a statement listing the sha256 of every file and of manifest.json
+itself. `model_signing verify key DIR --signature DIR/model.sig --public_key K.pub` accepts
+an artifact neuronctl signed, and neuronctl accepts one `model_signing sign key` signed.
+Pull checks the signature against manifest.json first, then every downloaded file against
+the signed sha256 list.
+
+The older format, `manifest.sig` (an ed25519 signature of the manifest bytes), is still
+verified for this release, with a deprecation warning; nothing writes it any more and
+ed25519 keys no longer sign (docs/security.md, "Migrating from ed25519 keys").
+
+For a transport that carries a signature its own way (an OCI referrer): `sign` returns the
+signature bytes for a manifest, `verify` checks given bytes, `SIGNATURE_MEDIA_TYPE` names them.
 
 Files:
-  <remote>/<key>/manifest.sig   the signature, uploaded before manifest.json (which goes last);
-  <local>/<key>/provenance.json written by pull: where the artifact came from, the remote
-                                manifest's exact bytes and its signature, so that every later
-                                load re-checks the signature against the keys trusted *then*.
+  <remote>/<key>/model.sig      the signature, uploaded before manifest.json (which goes last);
+  <local>/<key>/provenance.json the record written by pull and by `neuronctl install`: where
+                                the artifact came from, the remote manifest's exact bytes, its
+                                signature and the public key that verified it, so that every
+                                later load re-checks the signature: against the keys trusted
+                                *then*, else against the recorded key unless it is revoked.
   <local>/<key>/graph-origin.json  written by compile when it reused the graphs of a pulled
                                 artifact: that artifact's signed manifest, its signature and
                                 the graphs taken from it, so revoking the key stops them too.
@@ -18,16 +31,18 @@ The one load rule (check_origin): code loads only from
   - a local build: no provenance.json, inside a store this user owns
     (`<root>/neuron-compiled-artifacts/<key>/`, all three owned by this user and writable by
     no one else), and any graphs it reused from a pulled artifact still vouched for;
-  - an artifact a key trusted *now* signed (provenance.json of a pull, or the manifest.sig of
-    a pushed artifact read in place on a shared mount), its code files (graphs, shared
-    libraries) hashed against the signed manifest at every load;
+  - an artifact a key trusted now signed, or a pulled/installed artifact whose record names
+    the key that verified it (not revoked, the record writable by no one else), its code
+    files (graphs, shared libraries) hashed against the signed manifest at every load;
   - anything else only with --allow-unsigned.
 
-Keys: `neuronctl artifacts keygen NAME` writes NAME.key (private, PKCS#8 PEM, mode 0600) and
-NAME.pub. A pusher signs with --sign-key or $NEURONCTL_SIGNING_KEY (a path, or the PEM text
-itself, as CI secrets often are); pullers trust the public keys named by --trust-key,
-$NEURONCTL_TRUSTED_KEYS (files or directories, separated by ':') and the *.pub files in
-~/.config/neuronctl/trusted-keys/.
+Keys: `neuronctl artifacts keygen NAME` writes NAME.key (private, EC P-256, PKCS#8 PEM, mode
+0600) and NAME.pub, which model-signing's key mode reads as they are. A pusher signs with
+--sign-key or $NEURONCTL_SIGNING_KEY (a path, or the PEM text itself, as CI secrets often
+are); pullers trust the public keys named by --trust-key, $NEURONCTL_TRUSTED_KEYS (files or
+directories, separated by ':') and the *.pub files in ~/.config/neuronctl/trusted-keys/.
+Revoked keys ($NEURONCTL_REVOKED_KEYS, ~/.config/neuronctl/revoked-keys/*.pub) are refused
+wherever they appear, recorded keys included.
 """
 
 from __future__ import annotations
@@ -35,11 +50,13 @@ from __future__ import annotations
 import base64
 import hashlib
 import json
+import logging
 import os
+import stat
 from dataclasses import dataclass
 from datetime import UTC, datetime
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from neuronctl.errors import NeuronctlError, UsageError
 from neuronctl.store.manifest import (
@@ -49,59 +66,101 @@ from neuronctl.store.manifest import (
     read_capped,
     sha256_file,
 )
+from neuronctl.store.model_signature import (
+    BUNDLE_MEDIA_TYPE,
+    Bundle,
+    key_hint,
+    manifest_digests,
+    sign_bundle,
+    supported_curve,
+)
 
-if TYPE_CHECKING:  # cryptography loads where a key is read or a signature checked: a local
-    # build's load rule needs neither, and `generate` starts without it
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import (
-        Ed25519PrivateKey,
-        Ed25519PublicKey,
-    )
+logger = logging.getLogger(__name__)
 
-SIGNATURE = "manifest.sig"
+SIGNATURE = "model.sig"  # model-signing's default signature file name
+LEGACY_SIGNATURE = "manifest.sig"  # the ed25519 format: verified, never written
+SIGNATURE_NAMES = (SIGNATURE, LEGACY_SIGNATURE)
+SIGNATURE_MEDIA_TYPE = BUNDLE_MEDIA_TYPE
 PROVENANCE = "provenance.json"
 GRAPH_ORIGIN = "graph-origin.json"
 ARTIFACTS_DIR = "neuron-compiled-artifacts"  # a store's layout (store/local.py)
-MAX_SIGNATURE_BYTES = 64 * 1024  # a manifest.sig is ~300 bytes
-MAX_PROVENANCE_BYTES = 2 * MAX_MANIFEST_BYTES  # a base64 manifest and its signature
+# A model.sig lists every file with its sha256, about as long as the manifest.
+MAX_SIGNATURE_BYTES = 2 * MAX_MANIFEST_BYTES
+MAX_PROVENANCE_BYTES = 4 * MAX_MANIFEST_BYTES  # a base64 manifest, its signature and a key
 # Files that are code when loaded: graphs (the manifest names them) and shared libraries,
 # TorchScript and NEFF files by suffix. Hashed against the signed manifest at every load.
 CODE_SUFFIXES = (".so", ".pt2", ".pt", ".neff")
 SIGNING_KEY_ENV = "NEURONCTL_SIGNING_KEY"
 TRUSTED_KEYS_ENV = "NEURONCTL_TRUSTED_KEYS"
-SIGNATURE_FORMAT = "neuronctl-signature/1"
-# Domain separation: a neuronctl key signs manifests and nothing that could be mistaken for one.
-SIGNED_PREFIX = b"neuronctl manifest signature v1\n"
+REVOKED_KEYS_ENV = "NEURONCTL_REVOKED_KEYS"
+LEGACY_FORMAT = "neuronctl-signature/1"
+# Domain separation of the legacy format: a neuronctl key signed manifests and nothing else.
+LEGACY_PREFIX = b"neuronctl manifest signature v1\n"
 LOCAL_BUILD, SIGNED, UNSIGNED = "local-build", "signature", "allow-unsigned"
+MIGRATE_HINT = (
+    "make a new key with `neuronctl artifacts keygen NAME`, trust its .pub on the fleet and "
+    "re-sign (docs/security.md, Migrating from ed25519 keys)"
+)
 
 
 class SignatureError(NeuronctlError):
     """A remote artifact is unsigned, or signed by a key nobody trusts, or tampered with."""
 
 
-def trusted_keys_dir() -> Path:
+def _config_dir() -> Path:
     base = os.environ.get("XDG_CONFIG_HOME") or os.path.expanduser("~/.config")
-    return Path(base) / "neuronctl" / "trusted-keys"
+    return Path(base) / "neuronctl"
 
 
-def key_id(public: Ed25519PublicKey) -> str:
-    """A short, stable name for a public key: sha256 of its raw 32 bytes, 16 hex chars."""
+def trusted_keys_dir() -> Path:
+    return _config_dir() / "trusted-keys"
+
+
+def revoked_keys_dir() -> Path:
+    return _config_dir() / "revoked-keys"
+
+
+def _is_ed25519(key: Any) -> bool:
+    from cryptography.hazmat.primitives.asymmetric import ed25519
+
+    return isinstance(key, ed25519.Ed25519PublicKey | ed25519.Ed25519PrivateKey)
+
+
+def key_id(public: Any) -> str:
+    """A short, stable name for a public key, 16 hex chars: for an EC key the start of the
+    hint model-signing writes into its bundles (sha256 of the PEM public key); for a legacy
+    ed25519 key the sha256 of its raw 32 bytes."""
     from cryptography.hazmat.primitives import serialization
 
-    raw = public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
-    return hashlib.sha256(raw).hexdigest()[:16]
+    if _is_ed25519(public):
+        raw = public.public_bytes(serialization.Encoding.Raw, serialization.PublicFormat.Raw)
+        return hashlib.sha256(raw).hexdigest()[:16]
+    return key_hint(public)[:16]
+
+
+def public_pem(public: Any) -> str:
+    from cryptography.hazmat.primitives import serialization
+
+    return public.public_bytes(
+        serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
+    ).decode()
 
 
 @dataclass(frozen=True)
 class Signer:
-    key: Ed25519PrivateKey
+    key: Any  # an EllipticCurvePrivateKey of a curve model-signing accepts
     key_id: str
 
 
 @dataclass(frozen=True)
 class TrustedKey:
-    key: Ed25519PublicKey
+    key: Any  # an EllipticCurvePublicKey; an Ed25519PublicKey for the legacy format
     key_id: str
     source: str  # the file it was read from
+
+    @property
+    def legacy(self) -> bool:
+        return _is_ed25519(self.key)
 
 
 @dataclass(frozen=True)
@@ -112,12 +171,15 @@ class Vouch:
     kind: str  # LOCAL_BUILD | SIGNED | UNSIGNED
     key_id: str | None = None
     url: str | None = None
+    recorded: bool = False  # the key is the one the pull or install record names
 
     def describe(self) -> str:
         if self.kind == LOCAL_BUILD and self.url:
             return f"built on this host, graphs signed by trusted key {self.key_id} ({self.url})"
         if self.kind == LOCAL_BUILD:
             return "built on this host (local store)"
+        if self.kind == SIGNED and self.recorded:
+            return f"signature by key {self.key_id}, trusted when it was pulled ({self.url})"
         if self.kind == SIGNED:
             return f"signature by trusted key {self.key_id} ({self.url})"
         return f"NOT verified: accepted with --allow-unsigned ({self.url})"
@@ -127,42 +189,51 @@ class Vouch:
 class TrustPolicy:
     keys: tuple[TrustedKey, ...] = ()
     allow_unsigned: bool = False
+    revoked: frozenset[str] = frozenset()  # key ids refused wherever they appear
 
     @classmethod
     def load(
         cls, trust_keys: list[Path] | None = None, allow_unsigned: bool = False
     ) -> TrustPolicy:
-        """Keys from the flags, then $NEURONCTL_TRUSTED_KEYS, then the config directory."""
-        sources: list[Path] = list(trust_keys or [])
-        env = os.environ.get(TRUSTED_KEYS_ENV, "")
-        sources += [Path(p).expanduser() for p in env.split(os.pathsep) if p]
-        config_dir = trusted_keys_dir()
-        if config_dir.is_dir():
-            sources.append(config_dir)
+        """Keys from the flags, then $NEURONCTL_TRUSTED_KEYS, then the config directory; less
+        the revoked ones ($NEURONCTL_REVOKED_KEYS, the revoked-keys config directory)."""
+        revoked = frozenset(k.key_id for k in _keys_from(REVOKED_KEYS_ENV, revoked_keys_dir()))
         keys: dict[str, TrustedKey] = {}
-        for source in sources:
-            for key in _read_public_keys(source):
+        sources = [*(trust_keys or [])]
+        for key in [k for s in sources for k in _read_public_keys(s)] + _keys_from(
+            TRUSTED_KEYS_ENV, trusted_keys_dir()
+        ):
+            if key.key_id not in revoked:
                 keys.setdefault(key.key_id, key)
-        return cls(tuple(keys.values()), allow_unsigned)
+        return cls(tuple(keys.values()), allow_unsigned, revoked)
 
     def find(self, wanted: str) -> TrustedKey | None:
         return next((k for k in self.keys if k.key_id == wanted), None)
+
+
+def _keys_from(env: str, config_dir: Path) -> list[TrustedKey]:
+    value = os.environ.get(env, "")
+    sources = [Path(p).expanduser() for p in value.split(os.pathsep) if p]
+    if config_dir.is_dir():
+        sources.append(config_dir)
+    return [k for source in sources for k in _read_public_keys(source)]
 
 
 # -- keys -------------------------------------------------------------------------------------
 
 
 def generate_keypair(prefix: Path, force: bool = False) -> tuple[Path, Path, str]:
-    """Write PREFIX.key (private, 0600) and PREFIX.pub; returns both paths and the key id."""
+    """Write PREFIX.key (private, EC P-256, 0600) and PREFIX.pub; returns both paths and the
+    key id. model-signing's key mode reads both files as they are."""
     private_path = prefix.with_name(prefix.name + ".key")
     public_path = prefix.with_name(prefix.name + ".pub")
     for path in (private_path, public_path):
         if path.exists() and not force:
             raise UsageError(f"{path} already exists", "choose another name or pass --force")
     from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
+    from cryptography.hazmat.primitives.asymmetric import ec
 
-    private = Ed25519PrivateKey.generate()
+    private = ec.generate_private_key(ec.SECP256R1())
     pem = private.private_bytes(
         serialization.Encoding.PEM,
         serialization.PrivateFormat.PKCS8,
@@ -174,11 +245,7 @@ def generate_keypair(prefix: Path, force: bool = False) -> tuple[Path, Path, str
     with os.fdopen(fd, "wb") as f:
         f.write(pem)
     public = private.public_key()
-    public_path.write_bytes(
-        public.public_bytes(
-            serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo
-        )
-    )
+    public_path.write_text(public_pem(public))
     return private_path, public_path, key_id(public)
 
 
@@ -201,14 +268,22 @@ def load_signer(value: str | Path | None) -> Signer | None:
                 "make one with `neuronctl artifacts keygen NAME`",
             ) from None
     from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
 
     try:
         private = serialization.load_pem_private_key(data, password=None)
     except (ValueError, TypeError) as exc:
         raise UsageError(f"{where} is not an unencrypted PEM private key: {exc}") from None
-    if not isinstance(private, Ed25519PrivateKey):
-        raise UsageError(f"{where} is not an ed25519 key", "make one with `artifacts keygen`")
+    if _is_ed25519(private):
+        raise UsageError(
+            f"{where} is an ed25519 key, which signs only the deprecated manifest.sig format",
+            MIGRATE_HINT,
+        )
+    if not supported_curve(private):
+        raise UsageError(
+            f"{where} is not an EC key on NIST P-256, P-384 or P-521 (what model-signing "
+            "accepts)",
+            "make one with `neuronctl artifacts keygen NAME`",
+        )
     return Signer(private, key_id(private.public_key()))
 
 
@@ -219,46 +294,88 @@ def _read_public_keys(source: Path) -> list[TrustedKey]:
         data = source.read_bytes()
     except OSError as exc:
         raise UsageError(f"cannot read the trusted key {source}: {exc.strerror}") from None
+    return [public_key_from_pem(data, str(source))]
+
+
+def public_key_from_pem(data: bytes, source: str) -> TrustedKey:
     from cryptography.hazmat.primitives import serialization
-    from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PublicKey
 
     try:
         public = serialization.load_pem_public_key(data)
     except ValueError as exc:
         raise UsageError(f"{source} is not a PEM public key: {exc}") from None
-    if not isinstance(public, Ed25519PublicKey):
-        raise UsageError(f"{source} is not an ed25519 public key")
-    return [TrustedKey(public, key_id(public), str(source))]
+    if not (supported_curve(public) or _is_ed25519(public)):
+        raise UsageError(
+            f"{source} is not an EC public key on NIST P-256, P-384 or P-521",
+            "use the .pub that `neuronctl artifacts keygen` wrote",
+        )
+    return TrustedKey(public, key_id(public), source)
 
 
 # -- signatures -------------------------------------------------------------------------------
 
 
 def sign(manifest_bytes: bytes, signer: Signer) -> bytes:
-    """The manifest.sig content for these exact manifest bytes."""
-    signature = signer.key.sign(SIGNED_PREFIX + manifest_bytes)
-    record = {
-        "format": SIGNATURE_FORMAT,
-        "algorithm": "ed25519",
-        "key_id": signer.key_id,
-        "manifest_sha256": hashlib.sha256(manifest_bytes).hexdigest(),
-        "signature": base64.b64encode(signature).decode(),
-    }
-    return (json.dumps(record, indent=2) + "\n").encode()
+    """The model.sig content for an artifact with these exact manifest bytes: a
+    model-signing bundle over every file's sha256 (from the manifest) and manifest.json's."""
+    name, files = _listed(manifest_bytes)
+    return sign_bundle(name, manifest_digests(manifest_bytes, files), signer.key)
 
 
-def signed_by(manifest_bytes: bytes, signature: bytes | None, public: Ed25519PublicKey) -> bool:
-    """Whether `signature` is a valid signature of these manifest bytes by `public`."""
-    record = _parse_signature(signature)
-    if record is None:
+def _listed(manifest_bytes: bytes) -> tuple[str, dict[str, str]]:
+    """A manifest's artifact key (20 chars) and its files' sha256s, read as plain JSON: what a
+    signature covers is decided here, whether the manifest is acceptable is decided later
+    (the path rule, the reserved names)."""
+    try:
+        data = json.loads(manifest_bytes)
+        files = {str(rel): str(entry["sha256"]) for rel, entry in data["files"].items()}
+        name = str((data.get("keys") or {}).get("artifact_key", ""))[:20] or "artifact"
+    except (ValueError, KeyError, TypeError, AttributeError, UnicodeDecodeError) as exc:
+        raise ValueError(f"the manifest does not parse ({type(exc).__name__})") from None
+    return name, files
+
+
+def signature_file(signature: bytes) -> str:
+    """The file name a signature goes by beside an artifact: model.sig for a model-signing
+    bundle, manifest.sig for the legacy format (a mirror keeps what its publisher signed)."""
+    return SIGNATURE if Bundle.parse(signature) is not None else LEGACY_SIGNATURE
+
+
+def signed_by(manifest_bytes: bytes, signature: bytes | None, public: Any) -> bool:
+    """Whether `signature` is a valid signature of this artifact (these manifest bytes) by
+    `public`, in either format."""
+    bundle = Bundle.parse(signature)
+    if bundle is not None:
+        return bundle.signed_by(public) and _covers(bundle, manifest_bytes) is None
+    record = _parse_legacy(signature)
+    if record is None or not _is_ed25519(public):
         return False
     from cryptography.exceptions import InvalidSignature
 
     try:
-        public.verify(base64.b64decode(record["signature"]), SIGNED_PREFIX + manifest_bytes)
+        public.verify(base64.b64decode(record["signature"]), LEGACY_PREFIX + manifest_bytes)
     except (InvalidSignature, ValueError):
         return False
     return True
+
+
+def _covers(bundle: Bundle, manifest_bytes: bytes) -> str | None:
+    """Why a verified bundle does not vouch for exactly this artifact (None when it does):
+    it must list manifest.json with these bytes' sha256 and every file the manifest lists,
+    with the manifest's sha256, and nothing else."""
+    try:
+        signed = bundle.digests()
+        expected = manifest_digests(manifest_bytes, _listed(manifest_bytes)[1])
+    except ValueError as exc:
+        return str(exc).splitlines()[0]
+    for rel in sorted({*signed, *expected}):
+        if signed.get(rel) != expected.get(rel):
+            if rel not in expected:
+                return f"it signs {rel}, which the manifest does not list"
+            if rel not in signed:
+                return f"it does not sign {rel}"
+            return f"{rel} is not the signed file"
+    return None
 
 
 def verify(
@@ -273,96 +390,223 @@ def verify(
         raise
 
 
+ALLOW = "or pass --allow-unsigned to use it unverified"
+
+
 def _verify(
     manifest_bytes: bytes, signature: bytes | None, policy: TrustPolicy, url: str
 ) -> Vouch:
-    allow = "or pass --allow-unsigned to use it unverified"
     if signature is None:
-        raise SignatureError(f"{url} is not signed", f"ask its publisher to sign it, {allow}")
-    record = _parse_signature(signature)
+        raise SignatureError(f"{url} is not signed", f"ask its publisher to sign it, {ALLOW}")
+    bundle = Bundle.parse(signature)
+    if bundle is not None:
+        return _verify_bundle(bundle, manifest_bytes, policy, url)
+    record = _parse_legacy(signature)
     if record is None:
-        raise SignatureError(f"{url}/{SIGNATURE} is not a neuronctl signature")
-    trusted = policy.find(str(record.get("key_id")))
-    if trusted is None:
-        known = ", ".join(k.key_id for k in policy.keys) or "none"
-        raise SignatureError(
-            f"{url} is signed by key {record.get('key_id')}, which is not trusted here "
-            f"(trusted: {known})",
-            f"trust the publisher's public key with --trust-key or ${TRUSTED_KEYS_ENV}, {allow}",
+        raise SignatureError(f"{url}: its signature is neither a model-signing bundle nor a "
+                             "neuronctl signature")  # fmt: skip
+    return _verify_legacy(record, manifest_bytes, signature, policy, url)
+
+
+def _untrusted(url: str, signer: str, policy: TrustPolicy) -> SignatureError:
+    if signer in policy.revoked:
+        return SignatureError(
+            f"{url} is signed by key {signer}, which is revoked here",
+            f"ask its publisher to re-sign it with a current key ({REVOKED_KEYS_ENV}, "
+            f"{revoked_keys_dir()})",
         )
+    known = ", ".join(k.key_id for k in policy.keys) or "none"
+    return SignatureError(
+        f"{url} is signed by key {signer}, which is not trusted here (trusted: {known})",
+        f"trust the publisher's public key with --trust-key or ${TRUSTED_KEYS_ENV}, {ALLOW}",
+    )
+
+
+def _verify_bundle(bundle: Bundle, manifest_bytes: bytes, policy: TrustPolicy, url: str) -> Vouch:
+    hint = (bundle.hint or "")[:16]
+    candidates = [k for k in policy.keys if not k.legacy and k.key_id.startswith(hint)]
+    trusted = next((k for k in candidates if bundle.signed_by(k.key)), None)
+    if trusted is None and (not hint or not candidates):
+        raise _untrusted(url, hint or "(unnamed)", policy)
+    if trusted is None:
+        raise SignatureError(
+            f"{url}: the signature does not match its manifest (key {hint})",
+            "the manifest or the signature was changed after signing; do not use it",
+        )
+    problem = _covers(bundle, manifest_bytes)
+    if problem is not None:
+        raise SignatureError(
+            f"{url}: the signature does not match its manifest: {problem} (key "
+            f"{trusted.key_id})",
+            "sign the artifact directory as pushed (its files and manifest.json only); a "
+            "changed manifest is not the signed artifact",
+        )
+    return Vouch(SIGNED, key_id=trusted.key_id, url=url)
+
+
+_warned: set[str] = set()
+
+
+def _verify_legacy(
+    record: dict[str, Any],
+    manifest_bytes: bytes,
+    signature: bytes,
+    policy: TrustPolicy,
+    url: str,
+) -> Vouch:
+    signer = str(record.get("key_id"))
+    trusted = policy.find(signer)
+    if trusted is None:
+        raise _untrusted(url, signer, policy)
     if not signed_by(manifest_bytes, signature, trusted.key):
         raise SignatureError(
             f"{url}: the signature does not match its manifest (key {trusted.key_id})",
             "the manifest or the signature was changed after signing; do not use it",
         )
+    if signer not in _warned:
+        _warned.add(signer)
+        logger.warning(
+            "%s is signed in the deprecated %s format (ed25519 key %s), verified for this "
+            "release only: %s",
+            url, LEGACY_SIGNATURE, signer, MIGRATE_HINT,
+        )  # fmt: skip
     return Vouch(SIGNED, key_id=trusted.key_id, url=url)
 
 
-def _parse_signature(signature: bytes | None) -> dict[str, Any] | None:
+def _parse_legacy(signature: bytes | None) -> dict[str, Any] | None:
     if signature is None:
         return None
     try:
         record = json.loads(signature)
     except (ValueError, UnicodeDecodeError):
         return None
-    if not isinstance(record, dict) or record.get("format") != SIGNATURE_FORMAT:
+    if not isinstance(record, dict) or record.get("format") != LEGACY_FORMAT:
         return None
     if record.get("algorithm") != "ed25519" or not isinstance(record.get("signature"), str):
         return None
     return record
 
 
-# -- provenance of a pulled artifact ----------------------------------------------------------
+# -- the record of a pulled or installed artifact ---------------------------------------------
 
 
 @dataclass(frozen=True)
 class Provenance:
+    """provenance.json: what pull or install verified, and with which key."""
+
     url: str
     manifest_bytes: bytes  # the remote manifest.json, exactly as signed
     signature: bytes | None
+    key_pem: str | None = None  # the public key that verified it then (None: unsigned)
 
     def to_json(self) -> str:
-        record = {
+        record: dict[str, Any] = {
             "url": self.url,
             "pulled": datetime.now(UTC).isoformat(timespec="seconds"),
             "manifest": base64.b64encode(self.manifest_bytes).decode(),
             "signature": None if self.signature is None else self.signature.decode(),
         }
+        if self.key_pem is not None:
+            record["verified_with"] = self.key_pem
         return json.dumps(record, indent=2) + "\n"
 
 
+def verified_record(
+    url: str, manifest_bytes: bytes, signature: bytes | None, vouch: Vouch, policy: TrustPolicy
+) -> Provenance:
+    """The record of a verification that just passed: the key that vouched goes with it."""
+    trusted = policy.find(vouch.key_id) if vouch.kind == SIGNED and vouch.key_id else None
+    pem = None if trusted is None else public_pem(trusted.key)
+    return Provenance(url, manifest_bytes, signature, pem)
+
+
 def read_provenance(artifact: Path) -> Provenance | None:
-    """What pull recorded about an artifact's origin; None for an artifact built here."""
+    """What pull or install recorded about an artifact's origin; None for one built here."""
     path = artifact / PROVENANCE
     if not path.exists() and not path.is_symlink():
         return None
     try:
         record = json.loads(read_capped(path, MAX_PROVENANCE_BYTES))
         signature = record["signature"]
+        pem = record.get("verified_with")
         return Provenance(
             url=str(record["url"]),
             manifest_bytes=base64.b64decode(record["manifest"], validate=True),
             signature=None if signature is None else str(signature).encode(),
+            key_pem=None if pem is None else str(pem),
         )
-    except (OSError, ValueError, KeyError, TypeError, NeuronctlError) as exc:
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, NeuronctlError) as exc:
         raise SignatureError(
             f"{path} is unreadable ({type(exc).__name__})",
             "pull the artifact again with `neuronctl artifacts pull`",
         ) from None
 
 
+def record_vouch(artifact: Path, origin: Provenance, policy: TrustPolicy) -> Vouch:
+    """Who vouches for a pulled or installed artifact: a key trusted now, else the key its
+    record names (the one that verified it at pull or install) unless that key is revoked
+    or someone other than this user (or root) could have written the record."""
+    try:
+        return _verify(origin.manifest_bytes, origin.signature, policy, origin.url)
+    except SignatureError as refused:
+        vouch = _recorded_vouch(artifact, origin, policy)
+        if vouch is not None:
+            return vouch
+        if policy.allow_unsigned:
+            return Vouch(UNSIGNED, url=origin.url)
+        raise refused from None
+
+
+def _recorded_vouch(artifact: Path, origin: Provenance, policy: TrustPolicy) -> Vouch | None:
+    if origin.key_pem is None:
+        return None
+    recorded = public_key_from_pem(origin.key_pem.encode(), f"{artifact / PROVENANCE}")
+    if recorded.key_id in policy.revoked:
+        return None
+    problem = record_place_problem(artifact)
+    if problem is not None:
+        logger.warning("the key recorded in %s is not used: %s", artifact / PROVENANCE, problem)
+        return None
+    try:
+        vouch = _verify(origin.manifest_bytes, origin.signature, TrustPolicy((recorded,)),
+                        origin.url)  # fmt: skip
+    except SignatureError:
+        return None
+    return Vouch(SIGNED, key_id=vouch.key_id, url=origin.url, recorded=True)
+
+
+def record_place_problem(artifact: Path) -> str | None:
+    """Why a record in `artifact` may have been written by someone else (None when it could
+    only be this user or root): the artifact directory (symbolic links followed) and the
+    record itself must be owned by this user or root and writable by no one else."""
+    real = Path(artifact).resolve()
+    for path in (real, real / PROVENANCE):
+        try:
+            info = os.lstat(path)
+        except OSError as exc:
+            return f"{path}: {exc.strerror}"
+        if path != real and not stat.S_ISREG(info.st_mode):
+            return f"{path} is not a regular file"
+        if info.st_uid not in (os.geteuid(), 0):
+            return f"{path} is owned by uid {info.st_uid}, not by this user or root"
+        if info.st_mode & 0o002 or (info.st_mode & 0o020 and info.st_gid != os.getegid()):
+            return f"{path} is writable by other users"
+    return None
+
+
 def check_origin(artifact: Path, manifest: Manifest, policy: TrustPolicy) -> Vouch:
     """Who vouches for a local artifact before anything in it is loaded: the one load rule
     (module doc). Raises SignatureError when nothing does, unless the policy allows unsigned.
 
-    Pulled (provenance.json): the signature recorded at pull time, checked again against the
-    keys trusted now; the local manifest must be the signed one and every code file hash to
-    its signed sha256. No provenance: a local build if it sits in a store this user owns
+    Pulled or installed (provenance.json): the signature recorded then, checked again against
+    the keys trusted now or the key the record names (record_vouch); the local manifest must
+    be the signed one and every code file hash to its signed sha256. No provenance: a local
+    build if it sits in a store this user owns
     (graphs it reused from a pulled artifact checked as that artifact would be), else only a
-    manifest.sig beside it (a shared mount read in place) vouches."""
+    signature beside it (a shared mount read in place) vouches."""
     origin = read_provenance(artifact)
     if origin is not None:
-        vouch = verify(origin.manifest_bytes, origin.signature, policy, origin.url)
+        vouch = record_vouch(artifact, origin, policy)
         problem = differs_from(manifest, origin.manifest_bytes)
         if problem:
             raise SignatureError(
@@ -401,7 +645,7 @@ def _signed_in_place(artifact: Path, manifest: Manifest, policy: TrustPolicy, wh
     url = str(artifact)
     try:
         raw = read_capped(artifact / MANIFEST, MAX_MANIFEST_BYTES)
-        signature = _read_signature(artifact / SIGNATURE)
+        signature = read_signature(artifact)
         vouch = verify(raw, signature, policy, url)
     except SignatureError as exc:
         raise SignatureError(
@@ -414,13 +658,18 @@ def _signed_in_place(artifact: Path, manifest: Manifest, policy: TrustPolicy, wh
     return _code_checked(artifact, raw, vouch, policy)
 
 
-def _read_signature(path: Path) -> bytes | None:
-    try:
-        return read_capped(path, MAX_SIGNATURE_BYTES)
-    except FileNotFoundError:
-        return None
-    except (OSError, NeuronctlError) as exc:
-        raise SignatureError(f"{path} is unreadable: {exc}") from None
+def read_signature(artifact: Path) -> bytes | None:
+    """The signature beside an artifact read in place: model.sig, else the legacy
+    manifest.sig; None when there is neither."""
+    for name in SIGNATURE_NAMES:
+        path = artifact / name
+        try:
+            return read_capped(path, MAX_SIGNATURE_BYTES)
+        except FileNotFoundError:
+            continue
+        except (OSError, NeuronctlError) as exc:
+            raise SignatureError(f"{path} is unreadable: {exc}") from None
+    return None
 
 
 def code_files(manifest: Manifest) -> list[str]:

@@ -19,11 +19,12 @@ from neuronctl.store.remote.errors import RemoteArtifactError, on_this_host, rem
 from neuronctl.store.remote.transport import DIRNAME_RE, Transport, entry_problem, run_all
 from neuronctl.store.signing import (
     PROVENANCE,
-    SIGNATURE,
+    SIGNATURE_NAMES,
     Provenance,
     TrustPolicy,
     check_origin,
     differs_from,
+    verified_record,
     verify,
 )
 
@@ -50,7 +51,7 @@ def pull_artifact(
     state: dict[str, Any] = {}
 
     def build(staging: Path) -> Manifest:
-        manifest, provenance = _checked_manifest(remote, dirname, policy, key)
+        manifest, provenance = checked_manifest(remote, dirname, policy, key)
         state.update(staging=staging, remote_bytes=provenance.manifest_bytes)
         _download(remote, dirname, manifest, staging, progress or NullProgress())
         (staging / PROVENANCE).write_text(provenance.to_json())
@@ -69,7 +70,7 @@ def pull_artifact(
     if not is_intact(store.path(dirname)):
         # Refuse an untrusted remote before anything is staged; build checks it again
         # under the lock, on the bytes it then downloads against.
-        _checked_manifest(remote, dirname, policy, key)
+        checked_manifest(remote, dirname, policy, key)
     published = store.publish(dirname, build, reuse=is_intact, on_step=on_step)
     if published.cache_hit:
         local = read_manifest(published.path)
@@ -83,7 +84,7 @@ def check_artifact_trusted(
     remote: Transport, dirname: str, policy: TrustPolicy | None = None, key: str = ""
 ) -> None:
     """Raise unless `policy` trusts the remote artifact; nothing is downloaded."""
-    _checked_manifest(remote, dirname, policy if policy is not None else TrustPolicy.load(), key)
+    checked_manifest(remote, dirname, policy if policy is not None else TrustPolicy.load(), key)
 
 
 def _check_key(artifact_key: str, wanted: str, where: str) -> None:
@@ -95,7 +96,7 @@ def _check_key(artifact_key: str, wanted: str, where: str) -> None:
         )
 
 
-def _checked_manifest(
+def checked_manifest(
     remote: Transport, dirname: str, policy: TrustPolicy, key: str = ""
 ) -> tuple[Manifest, Provenance]:
     """The remote manifest, only after its signature and every path in it checked out."""
@@ -108,8 +109,8 @@ def _checked_manifest(
                 "push it again with `neuronctl artifacts push`",
             )
         raise NotFoundError(f"no artifact {dirname} in {remote.url}")
-    signature = remote.read(dirname, SIGNATURE)
-    verify(raw, signature, policy, url)  # raises unless trusted (or allowed unsigned)
+    signature = read_signature(remote, dirname)
+    vouch = verify(raw, signature, policy, url)  # raises unless trusted (or allowed unsigned)
     manifest = remote.parse_manifest(dirname, raw)  # the very bytes the signature covers
     if manifest.artifact_key[:KEY_LENGTH] != dirname:
         raise RemoteArtifactError(
@@ -121,7 +122,16 @@ def _checked_manifest(
         problem = entry_problem(rel)
         if problem:
             raise RemoteArtifactError(f"{url}/{MANIFEST} lists {rel!r}: {problem}")
-    return manifest, Provenance(url, raw, signature)
+    return manifest, verified_record(url, raw, signature, vouch, policy)
+
+
+def read_signature(remote: Transport, dirname: str) -> bytes | None:
+    """A remote artifact's signature: model.sig, else the legacy manifest.sig."""
+    for name in SIGNATURE_NAMES:
+        data = remote.read(dirname, name)
+        if data is not None:
+            return data
+    return None
 
 
 def _download(

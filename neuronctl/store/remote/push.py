@@ -27,6 +27,7 @@ from neuronctl.store.manifest import (
     sha256_file,
 )
 from neuronctl.store.remote.errors import RemoteArtifactError, remote_errors
+from neuronctl.store.remote.pull import read_signature
 from neuronctl.store.remote.transport import (
     DIRNAME_RE,
     BytesCallback,
@@ -36,7 +37,7 @@ from neuronctl.store.remote.transport import (
     run_all,
 )
 from neuronctl.store.signing import (
-    SIGNATURE,
+    SIGNATURE_NAMES,
     SignatureError,
     Signer,
     TrustPolicy,
@@ -44,6 +45,7 @@ from neuronctl.store.signing import (
     differs_from,
     read_provenance,
     sign,
+    signature_file,
     signed_by,
 )
 
@@ -94,9 +96,9 @@ def push_artifact(
     if not force and held is not None and _intact(remote, dirname, held, sizes):
         assert remote_bytes is not None
         return _keep(remote, dirname, source, remote_bytes, signature, signer, result)
-    if held is not None or SIGNATURE in sizes:
+    if held is not None or any(name in sizes for name in SIGNATURE_NAMES):
         # Repairing or replacing: make the remote incomplete (and unsigned) first.
-        for name in (MANIFEST, SIGNATURE):
+        for name in (MANIFEST, *SIGNATURE_NAMES):
             if name == MANIFEST and held is not None or name in sizes:
                 remote.fs.rm_file(remote.path(dirname, name))
     todo = _files_to_upload(remote, dirname, local, sizes, force, result)
@@ -106,9 +108,9 @@ def push_artifact(
     run_all(lambda rel: _upload_file(remote, source.root, dirname, rel, local.files[rel],
                                      advance), todo)
     if signature is not None:
-        remote.put_bytes(dirname, SIGNATURE, signature)
+        remote.put_bytes(dirname, signature_file(signature), signature)
     remote.put_bytes(dirname, MANIFEST, source.manifest_bytes)
-    result.uploaded = [*todo, *([SIGNATURE] if signature else []), MANIFEST]
+    result.uploaded = [*todo, *([signature_file(signature)] if signature else []), MANIFEST]
     result.uploaded_bytes = sum(local.files[r].size for r in todo)
     result.signed_by = signer.key_id if signer else None
     return result
@@ -131,7 +133,7 @@ def _keep(
     result.skipped_bytes = held.total_size()
     if signer is None:
         return result
-    remote_signature = remote.read(dirname, SIGNATURE)
+    remote_signature = read_signature(remote, dirname)
     if signed_by(remote_bytes, remote_signature, signer.key.public_key()):
         result.signed_by = signer.key_id
         return result
@@ -142,8 +144,8 @@ def _keep(
             "replace it with this build, signed: `neuronctl artifacts push --force`",
         )
     assert signature is not None
-    remote.put_bytes(dirname, SIGNATURE, signature)
-    result.uploaded = [SIGNATURE]
+    remote.put_bytes(dirname, signature_file(signature), signature)
+    result.uploaded = [signature_file(signature)]
     result.signed_by = signer.key_id
     return result
 

@@ -33,11 +33,11 @@ from neuronctl.store.manifest import (
     read_capped,
 )
 from neuronctl.store.remote.errors import RemoteArtifactError, remote_errors, unreachable
-from neuronctl.store.signing import MAX_SIGNATURE_BYTES, PROVENANCE, SIGNATURE
+from neuronctl.store.signing import MAX_SIGNATURE_BYTES, PROVENANCE, SIGNATURE_NAMES
 
 SHA_METADATA = "sha256"  # S3 user metadata key holding an object's sha256
 # Names an artifact's own files can never have: the store's bookkeeping lives there.
-RESERVED_NAMES = frozenset({MANIFEST, MANIFEST + ".tmp", SIGNATURE, PROVENANCE})
+RESERVED_NAMES = frozenset({MANIFEST, MANIFEST + ".tmp", *SIGNATURE_NAMES, PROVENANCE})
 DIRNAME_RE = re.compile(rf"[0-9a-f]{{{KEY_LENGTH}}}")
 TRANSFER_THREADS = 4  # files moved at once; s3fs also splits large files into ranged parts
 
@@ -163,10 +163,10 @@ class Transport:
     # -- reading -------------------------------------------------------------------------------
 
     def read(self, dirname: str, name: str) -> bytes | None:
-        """A remote manifest.json or manifest.sig, read with a size cap before anything parses
+        """A remote manifest.json or signature, read with a size cap before anything parses
         it (a sparse multi-GB manifest.sig must not fill memory); a FIFO on a shared mount is
         refused, never waited on."""
-        cap = MAX_SIGNATURE_BYTES if name == SIGNATURE else MAX_MANIFEST_BYTES
+        cap = MAX_SIGNATURE_BYTES if name in SIGNATURE_NAMES else MAX_MANIFEST_BYTES
         where = f"{self.artifact_url(dirname)}/{name}"
         try:
             if self.is_local:
