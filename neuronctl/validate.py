@@ -547,6 +547,13 @@ def _setting(name: str, value: Any) -> str:
 # --- 5. capacity ----------------------------------------------------------------------------
 
 
+def host_checks(manifest: Manifest) -> list[Check]:
+    """Checks 3 and 5 from the manifest alone: whether this host could load the artifact
+    (what an install runs before downloading anything)."""
+    checks = check_versions(manifest)
+    return checks + _capacity_unless_done(checks, manifest)
+
+
 def _capacity_unless_done(done: list[Check], manifest: Manifest) -> list[Check]:
     if any(c.kind == "host" and c.name in CAPACITY_CHECKS for c in done):
         return []

@@ -47,6 +47,9 @@ HASH_CHUNK = 8 * 1024 * 1024
 # exhaust memory. 64 MiB holds the manifest of an artifact with several hundred thousand files.
 MAX_MANIFEST_BYTES = 64 * 1024 * 1024
 # A store's private directories: what is under them is never an artifact (store/local.py).
+# Beside an artifact, never part of it: the record of a pull or install and the signatures
+# (store/signing.py reads them; no loader does).
+BOOKKEEPING = frozenset({"provenance.json", "model.sig", "manifest.sig"})
 PRIVATE_DIRS = frozenset({".staging", ".failed", ".trash", ".locks"})
 # Stray files with these suffixes could be picked up by a loader (a graph, a weight shard,
 # a config), so an unlisted one makes the artifact untrustworthy. Anything else is noted only.
@@ -349,7 +352,7 @@ def stray_files(root: Path, manifest: Manifest) -> tuple[list[str], list[str]]:
         rel = path.relative_to(root).as_posix()
         if rel in listed:
             continue
-        if path.is_symlink() or rel.endswith(LOADER_SUFFIXES):
+        if path.is_symlink() or rel.endswith(LOADER_SUFFIXES) and rel not in BOOKKEEPING:
             risky.append(rel)
         else:
             harmless.append(rel)

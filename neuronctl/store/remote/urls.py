@@ -27,18 +27,18 @@ def resolve_artifacts_arg(
     """
     if "://" not in value:
         return Path(value).expanduser()
-    remote, dirname, key = _remote_artifact(value)
+    remote, dirname, key = remote_artifact(value)
     return remote.pull(dirname, store, progress, policy, key).path
 
 
 def check_remote_trust(value: str, policy: TrustPolicy | None = None) -> None:
     """Refuse a remote artifact `policy` does not trust, reading only its manifest and
     signature (what --dry-run does instead of pulling)."""
-    remote, dirname, key = _remote_artifact(value)
+    remote, dirname, key = remote_artifact(value)
     check_artifact_trusted(remote, dirname, policy, key)
 
 
-def _remote_artifact(value: str) -> tuple[RemoteStore, str, str]:
+def remote_artifact(value: str) -> tuple[RemoteStore, str, str]:
     """The remote store an artifact URL names, the artifact's directory name in it, and the
     key as written in the URL (compared in full with the signed manifest)."""
     url, key = split_artifact_url(value)

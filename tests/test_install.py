@@ -1,0 +1,208 @@
+"""`neuronctl install SOURCE_URI DEST_DIR` and the record it shares with pull: an artifact is
+installed verified, loads afterwards with no flag, and stops loading once its key is revoked.
+
+The install runs as a real process (it is what a container's entrypoint runs); KServe's
+storage-initializer contract it takes: kserve/kserve
+python/storage-initializer/scripts/initializer-entrypoint lines 10-15 (SOURCE_URI DEST_DIR
+pairs) and 25-32 (exit 1 on any failure)."""
+
+from __future__ import annotations
+
+import json
+import os
+import shutil
+import signal
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+from neuronctl.store.install import WORK_DIR
+from neuronctl.store.local import Store
+from neuronctl.store.manifest import MANIFEST, read_manifest, record_files, write_manifest
+from neuronctl.store.remote.client import open_remote
+from neuronctl.store.signing import (
+    PROVENANCE,
+    REVOKED_KEYS_ENV,
+    SIGNATURE,
+    TRUSTED_KEYS_ENV,
+)
+from tests.helpers import cli_in_process, run_in_process
+from tests.test_remote import (  # noqa: F401  (fixtures)
+    SIGNER,
+    bucket,
+    make_artifact,
+    s3server,
+    sample_files,
+    trusted_env,
+)
+from tests.test_signing import STRANGER_KEY, write_keypair
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def install_argv(*args: str) -> list[str]:
+    return [sys.executable, "-m", "neuronctl.cli.main", "install", *args]
+
+
+def run_install(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess:
+    return subprocess.run(install_argv(*args), capture_output=True, text=True, timeout=300,
+                          env={**os.environ, **(env or {})})  # fmt: skip
+
+
+def without_trust() -> dict[str, str]:
+    """The environment of a serving container that trusts no key of its own."""
+    return {TRUSTED_KEYS_ENV: ""}
+
+
+def trust_reason(validate_json: str) -> str:
+    checks = json.loads(validate_json)["checks"]
+    return str(next(c for c in checks if c["name"] == "trust")["reason"])
+
+
+def pushed(artifact: Path, root: Path) -> str:
+    """`artifact` on a shared mount, signed by the publisher; its URL/KEY."""
+    open_remote(str(root)).push(artifact, signer=SIGNER)
+    return f"{root.as_uri()}/{artifact.name}"
+
+
+def test_installed_artifact_loads_with_no_flag_until_its_key_is_revoked(
+    tmp_path: Path, compiled_artifact: Path, trusted_env: tuple[Path, Path], capsys, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    url = pushed(compiled_artifact, tmp_path / "remote")
+    dest = tmp_path / "models"
+    done = run_install(url, str(dest), "--json")
+    assert done.returncode == 0, done.stderr
+    assert json.loads(done.stdout)["trusted"] == "signature"
+    assert "neuronctl install: verified" in done.stderr and "Traceback" not in done.stderr
+    assert not (dest / WORK_DIR).exists()
+
+    # The serving side trusts no key itself: the record vouches.
+    monkeypatch.setenv(TRUSTED_KEYS_ENV, "")
+    checked = cli_in_process("validate", str(dest), "--json")
+    assert checked.returncode == 0, checked.stdout
+    assert f"key {SIGNER.key_id}, trusted when it was pulled" in trust_reason(checked.stdout)
+    code, out, _ = run_in_process(
+        ["generate", str(dest), "-p", "hello", "--max-tokens", "2", "--json"], capsys, monkeypatch
+    )
+    assert code == 0 and json.loads(out.splitlines()[0])["completion_tokens"] == 2
+
+    # Revoking the key stops it, with the record still there.
+    monkeypatch.setenv(REVOKED_KEYS_ENV, str(trusted_env[1]))
+    revoked = cli_in_process("validate", str(dest), "--json")
+    assert revoked.returncode == 1 and "revoked" in trust_reason(revoked.stdout)
+    monkeypatch.delenv(REVOKED_KEYS_ENV)
+    # So does removing the record: DEST_DIR is in no store this user owns.
+    (dest / PROVENANCE).unlink()
+    assert cli_in_process("validate", str(dest)).returncode == 1
+
+
+def test_a_record_others_could_write_names_no_key(
+    tmp_path: Path, compiled_artifact: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Anyone who can write DEST_DIR could plant a record naming their own key: such a record
+    is not used (fails without record_place_problem)."""
+    dest = tmp_path / "models"
+    assert run_install(pushed(compiled_artifact, tmp_path / "remote"), str(dest)).returncode == 0
+    monkeypatch.setenv(TRUSTED_KEYS_ENV, "")
+    assert cli_in_process("validate", str(dest)).returncode == 0
+    os.chmod(dest, 0o777)
+    shared = cli_in_process("validate", str(dest), "--json")
+    assert shared.returncode == 1 and "not trusted here" in trust_reason(shared.stdout)
+
+
+def test_install_is_atomic_and_resumes_after_a_kill(
+    tmp_path: Path, compiled_artifact: Path, bucket: str, s3server  # noqa: F811
+) -> None:  # type: ignore[no-untyped-def]
+    """SIGKILL while the big file downloads: nothing looks installed; the rerun resumes the
+    partial file and downloads only the rest; a third run downloads nothing."""
+    artifact = Store(tmp_path / "build").root / "neuron-compiled-artifacts" / compiled_artifact.name
+    shutil.copytree(compiled_artifact, artifact)
+    big = 64 * 2**20
+    (artifact / "weights" / "extra.bin").write_bytes(os.urandom(big))
+    write_manifest(artifact, record_files(artifact, read_manifest(artifact)))
+    url = f"s3://{bucket}/fleet"
+    open_remote(url).push(artifact, signer=SIGNER)
+    dest = tmp_path / "models"
+
+    s3server.reset_counts()
+    child = subprocess.Popen(install_argv(f"{url}/{artifact.name}", str(dest)),
+                             stderr=subprocess.PIPE, text=True)  # fmt: skip
+    assert child.stderr is not None
+    for line in child.stderr:
+        if "downloading weights/extra.bin: " in line:  # mid-file progress
+            child.send_signal(signal.SIGKILL)
+            break
+    child.wait(timeout=60)
+    assert child.returncode == -signal.SIGKILL
+    assert not (dest / MANIFEST).exists()
+    assert cli_in_process("validate", str(dest)).returncode == 1
+    partial = [p.stat().st_size for p in (dest / WORK_DIR).glob("*.part")]
+    assert partial and 0 < max(partial) < big
+
+    s3server.reset_counts()
+    rerun = run_install(f"{url}/{artifact.name}", str(dest), "--json")
+    assert rerun.returncode == 0, rerun.stderr
+    assert "resuming weights/extra.bin" in rerun.stderr
+    result = json.loads(rerun.stdout)
+    total = read_manifest(dest).total_size()
+    assert result["downloaded_bytes"] + result["kept_bytes"] == total
+    assert result["downloaded_bytes"] <= big - max(partial) + (total - big)
+    assert s3server.bytes_downloaded < total  # the server saw only the rest
+
+    again = run_install(f"{url}/{artifact.name}", str(dest), "--json")
+    assert again.returncode == 0 and json.loads(again.stdout)["downloaded_bytes"] == 0
+
+
+def test_install_refusals_name_what_to_fix(
+    tmp_path: Path, compiled_artifact: Path, trusted_env: tuple[Path, Path]
+) -> None:
+    url = pushed(compiled_artifact, tmp_path / "remote")
+    _, stranger = write_keypair(STRANGER_KEY, tmp_path / "stranger")
+
+    untrusted = run_install(url, str(tmp_path / "a"), env={TRUSTED_KEYS_ENV: str(stranger)})
+    assert untrusted.returncode == 1 and "not trusted here" in untrusted.stderr
+    assert "hint:" in untrusted.stderr and not (tmp_path / "a" / MANIFEST).exists()
+
+    revoked = run_install(url, str(tmp_path / "b"), env={REVOKED_KEYS_ENV: str(trusted_env[1])})
+    assert revoked.returncode == 1 and "revoked" in revoked.stderr
+
+    busy = tmp_path / "busy"
+    busy.mkdir()
+    (busy / "notes.txt").write_text("mine")
+    refused = run_install(url, str(busy))
+    assert refused.returncode == 2 and "not empty" in refused.stderr
+    assert (busy / "notes.txt").read_text() == "mine"
+
+    assert run_install(url).returncode == 2  # SOURCE_URI without DEST_DIR
+
+
+def test_host_checks_run_before_any_download(tmp_path: Path) -> None:
+    """An artifact built for other versions is refused from its manifest alone."""
+    artifact = make_artifact(tmp_path / "a", sample_files(big=2 * 2**20))  # torch "test"
+    url = pushed(artifact, tmp_path / "remote")
+    refused = run_install(url, str(tmp_path / "models"))
+    assert refused.returncode == 1 and "would not load on this host" in refused.stderr
+    assert "versions" in refused.stderr
+    assert not list((tmp_path / "models").rglob("*.part"))
+    assert not (tmp_path / "models" / "graphs").exists()
+
+
+def test_pull_trusted_by_flag_then_validate_and_generate_with_no_flag(
+    tmp_path: Path, compiled_artifact: Path, trusted_env: tuple[Path, Path], capsys, monkeypatch
+) -> None:  # type: ignore[no-untyped-def]
+    """`artifacts pull URL --trust-key ci.pub` then `validate KEY` and `generate KEY` failed
+    "not trusted here (trusted: none)"; the pull's record now names the key."""
+    url = pushed(compiled_artifact, tmp_path / "remote")
+    monkeypatch.setenv(TRUSTED_KEYS_ENV, "")
+    monkeypatch.setenv("NEURONCTL_STORE", str(tmp_path / "host"))
+    pulled = cli_in_process("artifacts", "pull", url, "--trust-key", str(trusted_env[1]))
+    assert pulled.returncode == 0, pulled.stderr
+    key = compiled_artifact.name
+    assert cli_in_process("validate", key).returncode == 0
+    code, _, err = run_in_process(["generate", key, "-p", "hi", "--max-tokens", "2"], capsys,
+                                  monkeypatch)  # fmt: skip
+    assert code == 0, err
+    monkeypatch.setenv(REVOKED_KEYS_ENV, str(trusted_env[1]))
+    assert cli_in_process("validate", key).returncode == 1
