@@ -25,7 +25,6 @@ from neuronctl.store.remote.client import open_remote
 from neuronctl.store.signing import (
     PROVENANCE,
     REVOKED_KEYS_ENV,
-    SIGNATURE,
     TRUSTED_KEYS_ENV,
 )
 from tests.helpers import cli_in_process, run_in_process
@@ -68,7 +67,11 @@ def pushed(artifact: Path, root: Path) -> str:
 
 
 def test_installed_artifact_loads_with_no_flag_until_its_key_is_revoked(
-    tmp_path: Path, compiled_artifact: Path, trusted_env: tuple[Path, Path], capsys, monkeypatch
+    tmp_path: Path,
+    compiled_artifact: Path,
+    trusted_env: tuple[Path, Path],  # noqa: F811
+    capsys,
+    monkeypatch,
 ) -> None:  # type: ignore[no-untyped-def]
     url = pushed(compiled_artifact, tmp_path / "remote")
     dest = tmp_path / "models"
@@ -156,7 +159,9 @@ def test_install_is_atomic_and_resumes_after_a_kill(
 
 
 def test_install_refusals_name_what_to_fix(
-    tmp_path: Path, compiled_artifact: Path, trusted_env: tuple[Path, Path]
+    tmp_path: Path,
+    compiled_artifact: Path,
+    trusted_env: tuple[Path, Path],  # noqa: F811
 ) -> None:
     url = pushed(compiled_artifact, tmp_path / "remote")
     _, stranger = write_keypair(STRANGER_KEY, tmp_path / "stranger")
@@ -190,7 +195,11 @@ def test_host_checks_run_before_any_download(tmp_path: Path) -> None:
 
 
 def test_pull_trusted_by_flag_then_validate_and_generate_with_no_flag(
-    tmp_path: Path, compiled_artifact: Path, trusted_env: tuple[Path, Path], capsys, monkeypatch
+    tmp_path: Path,
+    compiled_artifact: Path,
+    trusted_env: tuple[Path, Path],  # noqa: F811
+    capsys,
+    monkeypatch,
 ) -> None:  # type: ignore[no-untyped-def]
     """`artifacts pull URL --trust-key ci.pub` then `validate KEY` and `generate KEY` failed
     "not trusted here (trusted: none)"; the pull's record now names the key."""
