@@ -26,6 +26,7 @@ from neuronctl.store.signing import (
     PROVENANCE,
     REVOKED_KEYS_ENV,
     TRUSTED_KEYS_ENV,
+    TrustPolicy,
 )
 from tests.helpers import cli_in_process, run_in_process
 from tests.test_remote import (  # noqa: F401  (fixtures)
@@ -215,3 +216,26 @@ def test_pull_trusted_by_flag_then_validate_and_generate_with_no_flag(
     assert code == 0, err
     monkeypatch.setenv(REVOKED_KEYS_ENV, str(trusted_env[1]))
     assert cli_in_process("validate", key).returncode == 1
+
+
+def test_installing_another_artifact_over_an_install_keeps_shared_files(tmp_path: Path) -> None:
+    """The fill-a-volume job run with a new artifact: the old one stops looking installed
+    first, files both list are kept (not downloaded), the old one's other files go."""
+    from neuronctl.store.install import install
+
+    shared = os.urandom(300_000)
+    old = make_artifact(tmp_path / "a", {"weights/w.bin": shared, "graphs/old.pt2": b"o" * 10},
+                        seed="old")  # fmt: skip
+    new = make_artifact(tmp_path / "b", {"weights/w.bin": shared, "graphs/new.pt2": b"n" * 10},
+                        seed="new")  # fmt: skip
+    root = tmp_path / "remote"
+    lines: list[str] = []
+    dest = tmp_path / "models"
+    install(pushed(old, root), dest, TrustPolicy.load(), lambda m: [], lines.append)
+    assert (dest / "graphs" / "old.pt2").exists()
+
+    result = install(pushed(new, root), dest, TrustPolicy.load(), lambda m: [], lines.append)
+    assert result.downloaded_bytes == 10 and result.kept_bytes == len(shared)
+    assert not (dest / "graphs" / "old.pt2").exists() and (dest / "graphs" / "new.pt2").exists()
+    assert read_manifest(dest).artifact_key == read_manifest(new).artifact_key
+    assert not (dest / WORK_DIR).exists()

@@ -126,9 +126,11 @@ def pull_command(
     """Download a remote artifact, verify its signature and every sha256, publish it
     atomically in a local store.
 
-    The manifest's signature must be by a trusted key (--trust-key, $NEURONCTL_TRUSTED_KEYS,
+    The signature must be by a trusted key (--trust-key, $NEURONCTL_TRUSTED_KEYS,
     ~/.config/neuronctl/trusted-keys/); an unsigned or otherwise signed artifact is refused
-    unless --allow-unsigned. Two pulls of one key (even from two processes) download it once;
+    unless --allow-unsigned. The pull's record (provenance.json) names the key that verified
+    it, so later loads need no --trust-key until that key is revoked
+    ($NEURONCTL_REVOKED_KEYS, ~/.config/neuronctl/revoked-keys/). Two pulls of one key (even from two processes) download it once;
     an interrupted or failed pull leaves nothing that looks like an artifact.
 
     Example: neuronctl artifacts pull s3://my-bucket/neuron/3f9c2a --store /var/lib/neuron
@@ -174,11 +176,13 @@ def keygen_command(
     force: Annotated[bool, typer.Option("--force", help="Overwrite existing files.")] = False,
     json_out: JsonOpt = False,
 ) -> None:
-    """Make an ed25519 key pair for signing artifacts.
+    """Make an EC P-256 key pair for signing artifacts (OpenSSF model-signing's key format).
 
     NAME.key signs (keep it in your CI's secret store; push reads it from --sign-key or
-    $NEURONCTL_SIGNING_KEY). NAME.pub verifies: put it on every host that pulls, in
-    ~/.config/neuronctl/trusted-keys/ or $NEURONCTL_TRUSTED_KEYS.
+    $NEURONCTL_SIGNING_KEY). NAME.pub verifies: put it on every host that pulls or installs,
+    in ~/.config/neuronctl/trusted-keys/ or $NEURONCTL_TRUSTED_KEYS. Both files work as they
+    are with `model_signing sign key --private_key` and `model_signing verify key
+    --public_key`.
 
     Example: neuronctl artifacts keygen ci-signing
 
