@@ -130,8 +130,9 @@ def pull_command(
     ~/.config/neuronctl/trusted-keys/); an unsigned or otherwise signed artifact is refused
     unless --allow-unsigned. The pull's record (provenance.json) names the key that verified
     it, so later loads need no --trust-key until that key is revoked
-    ($NEURONCTL_REVOKED_KEYS, ~/.config/neuronctl/revoked-keys/). Two pulls of one key (even from two processes) download it once;
-    an interrupted or failed pull leaves nothing that looks like an artifact.
+    ($NEURONCTL_REVOKED_KEYS, ~/.config/neuronctl/revoked-keys/). Two pulls of one key (even
+    from two processes) download it once; an interrupted or failed pull leaves nothing that
+    looks like an artifact.
 
     Example: neuronctl artifacts pull s3://my-bucket/neuron/3f9c2a --store /var/lib/neuron
 
