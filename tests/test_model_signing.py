@@ -18,6 +18,7 @@ import json
 import logging
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -36,7 +37,8 @@ from neuronctl.store.signing import (
 from tests.helpers import cli_in_process
 from tests.test_remote import make_artifact, sample_files, write_keypair
 
-MODEL_SIGNING = shutil.which("model_signing") or "model_signing"
+# The package's own CLI, `model_signing`, run with this interpreter (its __main__ is _cli.main)
+MODEL_SIGNING = [sys.executable, "-m", "model_signing"]
 
 
 def keygen(prefix: Path) -> tuple[Path, Path, str]:
@@ -48,7 +50,7 @@ def keygen(prefix: Path) -> tuple[Path, Path, str]:
 
 def ms_verify(directory: Path, public: Path) -> subprocess.CompletedProcess:
     return subprocess.run(
-        [MODEL_SIGNING, "verify", "key", str(directory), "--signature",
+        [*MODEL_SIGNING, "verify", "key", str(directory), "--signature",
          str(directory / SIGNATURE), "--public_key", str(public)],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip
@@ -95,7 +97,7 @@ def test_neuronctl_accepts_a_directory_model_signing_signed(
     remote.push(artifact)  # unsigned by neuronctl
     published = tmp_path / "remote" / "neuron-compiled-artifacts" / artifact.name
     signed = subprocess.run(
-        [MODEL_SIGNING, "sign", "key", str(published), "--private_key", str(private),
+        [*MODEL_SIGNING, "sign", "key", str(published), "--private_key", str(private),
          "--signature", str(published / SIGNATURE)],
         capture_output=True, text=True, timeout=120,
     )  # fmt: skip

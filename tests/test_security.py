@@ -355,7 +355,9 @@ def test_push_refuses_a_symlink_to_outside(tmp_path: Path) -> None:
     assert not (tmp_path / "remote").exists()
 
 
-@pytest.mark.parametrize("reserved", ["manifest.json.tmp", "provenance.json", "manifest.sig"])
+@pytest.mark.parametrize(
+    "reserved", ["manifest.json.tmp", "provenance.json", "manifest.sig", "model.sig"]
+)
 def test_pull_refuses_a_remote_manifest_listing_reserved_names(
     tmp_path: Path, reserved: str
 ) -> None:
