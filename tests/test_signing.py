@@ -20,6 +20,7 @@ from neuronctl.store.manifest import MANIFEST, FileEntry, Manifest, read_manifes
 from neuronctl.store.remote.client import open_remote
 from neuronctl.store.remote.errors import RemoteArtifactError
 from neuronctl.store.signing import (
+    REVOKED_KEYS_ENV,
     SIGNATURE,
     SIGNED,
     TRUSTED_KEYS_ENV,
@@ -57,6 +58,7 @@ class PatientServer(Server):
 
 STRANGER_KEY = ec.generate_private_key(ec.SECP256R1())
 STRANGER = Signer(STRANGER_KEY, key_id(STRANGER_KEY.public_key()))
+REVOKED = frozenset({SIGNER.key_id})
 
 
 def remote_dir(remote_root: Path, artifact: Path) -> Path:
@@ -460,7 +462,11 @@ def test_validate_judges_trust_as_generate_does(
 
 
 def test_revoking_a_key_stops_graphs_reused_from_its_artifact(
-    tmp_path: Path, tiny_llama: Path, compiled_artifact: Path, monkeypatch: pytest.MonkeyPatch
+    tmp_path: Path,
+    tiny_llama: Path,
+    compiled_artifact: Path,
+    monkeypatch: pytest.MonkeyPatch,
+    trusted_env: tuple[Path, Path],  # noqa: F811
 ) -> None:
     """A local compile that reused a pulled artifact's graphs kept loading them as "built on
     this host" after the signer's key was removed."""
@@ -478,10 +484,15 @@ def test_revoking_a_key_stops_graphs_reused_from_its_artifact(
 
     vouch = check_origin(out.path, read_manifest(out.path), TRUST)
     assert vouch.kind == "local-build" and vouch.key_id == SIGNER.key_id
+    # The donor's pull record came with the graphs: no longer trusted, its key still vouches
+    # (as it does for the donor) until it is revoked.
+    assert check_origin(out.path, read_manifest(out.path), TrustPolicy()).key_id == SIGNER.key_id
     with pytest.raises(SignatureError, match="reuses graphs from .* no trusted key vouches"):
-        check_origin(out.path, read_manifest(out.path), TrustPolicy())  # the key revoked
-    checked = cli_in_process("validate", str(out.path), "--json", env={TRUSTED_KEYS_ENV: ""})
+        check_origin(out.path, read_manifest(out.path), TrustPolicy(revoked=REVOKED))
+    _, public = trusted_env
+    checked = cli_in_process("validate", str(out.path), "--json",
+                             env={TRUSTED_KEYS_ENV: "", REVOKED_KEYS_ENV: str(public)})  # fmt: skip
     assert checked.returncode == 1, checked.stdout
-    monkeypatch.setenv(TRUSTED_KEYS_ENV, "")  # nor does another key launder them by signing
+    monkeypatch.setenv(REVOKED_KEYS_ENV, str(public))  # nor does another key launder them
     with pytest.raises(SignatureError, match="refusing to sign"):
         open_remote(str(tmp_path / "mirror")).push(out.path, signer=STRANGER)

@@ -542,14 +542,16 @@ def read_provenance(artifact: Path) -> Provenance | None:
         ) from None
 
 
-def record_vouch(artifact: Path, origin: Provenance, policy: TrustPolicy) -> Vouch:
+def record_vouch(
+    artifact: Path, origin: Provenance, policy: TrustPolicy, name: str = PROVENANCE
+) -> Vouch:
     """Who vouches for a pulled or installed artifact: a key trusted now, else the key its
     record names (the one that verified it at pull or install) unless that key is revoked
     or someone other than this user (or root) could have written the record."""
     try:
         return _verify(origin.manifest_bytes, origin.signature, policy, origin.url)
     except SignatureError as refused:
-        vouch = _recorded_vouch(artifact, origin, policy)
+        vouch = _recorded_vouch(artifact, origin, policy, name)
         if vouch is not None:
             return vouch
         if policy.allow_unsigned:
@@ -557,15 +559,20 @@ def record_vouch(artifact: Path, origin: Provenance, policy: TrustPolicy) -> Vou
         raise refused from None
 
 
-def _recorded_vouch(artifact: Path, origin: Provenance, policy: TrustPolicy) -> Vouch | None:
+def _recorded_vouch(
+    artifact: Path, origin: Provenance, policy: TrustPolicy, name: str
+) -> Vouch | None:
     if origin.key_pem is None:
         return None
-    recorded = public_key_from_pem(origin.key_pem.encode(), f"{artifact / PROVENANCE}")
+    try:
+        recorded = public_key_from_pem(origin.key_pem.encode(), f"{artifact / name}")
+    except UsageError:
+        return None
     if recorded.key_id in policy.revoked:
         return None
-    problem = record_place_problem(artifact)
+    problem = record_place_problem(artifact, name)
     if problem is not None:
-        logger.warning("the key recorded in %s is not used: %s", artifact / PROVENANCE, problem)
+        logger.warning("the key recorded in %s is not used: %s", artifact / name, problem)
         return None
     try:
         vouch = _verify(origin.manifest_bytes, origin.signature, TrustPolicy((recorded,)),
@@ -575,12 +582,12 @@ def _recorded_vouch(artifact: Path, origin: Provenance, policy: TrustPolicy) -> 
     return Vouch(SIGNED, key_id=vouch.key_id, url=origin.url, recorded=True)
 
 
-def record_place_problem(artifact: Path) -> str | None:
+def record_place_problem(artifact: Path, name: str = PROVENANCE) -> str | None:
     """Why a record in `artifact` may have been written by someone else (None when it could
     only be this user or root): the artifact directory (symbolic links followed) and the
     record itself must be owned by this user or root and writable by no one else."""
     real = Path(artifact).resolve()
-    for path in (real, real / PROVENANCE):
+    for path in (real, real / name):
         try:
             info = os.lstat(path)
         except OSError as exc:
@@ -738,13 +745,15 @@ def _graph_origin(artifact: Path, manifest: Manifest, policy: TrustPolicy) -> Vo
         signed_bytes = base64.b64decode(record["manifest"], validate=True)
         sig = record["signature"]
         graphs = [str(g) for g in record["graphs"]]
-    except (OSError, ValueError, KeyError, TypeError, NeuronctlError) as exc:
+        pem = record.get("verified_with")
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, NeuronctlError) as exc:
         raise SignatureError(
             f"{path} is unreadable ({type(exc).__name__})", "recompile the artifact"
         ) from None
     signature = None if sig is None else str(sig).encode()
-    try:
-        vouch = verify(signed_bytes, signature, policy, url)
+    origin = Provenance(url, signed_bytes, signature, None if pem is None else str(pem))
+    try:  # the donor's pull record came along: its key vouches as it does for the donor
+        vouch = record_vouch(artifact, origin, policy, GRAPH_ORIGIN)
     except SignatureError as exc:
         raise SignatureError(
             f"{artifact} reuses graphs from {url}, which no trusted key vouches for now: "
