@@ -16,6 +16,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import openai
 import pytest
 
 from neuronctl.store.install import WORK_DIR
@@ -37,7 +38,8 @@ from tests.test_remote import (  # noqa: F401  (fixtures)
     sample_files,
     trusted_env,
 )
-from tests.test_signing import STRANGER_KEY, write_keypair
+from tests.test_server import free_port, serve_argv
+from tests.test_signing import STRANGER_KEY, PatientServer, write_keypair
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -239,3 +241,24 @@ def test_installing_another_artifact_over_an_install_keeps_shared_files(tmp_path
     assert not (dest / "graphs" / "old.pt2").exists() and (dest / "graphs" / "new.pt2").exists()
     assert read_manifest(dest).artifact_key == read_manifest(new).artifact_key
     assert not (dest / WORK_DIR).exists()
+
+
+@pytest.mark.slow  # a server process; generate covers the same load rule in the fast suite
+def test_serve_loads_an_installed_artifact_with_no_flag(
+    tmp_path: Path, compiled_artifact: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The serving container of a pod trusts no key itself: `serve DEST_DIR` after the
+    install container ran."""
+    dest = tmp_path / "models"
+    assert run_install(pushed(compiled_artifact, tmp_path / "remote"), str(dest)).returncode == 0
+    monkeypatch.setenv(TRUSTED_KEYS_ENV, "")
+    port = free_port()
+    server = PatientServer(serve_argv(dest, port), port)
+    try:
+        client = openai.OpenAI(base_url=server.url + "/v1", api_key="none")
+        model = client.models.list().data[0].id
+        done = client.completions.create(model=model, prompt="hi", max_tokens=3, temperature=0)
+        assert done.usage is not None and done.usage.completion_tokens == 3
+    finally:
+        server.stop()
+    assert f"key {SIGNER.key_id}, trusted when it was pulled" in server.log()
