@@ -29,23 +29,25 @@ import shutil
 import stat
 import threading
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 from neuronctl.checks import Check
 from neuronctl.errors import NeuronctlError, UsageError
 from neuronctl.store.manifest import HASH_CHUNK, MANIFEST, FileEntry, Manifest, sha256_file
-from neuronctl.store.remote.errors import RemoteArtifactError, on_this_host
+from neuronctl.store.remote.errors import RemoteArtifactError, on_this_host, remote_errors
 from neuronctl.store.remote.pull import checked_manifest
 from neuronctl.store.remote.transport import Transport, run_all
 from neuronctl.store.remote.urls import remote_artifact
 from neuronctl.store.signing import (
     PROVENANCE,
     SIGNATURE_NAMES,
+    SIGNED,
     UNSIGNED,
     Provenance,
     TrustPolicy,
+    public_key_from_pem,
     signature_file,
 )
 
@@ -71,7 +73,6 @@ class Installed:
     files: int = 0
     downloaded_bytes: int = 0
     kept_bytes: int = 0  # already in place (or partly downloaded) and verified
-    kept: list[str] = field(default_factory=list)
 
     def as_dict(self) -> dict[str, Any]:
         return {
@@ -98,6 +99,19 @@ def install(
     `host_checks` judges this host from the manifest (validate's versions and capacity
     checks); any failure stops the install before a byte is downloaded."""
     remote, dirname, key = remote_artifact(source)
+    return _install(remote, dirname, key, dest, policy, host_checks, log)
+
+
+@remote_errors  # the remote's failures (credentials, network) as one-line errors
+def _install(
+    remote: Transport,
+    dirname: str,
+    key: str,
+    dest: Path,
+    policy: TrustPolicy,
+    host_checks: HostChecks,
+    log: Log,
+) -> Installed:
     manifest, record = checked_manifest(remote, dirname, policy, key)
     url = remote.artifact_url(dirname)
     key_id = _key_id(record)
@@ -111,8 +125,8 @@ def install(
             "install it on a host that matches, or compile it for this one",
         )
     log(f"this host can load it ({manifest.backend}, tp {manifest.spec.tp_degree})")
-    result = Installed(dest, url, manifest.artifact_key, UNSIGNED if key_id is None else
-                       "signature", key_id, files=len(manifest.files))  # fmt: skip
+    trusted = UNSIGNED if key_id is None else SIGNED
+    result = Installed(dest, url, manifest.artifact_key, trusted, key_id, len(manifest.files))
     with _locked(_prepare(dest)) as work:
         if _installed_bytes(dest) != record.manifest_bytes:
             _unmark(dest, work)
@@ -127,8 +141,6 @@ def install(
 def _key_id(record: Provenance) -> str | None:
     if record.key_pem is None:
         return None
-    from neuronctl.store.signing import public_key_from_pem
-
     return public_key_from_pem(record.key_pem.encode(), "the verifying key").key_id
 
 
