@@ -42,7 +42,8 @@ REMOTE_ENV = "NEURONCTL_REMOTE"
 UrlArg = Annotated[
     str,
     typer.Argument(
-        help="Remote store: s3://BUCKET/PREFIX, file:///mnt/shared or a path, hf://... "
+        help="Remote store: s3://BUCKET/PREFIX, oci://REGISTRY/REPO, file:///mnt/shared or a "
+        "path, hf://... "
         f"(default: ${REMOTE_ENV}).",
         envvar=REMOTE_ENV,
         show_default=False,
@@ -115,7 +116,7 @@ def pull_command(
         typer.Argument(
             help="URL/KEY of a remote artifact, e.g. s3://bucket/prefix/3f9c2a (a unique "
             "key prefix is enough; .../neuron-compiled-artifacts/KEY and a plain path to a "
-            "shared mount work too)."
+            "shared mount work too), or oci://REGISTRY/REPO:KEY (or :TAG, @sha256:DIGEST)."
         ),
     ],
     store: StoreOpt = None,
@@ -155,9 +156,13 @@ def pull_command(
         "artifact_key": manifest.artifact_key,
         "cache_hit": published.cache_hit,
         "downloaded_bytes": 0 if published.cache_hit else manifest.total_size(),
+        # a registry pull knows what it reused from an interrupted one
+        "reused_bytes": getattr(remote, "reused_bytes", 0),
         "trusted": vouch.kind,
         "key_id": vouch.key_id,
     }
+    if hasattr(remote, "downloaded_bytes") and not published.cache_hit:
+        data["downloaded_bytes"] = remote.downloaded_bytes
     if json_out:
         print_json(data)
     elif published.cache_hit:
