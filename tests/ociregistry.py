@@ -101,9 +101,9 @@ class OciRegistry:
                 / hexdigest[:2] / hexdigest / "data")
 
     def served_blob_bytes(self) -> dict[str, int]:
-        """Bytes sent per blob digest so far, from the access log (200s, GETs only)."""
+        """Bytes sent per blob digest so far, from the access log (GETs: whole and ranged)."""
         sent: dict[str, int] = {}
         for digest, status, size in _BLOB_GET.findall(self.log.read_text(errors="replace")):
-            if status == "200":
+            if status in ("200", "206"):
                 sent[digest] = sent.get(digest, 0) + int(size)
         return sent

@@ -321,8 +321,8 @@ from neuronctl.cli.main import main
 
 plain = oci.blob_chunks
 
-def slow(registry, blob, rel):
-    for chunk in plain(registry, blob, rel):
+def slow(registry, blob, rel, start=0):
+    for chunk in plain(registry, blob, rel, start):
         if blob.size > 1_000_000:
             time.sleep(0.05)
         yield chunk
@@ -333,11 +333,9 @@ main()
 """
 
 
-def test_a_pull_killed_mid_layer_resumes_keeping_verified_layers(
-    tmp_path: Path, repo: str, registry: OciRegistry
-) -> None:
-    """SIGKILL while the big layer downloads (slowed to ~20 chunks/s); the re-run downloads
-    only that layer, as the registry's own access log counts."""
+def killed_pull(tmp_path: Path, repo: str) -> tuple[str, Path, dict, Path]:
+    """A CLI pull SIGKILLed while the big layer downloads (slowed to ~20 chunks/s), once the
+    small layers are verified: its URL, store, manifest entries and the big layer's part."""
     files = {"config.json": b"{}", "small.bin": os.urandom(300_000),
              "weights/big.safetensors": os.urandom(8 * 1024 * 1024)}
     artifact = make_artifact(tmp_path / "a", files)
@@ -349,25 +347,60 @@ def test_a_pull_killed_mid_layer_resumes_keeping_verified_layers(
                              "--store", str(store)], cwd=ROOT, env=os.environ.copy(),
                             stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     entries = read_manifest(artifact).files
-    small, big = (entries[r].sha256 for r in ("small.bin", "weights/big.safetensors"))
-    kept = [e.sha256 for r, e in entries.items() if e.sha256 != big]
+    big = entries["weights/big.safetensors"].sha256
+    kept = [e.sha256 for e in entries.values() if e.sha256 != big]
     deadline = time.monotonic() + 60
     while not (all((cache / sha).exists() for sha in kept)
-               and sum(p.stat().st_size for p in cache.glob(f"{big}.partial-*")) > 0):
+               and sum(p.stat().st_size for p in cache.glob(f"{big}.partial-*")) > 1_000_000):
         assert proc.poll() is None and time.monotonic() < deadline, "pull did not start"
         time.sleep(0.02)
     proc.send_signal(signal.SIGKILL)
     proc.wait(timeout=30)
     assert [p.name for p, _m in Store(store).iter_artifacts()] == []
+    (part,) = cache.glob(f"{big}.partial-*")
+    return url, store, entries, part
+
+
+def test_a_pull_killed_mid_layer_resumes_keeping_verified_layers(
+    tmp_path: Path, repo: str, registry: OciRegistry
+) -> None:
+    """The re-run downloads neither the layers verified before the kill nor the part of
+    the big one already written (a ranged GET), as the registry's own access log counts;
+    the whole layer is hashed before it is used."""
+    url, store, entries, part = killed_pull(tmp_path, repo)
+    head = part.stat().st_size
+    big = entries["weights/big.safetensors"]
     before = registry.served_blob_bytes()
     result = cli("artifacts", "pull", url, "--store", str(store), "--json")
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
     served = registry.served_blob_bytes()
     again = {d: served.get(d, 0) - before.get(d, 0) for d in served}
-    assert again.get(f"sha256:{small}", 0) == 0  # verified before the kill: kept
-    assert again[f"sha256:{big}"] == entries["weights/big.safetensors"].size
-    assert data["downloaded_bytes"] == entries["weights/big.safetensors"].size
-    assert data["reused_bytes"] == entries["small.bin"].size + entries["config.json"].size
-    assert tree_bytes(Path(data["path"])) == tree_bytes(artifact)
-    assert not any(cache.iterdir())
+    assert again.get(f"sha256:{entries['small.bin'].sha256}", 0) == 0
+    assert again[f"sha256:{big.sha256}"] == big.size - head
+    assert data["downloaded_bytes"] == big.size - head
+    assert data["reused_bytes"] == entries["small.bin"].size + entries["config.json"].size + head
+    assert tree_bytes(Path(data["path"])) == tree_bytes(tmp_path / "a" / "neuron-compiled-artifacts"
+                                                        / Path(data["path"]).name)
+    assert not any((store / "neuron-compiled-artifacts" / BLOB_CACHE).iterdir())
+
+
+def test_a_damaged_part_left_by_a_killed_pull_is_downloaded_again(
+    tmp_path: Path, repo: str, registry: OciRegistry
+) -> None:
+    """Resumed bytes are hashed with the rest: a head that is not the layer's costs one
+    full download, never a wrong file."""
+    url, store, entries, part = killed_pull(tmp_path, repo)
+    data = bytearray(part.read_bytes())
+    data[10] ^= 1
+    part.write_bytes(bytes(data))
+    big = entries["weights/big.safetensors"]
+    before = registry.served_blob_bytes()
+    result = cli("artifacts", "pull", url, "--store", str(store), "--json")
+    assert result.returncode == 0, result.stderr
+    served = registry.served_blob_bytes()
+    sent = served[f"sha256:{big.sha256}"] - before.get(f"sha256:{big.sha256}", 0)
+    assert sent == big.size - len(data) + big.size
+    pulled = Path(json.loads(result.stdout)["path"])
+    assert tree_bytes(pulled) == tree_bytes(tmp_path / "a" / "neuron-compiled-artifacts"
+                                            / pulled.name)

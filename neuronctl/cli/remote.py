@@ -75,8 +75,13 @@ def push_command(
     With a signing key (--sign-key or $NEURONCTL_SIGNING_KEY) the manifest, which lists the
     sha256 of every file, is signed; pullers verify it against the keys they trust.
     S3 uses the standard AWS credential chain; AWS_ENDPOINT_URL selects an S3-compatible server.
+    oci://REGISTRY/REPO pushes one OCI artifact tagged with the key (a layer per file); its
+    credentials come from `docker login` / `oras login` (docker config.json) or ORAS_USER
+    and ORAS_PASS.
 
     Example: neuronctl artifacts push 3f9c2a s3://my-bucket/neuron --sign-key ci.key
+
+    Example: neuronctl artifacts push 3f9c2a oci://ghcr.io/my-org/neuron --sign-key ci.key
 
     Exit codes: 0 pushed (or already there), 1 not found or the remote refused, 2 usage.
     """
@@ -133,6 +138,8 @@ def pull_command(
     an interrupted or failed pull leaves nothing that looks like an artifact.
 
     Example: neuronctl artifacts pull s3://my-bucket/neuron/3f9c2a --store /var/lib/neuron
+
+    Example: neuronctl artifacts pull oci://ghcr.io/my-org/neuron:3f9c2a
 
     Exit codes: 0 pulled (or already local), 1 not found / corrupted / incomplete /
     untrusted, 2 usage.

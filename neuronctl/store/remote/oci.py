@@ -5,8 +5,9 @@ same rules: push uploads every file before the one thing that makes the artifact
 byte against the signed sha256s before the artifact is visible.
 
 A pull keeps each layer it verified in `<store>/neuron-compiled-artifacts/.oci-blobs/`
-until the artifact is published: a pull killed mid-layer and run again downloads only the
-layers it had not verified.
+until the artifact is published, and the part of a layer it had written: a pull killed
+mid-layer and run again downloads neither (the rest of a part comes by HTTP Range, and the
+whole layer is hashed before it is used).
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import hashlib
 import os
 import re
 import shutil
+import threading
 import uuid
 from collections.abc import Callable, Iterator
 from pathlib import Path
@@ -26,6 +28,7 @@ from neuronctl.keys import KEY_LENGTH
 from neuronctl.progress import NullProgress, Progress
 from neuronctl.store.local import Published, Store
 from neuronctl.store.manifest import (
+    HASH_CHUNK,
     MANIFEST,
     MAX_MANIFEST_BYTES,
     Manifest,
@@ -75,7 +78,8 @@ class OciStore:
         self.registry = Registry(self.ref)
         self.pinned: dict[str, str] = {}  # dirname -> manifest digest that resolve() found
         self.downloaded_bytes = 0  # by the last pull: what came over the network
-        self.reused_bytes = 0  # ... and what an earlier, interrupted pull had verified
+        self.reused_bytes = 0  # ... and what an earlier, interrupted pull had left
+        self._lock = threading.Lock()
 
     def artifact_url(self, dirname: str) -> str:
         digest = self.pinned.get(dirname)
@@ -229,18 +233,23 @@ class OciStore:
     def _verified_blob(self, blob: Blob, cache: Path, rel: str,
                        advance: Callable[[float], None]) -> Path:
         """The cached blob file, downloaded unless an earlier pull verified it; its bytes
-        are hashed either way (what the cache holds is checked, not assumed)."""
+        are hashed either way (what the cache holds is checked, not assumed). The part of
+        a layer a killed pull had written is resumed (HTTP Range), and the whole layer
+        hashed; a head that does not hash out is downloaded again from the start."""
         hexdigest = blob.digest.split(":", 1)[1]
         kept = cache / hexdigest
         if kept.is_file() and kept.stat().st_size == blob.size and \
                 file_sha256(kept) == hexdigest:
-            self.reused_bytes += blob.size
+            self._count(reused=blob.size)
             advance(blob.size)
             return kept
-        _drop_dead_partials(cache, hexdigest)
         partial = cache / f"{hexdigest}.partial-{os.getpid()}-{uuid.uuid4().hex[:8]}"
+        start = _adopt_partial(cache, hexdigest, partial, blob.size)
         try:
-            got = self._download_blob(blob, partial, rel, advance)
+            got = self._download_blob(blob, partial, rel, advance, start)
+            if got != hexdigest and start:  # the head a dead pull wrote was not this layer's
+                self._count(reused=-start)
+                got = self._download_blob(blob, partial, rel, advance, 0)
             if got != hexdigest:
                 raise RemoteArtifactError(
                     f"{self.url}: layer {rel} is corrupted: expected {blob.digest[:19]}…, "
@@ -250,19 +259,28 @@ class OciStore:
             os.replace(partial, kept)
         finally:
             partial.unlink(missing_ok=True)
-        self.downloaded_bytes += blob.size
         return kept
 
     def _download_blob(self, blob: Blob, dest: Path, rel: str,
-                       advance: Callable[[float], None]) -> str:
+                       advance: Callable[[float], None], start: int = 0) -> str:
+        """Write a layer's bytes from `start` on after the `start` bytes already in `dest`
+        (re-read into the hash: they are verified with the rest); the sha256 of all."""
         digest = hashlib.sha256()
-        written = 0
-        out = on_this_host(lambda: open(dest, "wb"), dest)
+        if start:
+            with open(dest, "rb") as head:
+                while chunk := head.read(HASH_CHUNK):
+                    digest.update(chunk)
+            self._count(reused=start)
+            advance(start)
+        written = start
+        out = on_this_host(lambda: open(dest, "ab" if start else "wb"), dest)
         try:
-            for chunk in blob_chunks(self.registry, blob, rel):
+            chunks = blob_chunks(self.registry, blob, rel, start) if start < blob.size else []
+            for chunk in chunks:
                 digest.update(chunk)
                 on_this_host(functools.partial(out.write, chunk), dest)
                 written += len(chunk)
+                self._count(downloaded=len(chunk))
                 advance(len(chunk))
         finally:
             on_this_host(out.close, dest)
@@ -272,6 +290,11 @@ class OciStore:
                 "pull again (verified layers are kept)",
             )
         return digest.hexdigest()
+
+    def _count(self, downloaded: int = 0, reused: int = 0) -> None:
+        with self._lock:
+            self.downloaded_bytes += downloaded
+            self.reused_bytes += reused
 
     # -- push --------------------------------------------------------------------------------
 
@@ -380,9 +403,17 @@ class OciStore:
         return result
 
 
-def blob_chunks(registry: Registry, blob: Blob, rel: str) -> Iterator[bytes]:
-    """A layer's bytes, never more than its descriptor's size (a seam: tests slow it down)."""
-    yield from registry.read_capped(registry.open_blob(blob.digest), blob.size, f"layer {rel}")
+def blob_chunks(registry: Registry, blob: Blob, rel: str, start: int = 0) -> Iterator[bytes]:
+    """A layer's bytes from `start` on, never more than its descriptor's size (a seam: tests
+    slow it down). A registry that ignores the Range sends it all: the head is skipped."""
+    response = registry.open_blob(blob.digest, start)
+    skip = start if response.status_code == 200 else 0
+    for chunk in registry.read_capped(response, blob.size - start + skip, f"layer {rel}"):
+        if skip:
+            dropped = min(skip, len(chunk))
+            chunk, skip = chunk[dropped:], skip - dropped
+        if chunk:
+            yield chunk
 
 
 def _check_key(artifact_key: str, wanted: str, where: str) -> None:
@@ -409,12 +440,21 @@ def _forget(cache: Path, manifest: Manifest) -> None:
         (cache / entry.sha256).unlink(missing_ok=True)
 
 
-def _drop_dead_partials(cache: Path, hexdigest: str) -> None:
-    """A killed pull's half-written layer: unverified, so it goes (its pid is gone)."""
+def _adopt_partial(cache: Path, hexdigest: str, mine: Path, size: int) -> int:
+    """Take over the longest part of this layer that a dead pull left (its pid is gone), as
+    `mine`; the other leftovers go. Returns how many bytes it holds (0: none)."""
+    left = []
     for path in cache.glob(f"{hexdigest}.partial-*"):
         pid = path.name.split("-")[1]
         if pid.isdigit() and not _alive(int(pid)):
+            left.append((path.stat().st_size, path))
+    left.sort(reverse=True)
+    for n, path in left:
+        if not mine.exists() and n <= size:
+            os.replace(path, mine)
+        else:
             path.unlink(missing_ok=True)
+    return mine.stat().st_size if mine.exists() else 0
 
 
 def _alive(pid: int) -> bool:

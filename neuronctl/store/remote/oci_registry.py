@@ -245,9 +245,18 @@ class Registry:
             self.put_blob(path, digest, len(data))
         return digest
 
-    def open_blob(self, digest: str) -> requests.Response:
-        response = self.request("GET", f"blobs/{digest}", stream=True)
-        if response.status_code != 200:
+    def open_blob(self, digest: str, start: int = 0) -> requests.Response:
+        """A blob's body from byte `start` on (206), or whole (200) where the registry
+        ignores the Range."""
+        headers = {"Range": f"bytes={start}-"} if start else {}
+        response = self.request("GET", f"blobs/{digest}", stream=True, headers=headers)
+        if response.status_code == 206 and not response.headers.get(
+            "Content-Range", ""
+        ).startswith(f"bytes {start}-"):
+            response.close()
+            raise RemoteArtifactError(f"{self.ref.store_url}: blob {digest[:19]}…: the "
+                                      "registry answered another range than asked")
+        if response.status_code not in (200, 206):
             raise self._fail(response, f"blob {digest[:19]}")
         return response
 
