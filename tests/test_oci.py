@@ -404,3 +404,69 @@ def test_a_damaged_part_left_by_a_killed_pull_is_downloaded_again(
     pulled = Path(json.loads(result.stdout)["path"])
     assert tree_bytes(pulled) == tree_bytes(tmp_path / "a" / "neuron-compiled-artifacts"
                                             / pulled.name)
+
+
+def test_a_dry_run_names_an_oci_artifact_not_pulled_yet(tmp_path: Path, repo: str) -> None:
+    from neuronctl.store.resolve import NotPulledError, resolve_artifact
+
+    artifact = make_artifact(tmp_path / "a", sample_files(big=1000))
+    open_remote(repo).push(artifact, signer=SIGNER)
+    with pytest.raises(NotPulledError):
+        resolve_artifact(f"{repo}:{artifact.name}", tmp_path / "b", fetch=False)
+    unsigned = make_artifact(tmp_path / "u", sample_files(big=10), seed="u")
+    open_remote(repo).push(unsigned)
+    with pytest.raises(SignatureError):  # a dry run still refuses what a pull would
+        resolve_artifact(f"{repo}:{unsigned.name}", tmp_path / "b", fetch=False)
+
+
+def test_another_tools_oci_artifact_is_refused_as_not_neuronctl(
+    tmp_path: Path, repo: str, registry: OciRegistry
+) -> None:
+    """An artifact `oras push` made (oras-py's Registry.push, its default config media type
+    application/vnd.unknown.config.v1+json: oras/defaults.py) is not read as one of ours."""
+    import oras.client
+
+    (tmp_path / "model.bin").write_bytes(b"weights")
+    target = f"{repo.removeprefix('oci://')}:other"
+    cwd = os.getcwd()
+    os.chdir(tmp_path)  # oras-py pushes only files under the working directory
+    try:
+        oras.client.OrasClient(insecure=True).push(target=target, files=["model.bin"])
+    finally:
+        os.chdir(cwd)
+    with pytest.raises(RemoteArtifactError, match="not a neuronctl artifact"):
+        resolve_artifacts_arg(f"{repo}:other", Store(tmp_path / "s"))
+
+
+def test_a_manifest_whose_layers_differ_from_the_signed_list_is_refused_unread(
+    tmp_path: Path, repo: str, registry: OciRegistry
+) -> None:
+    """The signature covers manifest.json (the config), not the registry's manifest: a
+    layer re-pointed at other bytes is refused before any layer is downloaded."""
+    artifact = make_artifact(tmp_path / "a", sample_files(big=100_000))
+    remote = open_remote(repo)
+    assert isinstance(remote, OciStore)
+    remote.push(artifact, signer=SIGNER)
+    document = manifest_of(remote, artifact.name)
+    layers = [x for x in document["layers"] if x["mediaType"] == FILE_TYPE]
+    small = next(x for x in layers if x["annotations"][TITLE] == "config.json")
+    target = next(x for x in layers if x["annotations"][TITLE] == "graphs/ctx_128.pt2")
+    target.update(digest=small["digest"], size=small["size"])
+    remote.registry.put_manifest(json.dumps(document).encode(), artifact.name)
+    before = registry.served_blob_bytes()
+    with pytest.raises(RemoteArtifactError, match="ctx_128.pt2 is .* the signed manifest says"):
+        open_remote(repo).pull(artifact.name, Store(tmp_path / "b"))
+    served = registry.served_blob_bytes()
+    assert all(served.get(x["digest"], 0) == before.get(x["digest"], 0) for x in layers)
+
+
+def test_a_blob_longer_than_its_size_is_cut_off_not_read_whole(
+    tmp_path: Path, repo: str, registry: OciRegistry
+) -> None:
+    artifact = make_artifact(tmp_path / "a", sample_files(big=100_000))
+    open_remote(repo).push(artifact, signer=SIGNER)
+    entry = read_manifest(artifact).files["graphs/ctx_128.pt2"]
+    with open(registry.blob_path(f"sha256:{entry.sha256}"), "ab") as blob:
+        blob.write(os.urandom(5 * 1024 * 1024))
+    with pytest.raises(RemoteArtifactError, match="over 100000 bytes"):
+        open_remote(repo).pull(artifact.name, Store(tmp_path / "b"))
