@@ -470,3 +470,22 @@ def test_a_blob_longer_than_its_size_is_cut_off_not_read_whole(
         blob.write(os.urandom(5 * 1024 * 1024))
     with pytest.raises(RemoteArtifactError, match="over 100000 bytes"):
         open_remote(repo).pull(artifact.name, Store(tmp_path / "b"))
+
+
+def test_gc_removes_the_layers_killed_pulls_kept_unless_a_pull_runs(tmp_path: Path) -> None:
+    from neuronctl.store.gc import collect
+
+    store = Store(tmp_path / "s")
+    cache = store.artifacts / BLOB_CACHE
+    cache.mkdir(parents=True)
+    (cache / f"{'a' * 64}.partial-999999-0000").write_bytes(b"x" * 10)
+    (cache / ("b" * 64)).write_bytes(b"y" * 5)
+    running = store.new_staging("c" * 20)
+    with store.lock("c" * 20):
+        assert collect(store).leftovers == []  # a pull holds its lock: it may link them
+        assert len(list(cache.iterdir())) == 2
+    kept = set(cache.iterdir())
+    report = collect(store)
+    assert set(report.leftovers) == {running, *kept}
+    assert report.freed_bytes == 15
+    assert not any(cache.iterdir())
