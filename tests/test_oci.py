@@ -489,3 +489,38 @@ def test_gc_removes_the_layers_killed_pulls_kept_unless_a_pull_runs(tmp_path: Pa
     assert set(report.leftovers) == {running, *kept}
     assert report.freed_bytes == 15
     assert not any(cache.iterdir())
+
+
+@pytest.fixture(scope="module")
+def token_registry(tmp_path_factory: pytest.TempPathFactory) -> Iterator[OciRegistry]:
+    from tests.ociregistry import TokenServer
+
+    root = tmp_path_factory.mktemp("token-registry")
+    tokens = TokenServer(root, {"ci": "t0ken-pass"})
+    server = OciRegistry(root, tokens=tokens).start()
+    yield server
+    server.stop()
+    tokens.stop()
+
+
+def test_bearer_token_registries_push_and_pull(
+    tmp_path: Path, token_registry: OciRegistry, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The flow of Docker Hub, GHCR and Harbor: a `Bearer realm=...,scope=...` challenge,
+    a token for that scope from the realm with the docker config's credentials (oras-py,
+    oras/auth/token.py request_token); a push needs a second token, of push scope."""
+    repo = f"oci://{token_registry.host}/bearer/models"
+    monkeypatch.setenv("DOCKER_CONFIG", str(tmp_path / "docker"))
+    (tmp_path / "docker").mkdir()
+    token = base64.b64encode(b"ci:t0ken-pass").decode()
+    (tmp_path / "docker" / "config.json").write_text(
+        json.dumps({"auths": {token_registry.host: {"auth": token}}}))
+    artifact = make_artifact(tmp_path / "a", sample_files(big=100_000))
+    open_remote(repo).push(artifact, signer=SIGNER)
+    assert token_registry.tokens is not None
+    assert any("push" in scope for scope in token_registry.tokens.scopes)
+    path = resolve_artifacts_arg(f"{repo}:{artifact.name}", Store(tmp_path / "b"))
+    assert tree_bytes(path) == tree_bytes(artifact)
+    (tmp_path / "docker" / "config.json").write_text(json.dumps({"auths": {}}))
+    with pytest.raises(NeuronctlError):
+        resolve_artifacts_arg(f"{repo}:{artifact.name}", Store(tmp_path / "c"))

@@ -14,6 +14,7 @@ from __future__ import annotations
 import hashlib
 import os
 import tempfile
+import threading
 from collections.abc import Iterator
 from functools import cached_property
 from http.cookiejar import DefaultCookiePolicy
@@ -70,7 +71,18 @@ def _client_class() -> Any:
                 headers.setdefault("Authorization", f"Basic {basic}")
             # The undecorated request: oras's retry wraps any failure in minutes of backoff.
             undecorated = oras.provider.Registry.do_request.__wrapped__
-            return undecorated(self, url, method, data, headers, json, stream)  # type: ignore[no-any-return]
+            sent = getattr(self.auth, "token", None)
+            response = undecorated(self, url, method, data, dict(headers), json, stream)
+            if response.status_code == 401 and self.auth_kind == "token":
+                # oras answers a new challenge with the token it holds: one of another scope
+                # (pull, where an upload needs push). Drop it to get one for this scope,
+                # once for all the threads that were refused with it.
+                response.close()
+                with self.refresh_lock:
+                    if self.auth.token == sent:
+                        self.auth.token = None
+                    response = undecorated(self, url, method, data, dict(headers), json, stream)
+            return response  # type: ignore[no-any-return]
 
     return Client
 
@@ -95,6 +107,7 @@ class Registry:
         client = _client_class()(hostname=self.ref.registry, insecure=self.scheme == "http",
                                  auth_backend=kind)
         client.auth_kind = kind
+        client.refresh_lock = threading.Lock()
         session = _Session()
         session.cookies.set_policy(DefaultCookiePolicy(allowed_domains=[]))
         client.session = client.auth.session = session
