@@ -34,8 +34,9 @@ from neuronctl.store.remote.oci_layout import (
 from neuronctl.store.remote.oci_ref import PLAIN_HTTP_ENV, parse_oci_url
 from neuronctl.store.remote.urls import resolve_artifacts_arg, split_artifact_url
 from neuronctl.store.signing import SignatureError, TrustPolicy
-from tests.helpers import cli
+from tests.helpers import cli, cli_in_process, make_checkpoint
 from tests.ociregistry import OciRegistry, registry_binary
+from tests.test_plan import push_entry
 from tests.test_remote import (  # noqa: F401 - trusted_env is an autouse fixture
     ROOT,
     SIGNER,
@@ -244,7 +245,7 @@ def test_plain_http_only_for_loopback_unless_asked(monkeypatch: pytest.MonkeyPat
     assert not parse_oci_url("oci://127.0.0.1:5000/r").plain_http()
 
 
-def test_plan_and_cli_pull_take_an_oci_url(tmp_path: Path, repo: str) -> None:
+def test_cli_push_and_pull_take_an_oci_url(tmp_path: Path, repo: str) -> None:
     artifact = make_artifact(tmp_path / "a", sample_files(big=1000))
     store = tmp_path / "b"
     pushed = cli("artifacts", "push", str(artifact), repo, "--store", str(tmp_path / "a"),
@@ -524,3 +525,17 @@ def test_bearer_token_registries_push_and_pull(
     (tmp_path / "docker" / "config.json").write_text(json.dumps({"auths": {}}))
     with pytest.raises(NeuronctlError):
         resolve_artifacts_arg(f"{repo}:{artifact.name}", Store(tmp_path / "c"))
+
+
+def test_plan_says_which_builds_the_registry_has(tmp_path: Path, repo: str) -> None:
+    make_checkpoint(tmp_path / "models" / "llama", "llama")
+    builds = tmp_path / "builds.toml"
+    builds.write_text('[[build]]\nmodel = "./models/llama"\nmatrix = { batch_size = [1, 2] }\n')
+    present = push_entry(builds, 1, repo, tmp_path)
+    result = cli_in_process("plan", "-c", "builds.toml", "--remote", repo, "--json",
+                            cwd=tmp_path)
+    assert result.returncode == 0, result.stderr
+    data = json.loads(result.stdout)
+    assert [b["remote"] for b in data["builds"]] == [False, True]
+    assert data["builds"][1]["key"] == present
+    assert data["remote"] == repo
