@@ -18,6 +18,7 @@ from pathlib import Path
 import pytest
 
 from neuronctl.errors import NeuronctlError, UsageError
+from neuronctl.keys import KEY_LENGTH
 from neuronctl.store.local import Store
 from neuronctl.store.manifest import read_manifest
 from neuronctl.store.remote.client import open_remote
@@ -126,6 +127,14 @@ def test_tag_and_digest_references(tmp_path: Path, repo: str) -> None:
         path = resolve_artifacts_arg(url, Store(tmp_path / f"s{n}"))
         assert tree_bytes(path) == tree_bytes(artifact), url
     assert split_artifact_url(f"{repo}@{digest}") == (repo, f"@{digest}")
+    key = read_manifest(artifact).artifact_key
+    path = resolve_artifacts_arg(f"{repo}:{key}", Store(tmp_path / "full"))
+    assert tree_bytes(path) == tree_bytes(artifact)
+    wrong = key[:KEY_LENGTH] + ("0" if key[KEY_LENGTH] != "0" else "1") + key[KEY_LENGTH + 1:]
+    with pytest.raises(RemoteArtifactError, match="is for artifact"):
+        resolve_artifacts_arg(f"{repo}:{wrong}", Store(tmp_path / "wrong"))
+    with pytest.raises(NeuronctlError, match="no artifact"):
+        resolve_artifacts_arg(f"{repo}:0000000", Store(tmp_path / "none"))
 
 
 def test_a_digest_the_registry_does_not_hold_is_not_found(tmp_path: Path, repo: str) -> None:

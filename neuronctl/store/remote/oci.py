@@ -106,13 +106,8 @@ class OciStore:
         tag) or `@sha256:` digest names; later reads of it use that very manifest."""
         reference = reference.lstrip("@")
         artifact = self.fetch(reference)
-        if artifact is None and _HEX_PREFIX.fullmatch(reference) and len(reference) < KEY_LENGTH:
-            matches = [t for t in self.registry.tags() if t.startswith(reference)
-                       and DIRNAME_RE.fullmatch(t)]
-            if len(matches) > 1:
-                raise UsageError(f"{reference!r} matches several artifacts in {self.url}: "
-                                 f"{', '.join(matches)}")
-            artifact = self.fetch(matches[0]) if matches else None
+        if artifact is None and _HEX_PREFIX.fullmatch(reference):
+            artifact = self._by_key(reference)
         if artifact is None:
             raise NotFoundError(f"no artifact {reference!r} in {self.url}",
                                 "tags are artifact keys; push with `neuronctl artifacts push`")
@@ -121,6 +116,17 @@ class OciStore:
             raise RemoteArtifactError(f"{self.url}@{artifact.digest} has no artifact key")
         self.pinned[dirname] = artifact.digest
         return dirname
+
+    def _by_key(self, key: str) -> OciArtifact | None:
+        """The artifact of a full key (tagged with its first 20 digits; the rest is checked
+        against the signed manifest) or of a unique prefix, from the tag list."""
+        if len(key) >= KEY_LENGTH:
+            return self.fetch(key[:KEY_LENGTH])
+        matches = [t for t in self.registry.tags() if t.startswith(key) and DIRNAME_RE.fullmatch(t)]
+        if len(matches) > 1:
+            raise UsageError(f"{key!r} matches several artifacts in {self.url}: "
+                             f"{', '.join(matches)}")
+        return self.fetch(matches[0]) if matches else None
 
     def _artifact(self, dirname: str) -> OciArtifact:
         artifact = self.fetch(self.pinned.get(dirname, dirname))
