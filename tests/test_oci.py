@@ -548,3 +548,16 @@ def test_plan_says_which_builds_the_registry_has(tmp_path: Path, repo: str) -> N
     assert [b["remote"] for b in data["builds"]] == [False, True]
     assert data["builds"][1]["key"] == present
     assert data["remote"] == repo
+
+
+def test_validate_takes_an_oci_url_and_names_it_as_the_origin(tmp_path: Path, repo: str) -> None:
+    """Commands that take --artifacts or a path take the URL too: pulled, verified, and the
+    trust check names the pinned manifest it came from."""
+    artifact = make_artifact(tmp_path / "a", sample_files(big=1000))
+    open_remote(repo).push(artifact, signer=SIGNER)
+    result = cli("validate", f"{repo}:{artifact.name}", "--json",
+                 env={"NEURONCTL_STORE": str(tmp_path / "s")})
+    checks = {c["name"]: c for c in json.loads(result.stdout)["checks"]}
+    assert checks["trust"]["ok"], checks["trust"]
+    assert f"{repo}@sha256:" in checks["trust"]["reason"]
+    assert (tmp_path / "s" / "neuron-compiled-artifacts" / artifact.name).is_dir()
