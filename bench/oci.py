@@ -6,8 +6,9 @@ costs, against a real registry (Debian's docker-registry) on 127.0.0.1.
 A synthetic artifact (random bytes: weight shards, graphs, small json files) is pushed,
 signed, to a registry with filesystem storage. Then, alternating, each repeat times
   oras: oras-py's `Registry.pull` of the same tag into an empty directory: every layer
-        written by title, nothing hashed or verified (the `oras` Go CLI has no package this
-        host can install; oras-py is the peer, same registry, same run);
+        written by title, nothing hashed or verified (the `oras` Go CLI has no Debian or
+        PyPI package, and building it needs a Go toolchain this host lacks: oras-py is the
+        peer, same registry, same run);
   pull: `neuronctl artifacts pull` (OciStore.pull): signature check, every layer hashed
         against the signed sha256s, fsync, atomic publish.
 The ratio is oras-py time / neuronctl time of the best repeats (>= 1 means neuronctl is as
@@ -44,8 +45,9 @@ _KEY = Ed25519PrivateKey.generate()
 SIGNER = Signer(_KEY, key_id(_KEY.public_key()))
 TRUST = TrustPolicy((TrustedKey(_KEY.public_key(), SIGNER.key_id, "bench"),))
 MB = 1024 * 1024
-PEER_NOTE = ("peer: oras-py Registry.pull (the oras Go CLI is not installable here: no "
-             "package for it in the registries this host reaches)")
+PEER_NOTE = ("peer: oras-py Registry.pull (the oras Go CLI is not installed here: no Debian "
+             "or PyPI package, and building it from the Go module proxy needs a Go toolchain "
+             "this host lacks)")
 
 
 def layout(size_mb: int) -> dict[str, int]:
