@@ -430,7 +430,7 @@ def test_a_dry_run_names_an_oci_artifact_not_pulled_yet(tmp_path: Path, repo: st
 
 
 def test_another_tools_oci_artifact_is_refused_as_not_neuronctl(
-    tmp_path: Path, repo: str, registry: OciRegistry
+    tmp_path: Path, repo: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """An artifact `oras push` made (oras-py's Registry.push, its default config media type
     application/vnd.unknown.config.v1+json: oras/defaults.py) is not read as one of ours."""
@@ -438,12 +438,8 @@ def test_another_tools_oci_artifact_is_refused_as_not_neuronctl(
 
     (tmp_path / "model.bin").write_bytes(b"weights")
     target = f"{repo.removeprefix('oci://')}:other"
-    cwd = os.getcwd()
-    os.chdir(tmp_path)  # oras-py pushes only files under the working directory
-    try:
-        oras.client.OrasClient(insecure=True).push(target=target, files=["model.bin"])
-    finally:
-        os.chdir(cwd)
+    monkeypatch.chdir(tmp_path)  # oras-py pushes only files under the working directory
+    oras.client.OrasClient(insecure=True).push(target=target, files=["model.bin"])
     with pytest.raises(RemoteArtifactError, match="not a neuronctl artifact"):
         resolve_artifacts_arg(f"{repo}:other", Store(tmp_path / "s"))
 
