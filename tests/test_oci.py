@@ -557,3 +557,26 @@ def test_validate_takes_an_oci_url_and_names_it_as_the_origin(tmp_path: Path, re
     assert checks["trust"]["ok"], checks["trust"]
     assert f"{repo}@sha256:" in checks["trust"]["reason"]
     assert (tmp_path / "s" / "neuron-compiled-artifacts" / artifact.name).is_dir()
+
+
+def test_a_layer_another_pull_dropped_from_the_cache_is_fetched_again(
+    tmp_path: Path, repo: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Two pulls (two artifacts, one shared layer) share the layer cache: when the other
+    publishes and drops the cached copy between this one's check and its link, the layer is
+    downloaded again, not reported as a disk failure."""
+    import neuronctl.store.remote.oci as oci
+
+    artifact = make_artifact(tmp_path / "a", sample_files(big=10_000))
+    open_remote(repo).push(artifact, signer=SIGNER)
+    plain, dropped = oci._link_or_copy, []
+
+    def raced(source: Path, dest: Path) -> None:
+        if not dropped:
+            dropped.append(source)
+            source.unlink()  # what the other pull's publish does
+        plain(source, dest)
+
+    monkeypatch.setattr(oci, "_link_or_copy", raced)
+    published = open_remote(repo).pull(artifact.name, Store(tmp_path / "b"))
+    assert dropped and tree_bytes(published.path) == tree_bytes(artifact)

@@ -36,7 +36,12 @@ from neuronctl.store.manifest import (
     read_manifest,
 )
 from neuronctl.store.manifest import sha256_file as file_sha256
-from neuronctl.store.remote.errors import RemoteArtifactError, on_this_host, remote_errors
+from neuronctl.store.remote.errors import (
+    RemoteArtifactError,
+    local_disk_error,
+    on_this_host,
+    remote_errors,
+)
 from neuronctl.store.remote.oci_layout import (
     Blob,
     OciArtifact,
@@ -228,11 +233,21 @@ class OciStore:
 
         def fetch(rel: str) -> None:
             entry = manifest.files[rel]
-            blob = self._verified_blob(Blob(f"sha256:{entry.sha256}", entry.size), cache,
-                                       rel, advance)
             dest = staging / rel
             dest.parent.mkdir(parents=True, exist_ok=True)
-            on_this_host(lambda: _link_or_copy(blob, dest), dest)
+            for attempt in range(2):
+                blob = self._verified_blob(Blob(f"sha256:{entry.sha256}", entry.size),
+                                           cache, rel, advance)
+                try:
+                    _link_or_copy(blob, dest)
+                    return
+                except FileNotFoundError as exc:
+                    # A pull of another artifact with this layer published and dropped
+                    # the cached copy between the check and the link: fetch it again.
+                    if attempt:
+                        raise local_disk_error(exc, dest) from None
+                except OSError as exc:
+                    raise local_disk_error(exc, dest) from None
 
         run_all(fetch, list(manifest.files))
 
