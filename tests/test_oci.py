@@ -580,3 +580,32 @@ def test_a_layer_another_pull_dropped_from_the_cache_is_fetched_again(
     monkeypatch.setattr(oci, "_link_or_copy", raced)
     published = open_remote(repo).pull(artifact.name, Store(tmp_path / "b"))
     assert dropped and tree_bytes(published.path) == tree_bytes(artifact)
+
+
+def test_an_interrupted_push_is_invisible_and_resumes_with_the_layers_sent(
+    tmp_path: Path, repo: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The tag is put last: a push that died after some layers leaves no artifact, and the
+    next one sends only the layers the registry lacks."""
+    from neuronctl.store.remote.oci_registry import Registry
+
+    artifact = make_artifact(tmp_path / "a", sample_files(big=100_000))
+    plain, sent = Registry.put_blob, []
+
+    def dies_after_two(self: Registry, source: Path, digest: str, size: int) -> None:
+        if len(sent) == 2:
+            raise RemoteUnreachableError("connection lost")
+        sent.append(source)
+        plain(self, source, digest, size)
+
+    monkeypatch.setattr(Registry, "put_blob", dies_after_two)
+    monkeypatch.setattr("neuronctl.store.remote.transport.TRANSFER_THREADS", 1)
+    with pytest.raises(RemoteUnreachableError):
+        open_remote(repo).push(artifact, signer=SIGNER)
+    assert not open_remote(repo).has(artifact.name)
+    monkeypatch.setattr(Registry, "put_blob", plain)
+    result = open_remote(repo).push(artifact, signer=SIGNER)
+    files = read_manifest(artifact).files
+    assert len(result.skipped) == 2
+    assert len(result.uploaded) == len(files) - 2 + 2  # the rest, manifest.sig, manifest.json
+    assert open_remote(repo).has(artifact.name)
