@@ -7,6 +7,11 @@ PYTEST = $(PYTHON) -m pytest
 install:
 	$(PYTHON) -m pip install torch==2.13.0
 	$(PYTHON) -m pip install -e '.[dev]'
+	@# The oci:// tests and bench/oci.py run a real registry: the CNCF distribution registry as
+	@# Debian packages it (as root only; elsewhere those tests skip and say why).
+	@if ! command -v docker-registry >/dev/null && [ "$$(id -u)" = 0 ] && command -v apt-get >/dev/null; then \
+		apt-get update -qq && DEBIAN_FRONTEND=noninteractive apt-get install -y -qq docker-registry; \
+	fi
 
 # The fast suite: what CI runs. Slow tests (AOTInductor, big checkpoints) are in test-slow.
 # --durations: the slowest tests in every run's output, so a slow newcomer is seen in CI.
@@ -45,6 +50,7 @@ bench:
 	$(PYTHON) bench/validate.py
 	$(PYTHON) bench/serve.py
 	$(PYTHON) bench/remote.py
+	$(PYTHON) bench/oci.py
 
 # docs/cli.md is generated from the commands' own --help text.
 docs:

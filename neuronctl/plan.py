@@ -41,6 +41,7 @@ from neuronctl.spec import FIELDS
 
 if TYPE_CHECKING:
     from neuronctl.store.remote.client import RemoteStore
+    from neuronctl.store.remote.oci import OciStore
 
 SPEC_KEYS = frozenset(FIELDS) - {"model", "revision"}
 ENTRY_KEYS = SPEC_KEYS | {"model", "revision", "name", "matrix"}
@@ -179,7 +180,9 @@ def _model_ref(model: str, base: Path) -> str:
     return model
 
 
-def make_plan(path: Path, remote: RemoteStore | None = None, store_dir: Path | None = None) -> Plan:
+def make_plan(
+    path: Path, remote: RemoteStore | OciStore | None = None, store_dir: Path | None = None
+) -> Plan:
     """Keys for every entry (without compiling) and whether the remote already has each."""
     from neuronctl.build import resolve_build
 

@@ -42,7 +42,8 @@ REMOTE_ENV = "NEURONCTL_REMOTE"
 UrlArg = Annotated[
     str,
     typer.Argument(
-        help="Remote store: s3://BUCKET/PREFIX, file:///mnt/shared or a path, hf://... "
+        help="Remote store: s3://BUCKET/PREFIX, oci://REGISTRY/REPO, file:///mnt/shared or a "
+        "path, hf://... "
         f"(default: ${REMOTE_ENV}).",
         envvar=REMOTE_ENV,
         show_default=False,
@@ -74,8 +75,13 @@ def push_command(
     With a signing key (--sign-key or $NEURONCTL_SIGNING_KEY) the manifest, which lists the
     sha256 of every file, is signed; pullers verify it against the keys they trust.
     S3 uses the standard AWS credential chain; AWS_ENDPOINT_URL selects an S3-compatible server.
+    oci://REGISTRY/REPO pushes one OCI artifact tagged with the key (a layer per file); its
+    credentials come from `docker login` / `oras login` (docker config.json) or ORAS_USER
+    and ORAS_PASS.
 
     Example: neuronctl artifacts push 3f9c2a s3://my-bucket/neuron --sign-key ci.key
+
+    Example: neuronctl artifacts push 3f9c2a oci://ghcr.io/my-org/neuron --sign-key ci.key
 
     Exit codes: 0 pushed (or already there), 1 not found or the remote refused, 2 usage.
     """
@@ -115,7 +121,7 @@ def pull_command(
         typer.Argument(
             help="URL/KEY of a remote artifact, e.g. s3://bucket/prefix/3f9c2a (a unique "
             "key prefix is enough; .../neuron-compiled-artifacts/KEY and a plain path to a "
-            "shared mount work too)."
+            "shared mount work too), or oci://REGISTRY/REPO:KEY (or :TAG, @sha256:DIGEST)."
         ),
     ],
     store: StoreOpt = None,
@@ -135,6 +141,8 @@ def pull_command(
     looks like an artifact.
 
     Example: neuronctl artifacts pull s3://my-bucket/neuron/3f9c2a --store /var/lib/neuron
+
+    Example: neuronctl artifacts pull oci://ghcr.io/my-org/neuron:3f9c2a
 
     Exit codes: 0 pulled (or already local), 1 not found / corrupted / incomplete /
     untrusted, 2 usage.
@@ -158,9 +166,13 @@ def pull_command(
         "artifact_key": manifest.artifact_key,
         "cache_hit": published.cache_hit,
         "downloaded_bytes": 0 if published.cache_hit else manifest.total_size(),
+        # a registry pull knows what it reused from an interrupted one
+        "reused_bytes": getattr(remote, "reused_bytes", 0),
         "trusted": vouch.kind,
         "key_id": vouch.key_id,
     }
+    if hasattr(remote, "downloaded_bytes") and not published.cache_hit:
+        data["downloaded_bytes"] = remote.downloaded_bytes
     if json_out:
         print_json(data)
     elif published.cache_hit:

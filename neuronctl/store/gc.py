@@ -107,10 +107,24 @@ def leftovers(store: Store) -> list[Path]:
         folder = store.artifacts / name
         if folder.is_dir():
             paths.extend(sorted(folder.iterdir()))
-    return paths
+    return paths + _registry_layers(store)
+
+
+def _registry_layers(store: Store) -> list[Path]:
+    """Layers killed registry pulls kept for a re-run (oci.BLOB_CACHE), only while no pull
+    runs (every staging dir stale): a running pull links from them."""
+    cache = store.artifacts / ".oci-blobs"
+    staging = store.artifacts / ".staging"
+    if not cache.is_dir():
+        return []
+    if staging.is_dir() and len(list(staging.iterdir())) > len(store.stale_staging()):
+        return []
+    return sorted(cache.iterdir())
 
 
 def _tree_size(path: Path) -> int:
+    if path.is_file():
+        return path.stat().st_size
     return sum(p.stat().st_size for p in path.rglob("*") if p.is_file())
 
 
@@ -144,8 +158,10 @@ def collect(
         logger.info("%s leftover %s", _verb(dry_run), path)
         report.leftovers.append(path)
         report.freed_bytes += _tree_size(path)
-        if not dry_run:
+        if not dry_run and path.is_dir():
             shutil.rmtree(path, ignore_errors=True)
+        elif not dry_run:
+            path.unlink(missing_ok=True)
     return report
 
 

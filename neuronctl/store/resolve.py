@@ -1,8 +1,9 @@
 """The one rule for what names an artifact, used by every command that takes one.
 
 - a URL (`s3://bucket/prefix/KEY`, `file:///…/KEY`, optionally with a
-  `/neuron-compiled-artifacts/` segment): the artifact in that remote store, pulled (verified)
-  into the local store first;
+  `/neuron-compiled-artifacts/` segment, or a registry's `oci://REGISTRY/REPO:KEY` or
+  `...@sha256:DIGEST`): the artifact in that remote store, pulled (verified) into the local
+  store first;
 - a path (contains a separator, starts with `.` or `~`): that directory;
 - anything else: a key, directory name or unique prefix in the local store (never a directory
   of the working directory: `./name` names that one).

@@ -74,6 +74,8 @@ def open_fs(url: str) -> tuple[Any, str, str]:
     if "://" not in url:
         url = "file://" + os.path.abspath(os.path.expanduser(url))
     protocol = url.split("://", 1)[0]
+    if protocol.lower() == "oci":  # a registry (oci.py); fsspec would take it for Oracle's
+        raise UsageError(f"{url!r} is an OCI registry, not a file system")
     try:
         fs, root = fsspec.core.url_to_fs(url, **_fs_options(protocol))
     except ImportError as exc:

@@ -11,7 +11,8 @@ from neuronctl.errors import UsageError
 from neuronctl.progress import Progress
 from neuronctl.store.local import ARTIFACTS_DIR, Store
 from neuronctl.store.remote.client import RemoteStore, open_remote
-from neuronctl.store.remote.pull import check_artifact_trusted
+from neuronctl.store.remote.oci import OciStore
+from neuronctl.store.remote.oci_ref import GRAMMAR, is_oci, parse_oci_url
 from neuronctl.store.signing import TrustPolicy
 
 
@@ -35,10 +36,10 @@ def check_remote_trust(value: str, policy: TrustPolicy | None = None) -> None:
     """Refuse a remote artifact `policy` does not trust, reading only its manifest and
     signature (what --dry-run does instead of pulling)."""
     remote, dirname, key = remote_artifact(value)
-    check_artifact_trusted(remote, dirname, policy, key)
+    remote.check_trusted(dirname, policy, key)
 
 
-def remote_artifact(value: str) -> tuple[RemoteStore, str, str]:
+def remote_artifact(value: str) -> tuple[RemoteStore | OciStore, str, str]:
     """The remote store an artifact URL names, the artifact's directory name in it, and the
     key as written in the URL (compared in full with the signed manifest)."""
     url, key = split_artifact_url(value)
@@ -49,8 +50,16 @@ def remote_artifact(value: str) -> tuple[RemoteStore, str, str]:
 def split_artifact_url(value: str) -> tuple[str, str]:
     """`s3://b/p/KEY` -> (`s3://b/p`, `KEY`), dropping a trailing neuron-compiled-artifacts.
 
-    A plain path (`/mnt/shared/KEY`) names a shared mount, as it does for push."""
+    A plain path (`/mnt/shared/KEY`) names a shared mount, as it does for push.
+    `oci://REGISTRY/REPO:TAG` -> (`oci://REGISTRY/REPO`, `TAG`), and `...@sha256:D` ->
+    (`oci://REGISTRY/REPO`, `@sha256:D`): a registry names an artifact by tag or digest."""
     value = value.rstrip("/")
+    if is_oci(value):
+        ref = parse_oci_url(value)
+        if ref.reference is None:
+            raise UsageError(f"{value!r} names a repository, not an artifact",
+                             "add the tag (the artifact key) or digest: " + GRAMMAR)
+        return ref.store_url, f"@{ref.digest}" if ref.digest else str(ref.tag)
     if "://" not in value and value:
         value = "file://" + os.path.abspath(os.path.expanduser(value))
     scheme, _, rest = value.partition("://")
