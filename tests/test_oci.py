@@ -34,7 +34,7 @@ from neuronctl.store.remote.oci_layout import (
 )
 from neuronctl.store.remote.oci_ref import PLAIN_HTTP_ENV, parse_oci_url
 from neuronctl.store.remote.urls import resolve_artifacts_arg, split_artifact_url
-from neuronctl.store.signing import SignatureError, TrustPolicy
+from neuronctl.store.signing import SIGNATURE, SignatureError, TrustPolicy
 from tests.helpers import cli, cli_in_process, make_checkpoint
 from tests.ociregistry import OciRegistry, registry_binary
 from tests.test_plan import push_entry
@@ -151,7 +151,7 @@ def test_unchanged_layers_are_stored_once_across_two_artifacts(
     second = make_artifact(tmp_path / "b", files2, seed="two")
     open_remote(repo).push(first, signer=SIGNER)
     result = open_remote(repo).push(second, signer=SIGNER)
-    assert result.uploaded == ["graphs/ctx_128.pt2", "manifest.sig", "manifest.json"]
+    assert result.uploaded == ["graphs/ctx_128.pt2", SIGNATURE, "manifest.json"]
     assert "weights/tp0_sharded_checkpoint.safetensors" in result.skipped
     again = open_remote(repo).push(second, signer=SIGNER)
     assert again.noop
