@@ -34,11 +34,14 @@ def _tree_problem(top: Path) -> str | None:
     problem = _entry_problem(top, follow=True)
     if problem:
         return problem
-    for dirpath, dirnames, filenames in os.walk(top, onerror=_raise):
-        for name in sorted(dirnames) + sorted(filenames):
-            problem = _entry_problem(Path(dirpath) / name, follow=False)
-            if problem:
-                return problem
+    try:
+        for dirpath, dirnames, filenames in os.walk(top, onerror=_raise):
+            for name in sorted(dirnames) + sorted(filenames):
+                problem = _entry_problem(Path(dirpath) / name, follow=False)
+                if problem:
+                    return problem
+    except OSError as exc:  # a directory inside that cannot be listed is not judged: refused
+        return f"{exc.filename or top}: {exc.strerror}"
     return None
 
 

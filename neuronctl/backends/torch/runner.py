@@ -178,6 +178,9 @@ def _copy_code(path: Path, rel: str, files: Mapping[str, FileEntry]) -> Verified
         return verified_copy(path / rel, entry.sha256, f"{path}/{rel}")
     except FileNotFoundError:
         raise NotFoundError(f"{path} lacks {rel}", "recompile the artifact") from None
+    except OSError as exc:  # a link (O_NOFOLLOW), a permission: never loaded by another way
+        raise CheckpointError(f"{path}/{rel} cannot be read: {exc.strerror}",
+                              "recompile the artifact") from None
 
 
 def load_graph(file: Path, compiler: str, name: str = "") -> Graph:
