@@ -27,7 +27,7 @@ from neuronctl.store.signing import (
     check_origin,
 )
 from tests.helpers import cli_in_process
-from tests.test_remote import SIGNER, TRUST, make_artifact, sample_files
+from tests.test_remote import _KEY, SIGNER, TRUST, make_artifact, sample_files, write_keypair
 
 WEIGHTS = "weights/tp0_sharded_checkpoint.safetensors"
 
@@ -194,18 +194,30 @@ def test_weights_rewritten_under_a_signature_read_in_place_are_refused(tmp_path:
     assert check_origin(loose, read_manifest(loose), allowed).kind == UNSIGNED
 
 
-def test_a_signed_artifact_on_a_mount_others_can_write_is_refused(tmp_path: Path) -> None:
+def test_a_signed_artifact_on_a_mount_others_can_write_is_refused(
+    tmp_path: Path, compiled_artifact: Path
+) -> None:
     """A signed artifact on a shared mount was vouched for with every byte intact at the
     check; whoever could write the mount then rewrote the weights while it was served
     (other tokens), or truncated them (the server died of SIGBUS). Bytes others can change
     after the check are never loaded: pull them into the store."""
-    in_place, _ = _signed_in_place(tmp_path)
+    mount = tmp_path / "mount"
+    open_remote(str(mount)).push(compiled_artifact, signer=SIGNER)
+    in_place = mount / "neuron-compiled-artifacts" / compiled_artifact.name
+    public = write_keypair(_KEY, tmp_path / "publisher")[1]
+    args = ["generate", "--artifacts", str(in_place), "-p", "hi", "--max-tokens", "2",
+            "--trust-key", str(public)]  # fmt: skip
     (in_place / "weights").chmod(0o777)
-    with pytest.raises(SignatureError, match="weights is writable by other users.*pull"):
+
+    refused = cli_in_process(*args)
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    assert "weights is writable by other users" in refused.stderr
+    assert "artifacts pull" in refused.stderr and "Traceback" not in refused.stderr
+    with pytest.raises(SignatureError, match="weights is writable by other users"):
         check_origin(in_place, read_manifest(in_place), TRUST)
-    refused = cli_in_process("generate", "--artifacts", str(in_place), "-p", "hi",
-                             "--trust-key", "/dev/null")
-    assert refused.returncode != 0 and "Traceback" not in refused.stderr
+    # Once only this user can change it, the mount is a store of this user's like any other.
+    (in_place / "weights").chmod(0o755)
+    assert check_origin(in_place, read_manifest(in_place), TRUST).kind == LOCAL_BUILD
 
 
 # -- push to a shared mount never writes through a planted link ------------------------------
