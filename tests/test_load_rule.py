@@ -166,6 +166,19 @@ def test_a_link_inside_a_local_build_is_refused(tmp_path: Path) -> None:
         check_origin(artifact, read_manifest(artifact), TRUST)
 
 
+def test_a_sticky_directory_above_the_artifact_is_fine_a_plain_shared_one_is_not(
+    tmp_path: Path,
+) -> None:
+    """Above the artifact, a world-writable directory lets others rename it away and put
+    another in its place; a sticky one (like /tmp) does not."""
+    artifact = make_artifact(tmp_path / "shared", sample_files(big=1_000))
+    (tmp_path / "shared").chmod(0o1777)
+    assert check_origin(artifact, read_manifest(artifact), TRUST).kind == LOCAL_BUILD
+    (tmp_path / "shared").chmod(0o777)
+    with pytest.raises(SignatureError, match="shared is writable by other users"):
+        check_origin(artifact, read_manifest(artifact), TRUST)
+
+
 # -- weights of a signed artifact read in place ----------------------------------------------
 
 

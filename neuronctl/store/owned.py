@@ -8,7 +8,8 @@ link or anything but a directory or a regular file. Whoever owns the files could
 but this user and root run the code anyway (docs/security.md, "The load rule").
 
 The two directories above matter because whoever can write there can rename the artifact away
-and put another in its place between a check and a load.
+and put another in its place between a check and a load; a sticky one (like /tmp) is fine,
+as others cannot rename or remove what this user owns there.
 """
 
 from __future__ import annotations
@@ -23,7 +24,7 @@ def others_can_write(artifact: Path) -> str | None:
     Judged on the resolved directory: a link into a shared mount is judged by where it leads."""
     real = Path(artifact).resolve()
     for directory in (real.parent.parent, real.parent):
-        problem = _entry_problem(directory, follow=True)
+        problem = _entry_problem(directory, follow=True, sticky_ok=True)
         if problem:
             return problem
     return _tree_problem(real)
@@ -49,7 +50,10 @@ def _raise(exc: OSError) -> None:
     raise exc
 
 
-def _entry_problem(path: Path, follow: bool) -> str | None:
+def _entry_problem(path: Path, follow: bool, sticky_ok: bool = False) -> str | None:
+    """Why another user could change `path`, or None. `sticky_ok`: a directory above the
+    artifact may be writable by all if it is sticky (like /tmp): others may add entries
+    there, but not rename or remove this user's."""
     try:
         info = os.stat(path) if follow else os.lstat(path)
     except OSError as exc:
@@ -60,6 +64,8 @@ def _entry_problem(path: Path, follow: bool) -> str | None:
         return f"{path} is not a regular file or a directory"
     if info.st_uid not in (os.geteuid(), 0):
         return f"{path} is owned by uid {info.st_uid}, not by this user"
+    if sticky_ok and stat.S_ISDIR(info.st_mode) and info.st_mode & stat.S_ISVTX:
+        return None
     if info.st_mode & 0o002 or (info.st_mode & 0o020 and info.st_gid != os.getegid()):
         return f"{path} is writable by other users"
     return None
