@@ -207,6 +207,32 @@ def test_weights_rewritten_under_a_signature_read_in_place_are_refused(tmp_path:
     assert check_origin(loose, read_manifest(loose), allowed).kind == UNSIGNED
 
 
+def test_generate_hashes_the_weights_of_a_signed_artifact_read_in_place(
+    tmp_path: Path, compiled_artifact: Path
+) -> None:
+    """`generate --artifacts DIR` of a signed artifact outside any store: served under its
+    signature with every byte hashed, refused once its weights were rewritten at the same
+    size (before, only its graphs and libraries were hashed)."""
+    mount = tmp_path / "mount"
+    open_remote(str(mount)).push(compiled_artifact, signer=SIGNER)
+    loose = tmp_path / "models" / "m"
+    shutil.copytree(mount / "neuron-compiled-artifacts" / compiled_artifact.name, loose)
+    public = write_keypair(_KEY, tmp_path / "publisher")[1]
+    args = ["generate", "--artifacts", str(loose), "-p", "hi", "--max-tokens", "2",
+            "--trust-key", str(public)]  # fmt: skip
+
+    served = cli_in_process(*args)
+    assert served.returncode == 0, served.stderr
+    assert f"signature by trusted key {SIGNER.key_id}" in served.stdout + served.stderr
+    weights = loose / "weights" / "graph_weights.safetensors"
+    data = bytearray(weights.read_bytes())
+    data[-1] ^= 0xFF  # the last weight's last byte: same size, same header
+    weights.write_bytes(bytes(data))
+    refused = cli_in_process(*args)
+    assert refused.returncode == 1, refused.stdout + refused.stderr
+    assert "graph_weights.safetensors is not the signed file" in refused.stderr
+
+
 def test_a_signed_artifact_on_a_mount_others_can_write_is_refused(
     tmp_path: Path, compiled_artifact: Path
 ) -> None:
