@@ -319,3 +319,22 @@ def test_rm_keeps_an_artifact_opened_through_a_link(
     removed = cli_in_process("artifacts", "rm", artifact.name[:8], *store)
     assert removed.returncode == 0, removed.stderr
     assert not artifact.exists()
+
+
+def test_a_loaded_artifact_keeps_serving_after_its_directory_is_gone(
+    compiled_artifact: Path, tmp_path: Path
+) -> None:
+    """Graphs loaded lazily from their files: once the artifact was removed under a running
+    server, its next request that needed a graph not loaded yet was a 500 while /health said
+    ok. Every graph is held, verified, from the moment the artifact is opened."""
+    artifact = in_store(compiled_artifact, tmp_path)
+    loaded = open_artifact(artifact)
+    try:
+        shutil.rmtree(artifact)  # root, or the owner by hand: what no lease can stop
+        logits = loaded.runner.prefill(0, [1, 2, 3])
+        step = loaded.runner.decode([5, 0, 0, 0], [3, -1, -1, -1])
+    finally:
+        if loaded.lease is not None:
+            loaded.lease.release()
+    assert logits.shape[-1] == step.shape[-1] == loaded.runner.vocab_size
+    assert torch.isfinite(step).all()
