@@ -365,9 +365,9 @@ def test_blocked_token_generation_graphs_call_attend_once_a_layer(tmp_path: Path
 
 def test_runner_refuses_graphs_built_against_another_kernel_source(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match="recompile"):
-        _load_kernel("0123456789abcdef", tmp_path)
+        _load_kernel("0123456789abcdef", tmp_path, {})
     with pytest.raises(NotFoundError, match="recompile"):  # no carried copy: never built here
-        _load_kernel(kernel.digest(), tmp_path)
+        _load_kernel(kernel.digest(), tmp_path, {})
 
 
 def test_serving_registers_the_artifacts_copy_and_compiles_nothing(tmp_path: Path) -> None:
@@ -383,7 +383,10 @@ def no_compiler(*args, **kwargs):
 ext.load = no_compiler
 from neuronctl.backends.torch import kernel
 from neuronctl.backends.torch.runner import _load_kernel, _load_weights
-_load_kernel(kernel.digest(), __import__("pathlib").Path({str(tmp_path)!r}))
+from neuronctl.store.manifest import FileEntry, sha256_file
+root = __import__("pathlib").Path({str(tmp_path)!r})
+rel = kernel.artifact_library()
+_load_kernel(kernel.digest(), root, {{rel: FileEntry(size=1, sha256=sha256_file(root / rel))}})
 w = kernel.block(torch.ones(4, 16).bfloat16())
 print(float(torch.ops.neuronctl.linear_blocked(torch.ones(1, 16), w, None).sum()))
 """

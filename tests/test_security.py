@@ -307,7 +307,7 @@ def test_a_missing_kernel_library_is_refused_not_compiled_on_the_serving_path(
     monkeypatch.setattr(kernel, "load", compiled)
     monkeypatch.setattr(kernel, "_build", compiled)
     with pytest.raises(NotFoundError, match=r"lacks kernels/.*\.so.*recompile"):
-        _load_kernel(kernel.digest(), tmp_path)
+        _load_kernel(kernel.digest(), tmp_path, {})
 
 
 # -- push and pull stay inside the artifact and the remote root -------------------------------
@@ -350,8 +350,12 @@ def test_push_refuses_a_symlink_to_outside(tmp_path: Path) -> None:
     # record_files refuses to record a symlink, so list it by hand as a hostile builder would
     _list_entry(artifact, "graphs/tkg_128.pt2", target.read_bytes())
 
-    with pytest.raises(RemoteArtifactError, match="symbolic link"):
+    # signing refuses it first (the load rule: no link inside an artifact), and push's own
+    # check refuses it unsigned
+    with pytest.raises(NeuronctlError, match="symbolic link"):
         open_remote(str(tmp_path / "remote")).push(artifact, signer=SIGNER)
+    with pytest.raises(RemoteArtifactError, match="symbolic link"):
+        open_remote(str(tmp_path / "remote")).push(artifact)
     assert not (tmp_path / "remote").exists()
 
 

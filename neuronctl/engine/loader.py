@@ -65,7 +65,12 @@ def served_name(model: str | None, revision: str | None) -> str | None:
 def open_artifact(
     path: Path, validate: bool = True, policy: TrustPolicy | None = None
 ) -> LoadedArtifact:
-    """Load the artifact directory `path` (what a reference names is target.py's to say)."""
+    """Load the artifact directory `path` (what a reference names is target.py's to say).
+
+    One identity throughout: the directory `path` resolves to now is what is leased, judged
+    by the load rule and loaded, so a link to an artifact is leased as the artifact (and
+    `artifacts rm` of it is refused while it is in use), whatever the link later points at."""
+    path = Path(path).resolve()
     lease = hold_lease(path)  # before reading it: `artifacts gc` keeps what is in use
     try:
         loaded = _load(path, validate, policy)

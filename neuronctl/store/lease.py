@@ -25,8 +25,9 @@ LEASES_DIR = ".leases"
 
 def lease_file(artifact: Path) -> Path | None:
     """Where an artifact's lease lives; None for a directory outside a store (gc never
-    reaches it)."""
-    artifact = Path(artifact).expanduser().absolute()
+    reaches it). Judged on the resolved directory, as the load rule judges it: a server that
+    opened the artifact through a link holds the lease `rm` and `gc` of the artifact take."""
+    artifact = Path(artifact).expanduser().resolve()
     if artifact.parent.name != ARTIFACTS_DIR:
         return None
     return artifact.parent / LEASES_DIR / f"{artifact.name}.lease"

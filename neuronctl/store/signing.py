@@ -27,14 +27,18 @@ Files:
                                 artifact: that artifact's signed manifest, its signature and
                                 the graphs taken from it, so revoking the key stops them too.
 
-The one load rule (check_origin): code loads only from
-  - a local build: no provenance.json, inside a store this user owns
-    (`<root>/neuron-compiled-artifacts/<key>/`, all three owned by this user and writable by
-    no one else), and any graphs it reused from a pulled artifact still vouched for;
+The one load rule (check_origin): an artifact loads only from a directory no other user can
+write (store/owned.py: it, everything in it and the two directories above), and only from
+  - a local build: no provenance.json, in a store's layout
+    (`<root>/neuron-compiled-artifacts/<key>/`), and any graphs it reused from a pulled
+    artifact still vouched for;
   - an artifact a key trusted now signed, or a pulled/installed artifact whose record names
     the key that verified it (not revoked, the record writable by no one else), its code
-    files (graphs, shared libraries) hashed against the signed manifest at every load;
+    files (graphs, shared libraries) hashed against the signed manifest at every load (and
+    every file, weights included, for an artifact read in place: no pull hashed them);
   - anything else only with --allow-unsigned.
+What was hashed is what is loaded: the loader copies each code file into private memory,
+hashing it as it goes, and loads that copy (store/verified.py).
 
 Keys: `neuronctl artifacts keygen NAME` writes NAME.key (private, EC P-256, PKCS#8 PEM, mode
 0600) and NAME.pub, which model-signing's key mode reads as they are. A pusher signs with
@@ -74,6 +78,7 @@ from neuronctl.store.model_signature import (
     sign_bundle,
     supported_curve,
 )
+from neuronctl.store.owned import others_can_write
 
 logger = logging.getLogger(__name__)
 
@@ -605,12 +610,17 @@ def check_origin(artifact: Path, manifest: Manifest, policy: TrustPolicy) -> Vou
     """Who vouches for a local artifact before anything in it is loaded: the one load rule
     (module doc). Raises SignatureError when nothing does, unless the policy allows unsigned.
 
-    Pulled or installed (provenance.json): the signature recorded then, checked again against
-    the keys trusted now or the key the record names (record_vouch); the local manifest must
-    be the signed one and every code file hash to its signed sha256. No provenance: a local
-    build if it sits in a store this user owns
-    (graphs it reused from a pulled artifact checked as that artifact would be), else only a
-    signature beside it (a shared mount read in place) vouches."""
+    First, no other user may be able to change it (store/owned.py): every directory and file
+    of it, and the two directories above it. Then: pulled or installed (provenance.json): the
+    signature recorded then, checked again against the keys trusted now or the key the record
+    names (record_vouch); the local manifest must be the signed one and every code file hash
+    to its signed sha256. No provenance: a local build if it sits in a store's layout (graphs
+    it reused from a pulled artifact checked as that artifact would be), else only a
+    signature beside it (an artifact read in place) vouches, for every byte, all of which are
+    hashed now."""
+    writers = others_can_write(artifact)
+    if writers is not None:
+        return _writable_by_others(artifact, writers, policy)
     origin = read_provenance(artifact)
     if origin is not None:
         vouch = record_vouch(artifact, origin, policy)
@@ -621,34 +631,43 @@ def check_origin(artifact: Path, manifest: Manifest, policy: TrustPolicy) -> Vou
                 "pull it again with `neuronctl artifacts pull`",
             )
         return _code_checked(artifact, origin.manifest_bytes, vouch, policy)
-    where = store_problem(artifact)
+    where = _layout_problem(artifact)
     if where is None:
         return _graph_origin(artifact, manifest, policy) or Vouch(LOCAL_BUILD)
     return _signed_in_place(artifact, manifest, policy, where)
 
 
 def store_problem(artifact: Path) -> str | None:
-    """Why the local file system does not vouch for `artifact` (None when it does): it must
-    be `<root>/neuron-compiled-artifacts/<name>/` with those three directories owned by this
-    user (or root, who owns the Python environment anyway) and writable by no one else
-    (group-writable only by this user's own group)."""
+    """Why the local file system does not vouch for `artifact` as a local build (None when
+    it does): it must be `<root>/neuron-compiled-artifacts/<name>/`, and no other user may be
+    able to change anything in it (store/owned.py)."""
+    return _layout_problem(artifact) or others_can_write(artifact)
+
+
+def _layout_problem(artifact: Path) -> str | None:
     real = Path(artifact).resolve()
     if real.parent.name != ARTIFACTS_DIR:
         return f"{real} is not in a neuronctl store (.../{ARTIFACTS_DIR}/KEY)"
-    for directory in (real, real.parent, real.parent.parent):
-        try:
-            info = os.stat(directory)
-        except OSError as exc:
-            return f"{directory}: {exc.strerror}"
-        if info.st_uid not in (os.geteuid(), 0):
-            return f"{directory} is owned by uid {info.st_uid}, not by this user"
-        if info.st_mode & 0o002 or (info.st_mode & 0o020 and info.st_gid != os.getegid()):
-            return f"{directory} is writable by other users"
     return None
 
 
+def _writable_by_others(artifact: Path, writers: str, policy: TrustPolicy) -> Vouch:
+    """Nothing vouches for bytes another user can change after they were checked: not the
+    local store, not a signature (they could be swapped between the check and the load, or
+    while they are being served)."""
+    if policy.allow_unsigned:
+        return Vouch(UNSIGNED, url=str(artifact))
+    raise SignatureError(
+        f"{artifact} could change after it is checked: {writers}",
+        "an artifact loads only from a directory no other user can write: pull it into your "
+        "store with `neuronctl artifacts pull`, or pass --allow-unsigned to run it unverified",
+    )
+
+
 def _signed_in_place(artifact: Path, manifest: Manifest, policy: TrustPolicy, where: str) -> Vouch:
-    """An artifact outside any store this user owns: only its own manifest.sig vouches."""
+    """An artifact outside any store, that no other user can write: only its own
+    manifest.sig vouches, and for every file: nothing hashed its weights before (a pull
+    would have), so they are hashed now, at every load."""
     url = str(artifact)
     try:
         raw = read_capped(artifact / MANIFEST, MAX_MANIFEST_BYTES)
@@ -662,7 +681,8 @@ def _signed_in_place(artifact: Path, manifest: Manifest, policy: TrustPolicy, wh
         ) from None
     if vouch.kind == SIGNED and (problem := differs_from(manifest, raw)):
         raise SignatureError(f"{artifact}: {problem}")
-    return _code_checked(artifact, raw, vouch, policy)
+    every = sorted(manifest.files) if vouch.kind == SIGNED else None  # the signed list
+    return _code_checked(artifact, raw, vouch, policy, names=every)
 
 
 def read_signature(artifact: Path) -> bytes | None:
@@ -699,12 +719,17 @@ def code_problem(artifact: Path, signed: Manifest, names: list[str]) -> str | No
     return None
 
 
-def _code_checked(artifact: Path, signed_bytes: bytes, vouch: Vouch, policy: TrustPolicy) -> Vouch:
-    """A signature vouches only for the bytes it covers: hash the code files now."""
+def _code_checked(
+    artifact: Path, signed_bytes: bytes, vouch: Vouch, policy: TrustPolicy,
+    names: list[str] | None = None,
+) -> Vouch:
+    """A signature vouches only for the bytes it covers: hash the code files (or `names`)
+    now. The loader hashes each code file again as it copies it (what was hashed is what is
+    loaded); this earlier check makes validate answer as the load will."""
     if vouch.kind != SIGNED:
         return vouch
     signed = Manifest.model_validate_json(signed_bytes)
-    problem = code_problem(artifact, signed, code_files(signed))
+    problem = code_problem(artifact, signed, code_files(signed) if names is None else names)
     if problem is None:
         return vouch
     if policy.allow_unsigned:

@@ -106,11 +106,12 @@ class TorchBackend:
 
     def load(self, path: Path, manifest: Manifest) -> TorchRunner:
         from neuronctl.backends.torch.runner import TorchRunner
-        from neuronctl.backends.torch.safeload import check_artifact
 
-        check_artifact(path, manifest)  # every graph, though each loads only when first used
+        # The runner copies every graph and library, hashed against the manifest, and scans
+        # export graphs' copies: what it checked is what it loads.
         return TorchRunner(path, manifest.spec, manifest.architecture, manifest.graphs,
-                           ops=manifest.ops, versions=manifest.backend_versions)
+                           ops=manifest.ops, versions=manifest.backend_versions,
+                           files=manifest.files)
 
     def host_checks(self, manifest: Manifest) -> list[Check]:
         here = {"cpu_isa": host.cpu_isa(), "cpu_half_units": host.half_units()}

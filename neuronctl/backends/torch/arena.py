@@ -69,6 +69,10 @@ def map_early(artifact: Path) -> None:
     path = artifact / "weights" / GRAPH_WEIGHTS
     if manifest.backend != "torch" or sys.platform != "linux":
         return
+    from neuronctl.store.owned import others_can_write
+
+    if others_can_write(artifact):  # the load rule will refuse it: a mapping of a file
+        return  # others can truncate is a SIGBUS waiting in this process
     try:
         if path.stat().st_size > available_memory() // 2:
             return

@@ -25,6 +25,7 @@ here, so graphs trace and export without the library.
 
 from __future__ import annotations
 
+import ctypes
 import fcntl
 import math
 import mmap
@@ -190,13 +191,20 @@ def load() -> Path:
     return _library
 
 
+def registered() -> bool:
+    """Whether this process has registered the op's implementation already."""
+    return _library is not None
+
+
 def load_from(library: Path) -> None:
     """Register the op from an artifact's copy of the library: no compiler on the serving
     path. A process registers one library; the digest in the name is the source's."""
     global _library
     if _library is None:
         define()
-        torch.ops.load_library(str(library))
+        # dlopen by this very path: torch.ops.load_library would resolve a verified copy's
+        # /proc/self/fd/N to the memfd's name first, which cannot be opened.
+        ctypes.CDLL(str(library))
         _library = library
 
 

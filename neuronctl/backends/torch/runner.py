@@ -15,12 +15,13 @@ from neuronctl.backends.torch.config import ModelArgs, args_from_config
 from neuronctl.backends.torch.graphs import CONTEXT, DTYPES, TOKEN_GEN, graph_name, prompt_counts
 from neuronctl.backends.torch.layout import new_kv_cache
 from neuronctl.backends.torch.linear import can_pack, pack_weight, packed_names
-from neuronctl.backends.torch.safeload import load_export_graph
+from neuronctl.backends.torch.safeload import check_export_graph, load_export_graph
 from neuronctl.errors import CheckpointError, NotFoundError, UsageError
+from neuronctl.store.verified import VerifiedCopy, verified_copy
 
 if TYPE_CHECKING:
     from neuronctl.spec import BuildSpec
-    from neuronctl.store.manifest import OpChoice
+    from neuronctl.store.manifest import FileEntry, OpChoice
 
 Graph = Callable[[list[torch.Tensor]], Any]
 
@@ -30,7 +31,8 @@ class TorchRunner:
 
     def __init__(
         self, path: Path, spec: BuildSpec, config: dict[str, Any], graphs: Sequence[str],
-        ops: OpChoice | None = None, versions: Mapping[str, str] | None = None,
+        ops: OpChoice | None = None, versions: Mapping[str, str] | None = None, *,
+        files: Mapping[str, FileEntry],
     ) -> None:
         assert isinstance(spec.context_buckets, list) and isinstance(spec.token_gen_buckets, list)
         self.path = path
@@ -49,7 +51,7 @@ class TorchRunner:
         self.packed = layout == opchoice.PACKED
         self.blocked = layout == opchoice.BLOCKED
         if kernel_digest is not None:
-            _load_kernel(kernel_digest, path)
+            _load_kernel(kernel_digest, path, files)
         self.quantized = bool(spec.quantized)
         self.weights = _load_weights(path / "weights", self.args, self.dtype, self.packed,
                                      self.batch_size, self.quantized, self.blocked)
@@ -64,8 +66,14 @@ class TorchRunner:
             *self.k_cache,
             *self.v_cache,
         ]
-        # The manifest lists the graphs (graphs/<name>.pt2): no second map to trust.
+        # The manifest lists the graphs (graphs/<name>.pt2): no second map to trust. Each is
+        # copied now, hashed against the manifest as it is read: a graph loads (lazily, on
+        # first use) from that copy, never from its file again (store/verified.py).
         self._graph_files = {Path(rel).stem: rel for rel in graphs}
+        self._copies = {Path(rel).stem: _copy_code(path, rel, files) for rel in graphs}
+        if self.compiler == "export":  # every graph now, though each loads on first use
+            for name, copy in self._copies.items():
+                check_export_graph(copy.path, self._graph_files[name])
         # Prompts per context-encoding call this artifact has graphs for (prefill_batch).
         self.prompt_counts = [n for n in prompt_counts(self.batch_size)
                               if graph_name(CONTEXT, self.context_buckets[0], n)
@@ -148,26 +156,43 @@ class TorchRunner:
             t.zero_()
 
     def _check_graph(self, name: str) -> None:
-        rel = self._graph_files.get(name)
-        if rel is None or not (self.path / rel).is_file():
+        if name not in self._copies:
             raise NotFoundError(f"{self.path} has no graph {name}", "recompile the artifact")
 
     def _graph(self, name: str) -> Graph:
         graph = self._graphs.get(name)
         if graph is None:
-            graph = load_graph(self.path / self._graph_files[name], self.compiler)
+            copy = self._copies[name]
+            graph = load_graph(copy.path, self.compiler, self._graph_files[name])
             self._graphs[name] = graph
+            copy.close()  # loaded: the program no longer reads its file
         return graph
 
 
-def load_graph(file: Path, compiler: str) -> Graph:
-    """A callable taking the graph's flat input list and returning its output tensor."""
+def _copy_code(path: Path, rel: str, files: Mapping[str, FileEntry]) -> VerifiedCopy:
+    """A private copy of the artifact's code file `rel`, whose bytes are the manifest's."""
+    entry = files.get(rel)
+    if entry is None:
+        raise CheckpointError(f"{path}: {rel} is not in its manifest", "recompile the artifact")
+    try:
+        return verified_copy(path / rel, entry.sha256, f"{path}/{rel}")
+    except FileNotFoundError:
+        raise NotFoundError(f"{path} lacks {rel}", "recompile the artifact") from None
+    except OSError as exc:  # a link (O_NOFOLLOW), a permission: never loaded by another way
+        raise CheckpointError(f"{path}/{rel} cannot be read: {exc.strerror}",
+                              "recompile the artifact") from None
+
+
+def load_graph(file: Path, compiler: str, name: str = "") -> Graph:
+    """A callable taking the graph's flat input list and returning its output tensor.
+    `file` is the verified copy (runner._copy_code); `name` what errors call it."""
     if compiler == "inductor":
         # torch's own package loader, without torch._inductor.aoti_load_package: that
         # imports all of inductor and dynamo (~2 s of a cold start) to wrap this object.
+        # It extracts the package into a directory of its own (mkdtemp) and loads from there.
         loader = torch._C._aoti.AOTIModelPackageLoader(str(file), "model", False, 1, -1)
         return lambda flat: loader.run(flat)[0]
-    program = load_export_graph(file)  # refuses pickled payloads before torch reads it
+    program = load_export_graph(file, name)  # refuses pickled payloads before torch reads it
     module = program.module()
     spec = program.call_spec.in_spec
     assert spec is not None
@@ -207,7 +232,7 @@ def _matmul_record(
     return ops.layout, digest
 
 
-def _load_kernel(built_with: str, path: Path) -> None:
+def _load_kernel(built_with: str, path: Path, files: Mapping[str, FileEntry]) -> None:
     """Register the kernel the graphs call: the artifact's own copy. Serving never compiles:
     an artifact without its copy is refused (the copy is code the manifest lists and the
     load rule vouched for; a library built here on the serving path would be neither)."""
@@ -225,7 +250,11 @@ def _load_kernel(built_with: str, path: Path) -> None:
             f"{path} lacks {kernel.artifact_library()}, the kernel library its graphs call",
             "recompile the artifact (compile carries the library; serving never compiles it)",
         )
-    kernel.load_from(library)
+    if kernel.registered():
+        return  # a process registers one library (kernel.load_from)
+    copy = _copy_code(path, kernel.artifact_library(), files)
+    kernel.load_from(copy.path)  # dlopen maps the copy's pages: the copy may go then
+    copy.close()
 
 
 def _load_weights(

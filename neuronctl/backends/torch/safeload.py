@@ -51,24 +51,26 @@ class UnsafeGraphError(NeuronctlError):
     """A graph file carries something that would run code when loaded."""
 
 
-def load_export_graph(file: Path) -> Any:
+def load_export_graph(file: Path, name: str = "") -> Any:
     """torch.export.load, after check_export_graph found nothing that could run code."""
-    check_export_graph(file)
+    check_export_graph(file, name)
     import torch
 
     return torch.export.load(str(file))
 
 
-def check_export_graph(file: Path) -> None:
-    """Raise UnsafeGraphError unless every member of the `.pt2` is data (see module doc)."""
+def check_export_graph(file: Path, name: str = "") -> None:
+    """Raise UnsafeGraphError unless every member of the `.pt2` is data (see module doc).
+    `name`: what errors call the file (a verified copy's path means nothing to a user)."""
+    shown = name or file
     try:
         with zipfile.ZipFile(file) as archive:
             problem = _archive_problem(archive)
     except (zipfile.BadZipFile, OSError) as exc:
-        raise UnsafeGraphError(f"{file} is not a torch.export archive: {exc}") from None
+        raise UnsafeGraphError(f"{shown} is not a torch.export archive: {exc}") from None
     if problem:
         raise UnsafeGraphError(
-            f"{file}: refusing to load it: {problem}",
+            f"{shown}: refusing to load it: {problem}",
             "neuronctl's export graphs never carry pickled objects; this file was "
             "not made by `neuronctl compile` (recompile, or pull a signed artifact)",
         )

@@ -100,7 +100,7 @@ def push_artifact(
         # Repairing or replacing: make the remote incomplete (and unsigned) first.
         for name in (MANIFEST, *SIGNATURE_NAMES):
             if name == MANIFEST and held is not None or name in sizes:
-                remote.fs.rm_file(remote.path(dirname, name))
+                remote.remove(dirname, name)
     todo = _files_to_upload(remote, dirname, local, sizes, force, result)
     advance = (progress or NullProgress()).task(
         f"push {dirname}", total=sum(local.files[r].size for r in todo)

@@ -12,7 +12,6 @@ import os
 import posixpath
 import re
 import stat
-import uuid
 from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -32,6 +31,7 @@ from neuronctl.store.manifest import (
     path_rule,
     read_capped,
 )
+from neuronctl.store.remote import nofollow
 from neuronctl.store.remote.errors import RemoteArtifactError, remote_errors, unreachable
 from neuronctl.store.signing import MAX_SIGNATURE_BYTES, PROVENANCE, SIGNATURE_NAMES
 
@@ -96,6 +96,7 @@ class Transport:
     def __init__(self, fs: Any, root: str, url: str) -> None:
         self.fs = fs
         self.url = url
+        self.root = root
         self.artifacts = posixpath.join(root, ARTIFACTS_DIR)
         self.is_local = "file" in _protocols(fs)
         self.is_s3 = "s3" in _protocols(fs)
@@ -241,21 +242,28 @@ class Transport:
         if self.is_s3:
             kwargs["Metadata"] = {SHA_METADATA: sha256}
         if self.is_local:
-            # A shared mount has no atomic object PUT: copy beside, then rename into place.
-            tmp = f"{target}.tmp-{uuid.uuid4().hex[:8]}"
-            self.fs.put_file(str(source), tmp, callback=callback)
-            os.replace(tmp, target)
+            # A shared mount has no atomic object PUT: copy beside, then rename into place,
+            # following no link planted on the way (nofollow.py).
+            nofollow.put_file(source, self.root, self._below_root(dirname, rel))
         else:
             self.fs.put_file(str(source), target, callback=callback, **kwargs)
 
     def put_bytes(self, dirname: str, name: str, data: bytes) -> None:
         target = self.path(dirname, name)
         if self.is_local:
-            tmp = f"{target}.tmp-{uuid.uuid4().hex[:8]}"
-            self.fs.pipe_file(tmp, data)
-            os.replace(tmp, target)
+            nofollow.put_bytes(data, self.root, self._below_root(dirname, name))
         else:
             self.fs.pipe_file(target, data)
+
+    def remove(self, dirname: str, rel: str) -> None:
+        """Remove one file of a remote artifact (on a shared mount, never through a link)."""
+        if self.is_local:
+            nofollow.remove(self.root, self._below_root(dirname, rel))
+        else:
+            self.fs.rm_file(self.path(dirname, rel))
+
+    def _below_root(self, dirname: str, rel: str) -> str:
+        return posixpath.join(ARTIFACTS_DIR, dirname, rel)
 
 
 class BytesCallback(Callback):
