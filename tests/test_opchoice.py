@@ -134,6 +134,26 @@ def test_each_graph_gets_its_own_compute_dtype(measuring: None) -> None:
     assert "kernel" not in rules.paths
 
 
+def test_the_avx2_hosts_recorded_tables_keep_their_choice(measuring: None) -> None:
+    """The tables bench/peers.py's artifacts recorded on the AVX2 EPYC (docs/performance.md,
+    2026-11-26): weighed by a request they choose what the ratio sum chose, blocked weights
+    and the kernel everywhere, so those artifacts and their figures stay as they were."""
+    fp32_b8 = {"kernel/blocked/fp32": (34.6, 118.7, 461.7),
+               "kernel/plain/fp32": (37.4, 112.9, 463.1),
+               "onednn/packed/fp32": (44.5, 124.1, 410.2), "aten/plain/fp32": (75.0, 151.6, 436.9)}
+    table = {(name, rows): ms for name, column in fp32_b8.items()
+             for rows, ms in zip((8, 64, 256), column, strict=True)}
+    t = opchoice.Target(ARGS, FP32, "inductor", 8, (8, 64, 512), True, True)
+    choice = opchoice.choose(t, timings(table))
+    assert (choice.layout, by_rows(choice)) == ("blocked", {8: "kernel", 64: "kernel",
+                                                            512: "kernel"})
+    bf16_b1 = {("kernel/blocked/fp32", 1): 11.0, ("kernel/plain/fp32", 1): 13.8,
+               ("aten/plain/fp32", 1): 93.3, ("kernel/blocked/fp32", 64): 123.0,
+               ("kernel/plain/fp32", 64): 118.5, ("aten/plain/fp32", 64): 209.4}
+    choice = opchoice.choose(target(BF16_ON_AVX2, onednn=False), timings(bf16_b1))
+    assert (choice.layout, by_rows(choice)) == ("blocked", {1: "kernel", 64: "kernel"})
+
+
 def test_request_weights_count_one_prompt_and_the_generated_steps() -> None:
     t = opchoice.Target(ARGS, FP32, "inductor", 4, (4, 32, 64, 128, 256), True, True,
                         context_rows=(32, 64, 128, 256))
