@@ -3,6 +3,7 @@
     python bench/profile_step.py                          # fp32 batch 1, SmolLM2-135M shape
     python bench/profile_step.py --dtype bfloat16 --batch 1 --steps 32
     python bench/profile_step.py --artifact PATH          # an artifact already compiled
+    python bench/profile_step.py --threads 1              # a busy shared host
 
 Compiles (or finds in a scratch store) bench/decode.py's SmolLM2-135M-shaped model as
 bench/peers.py does (one 64-token context bucket, one 128-token generation bucket), loads
@@ -149,9 +150,13 @@ def main() -> None:
     parser.add_argument("--batch", type=int, default=1)
     parser.add_argument("--steps", type=int, default=32)
     parser.add_argument("--artifact", type=Path, help="profile this artifact instead")
+    parser.add_argument("--threads", type=int, help="torch threads (default: torch's); 1 on "
+                        "a busy shared host, where a 2-thread op waits for a descheduled one")
     parser.add_argument("--work", type=Path, default=Path("/tmp/neuronctl-bench-profile"))
     parser.add_argument("--json", action="store_true", help="one JSON object, no table")
     opts = parser.parse_args()
+    if opts.threads:
+        torch.set_num_threads(opts.threads)
     artifact = opts.artifact or compile_artifact(opts.work, opts.dtype, opts.batch)
     result = report(artifact, opts.batch, opts.steps)
     result["host"] = cpu_model()
