@@ -8,7 +8,8 @@ token-generation bucket) is handed to the chooser a build uses (opchoice.choose 
 backend's target: this CPU's flags and half units), measuring whatever NEURONCTL_OP_CHOICE
 says; nothing is compiled and no checkpoint is read. Prints, per row count, the path chosen
 and each candidate's milliseconds for one step's projections. `--rounds` repeats the choice
-to show whether it is stable on this host.
+to show whether it is stable on this host. The candidates are `path/layout/dtype`, the
+dtype the graph computes in (float32, or bf16 where the CPU has bf16 units).
 """
 
 from __future__ import annotations
@@ -44,12 +45,14 @@ def table(dtype: str, batch: int) -> str:
     finalized = finalize(resolve_spec(spec, None, {})[0], ModelShape.from_config(SHAPE))
     target = op_target(finalized, dict(SHAPE))
     choice = opchoice.choose(target)
-    lines = [f"{dtype} batch {batch}: compute {str(target.numerics.compute)[6:]}, "
-             f"layout {choice.layout}, chosen by {choice.chosen_by}"]
+    computes = "/".join(str(c).removeprefix("torch.") for c in target.computes)
+    lines = [f"{dtype} batch {batch}: computes {computes}, layout {choice.layout}, chosen by "
+             f"{choice.chosen_by}; a request = the prompt once + {opchoice.GENERATED} steps"]
     for row in choice.rows:
         ms = ", ".join(f"{path} {value:.2f}" for path, value in row.ms.items())
         timed = f" (timed at {row.timed_rows})" if row.timed_rows not in (None, row.rows) else ""
-        lines.append(f"  {row.rows:>4} rows{timed}: {row.path:<7} ms: {ms or '-'}")
+        lines.append(f"  {row.rows:>4} rows{timed}: {row.path:<7} {row.compute:<8} "
+                     f"ms: {ms or '-'}")
     return "\n".join(lines)
 
 

@@ -61,7 +61,8 @@ def test_the_artifact_names_its_matmul_and_attention_kernels(tmp_path: Path) -> 
     job = GraphJob(TOKEN_GEN, 64, config, 1, 128, "bfloat16", "inductor", str(tmp_path),
                    compute="float32", quantized=True, layout="blocked", carries_kernel=True,
                    path="kernel")
-    ops = OpChoice(layout="blocked", rows=[RowChoice(rows=1, path="kernel")], chosen_by="rules")
+    ops = OpChoice(layout="blocked", rows=[RowChoice(rows=1, path="kernel", compute="float32")],
+                   chosen_by="rules")
     assert "int16" in matmul_choice(ops, quantized=True)
     assert "widened in registers" in matmul_choice(ops, quantized=False)
     args = args_from_config(config)
@@ -78,3 +79,30 @@ def test_the_kernel_digest_covers_every_file_the_library_is_built_from() -> None
         included = re.findall(r'^#include "([^"]+)"', source.read_text(), flags=re.M)
         assert set(included) <= names, source.name
     assert {"gemv.cpp", "attention.cpp", "simd.h"} <= names
+
+
+def test_each_graph_is_traced_in_its_row_counts_compute_dtype(tmp_path: Path) -> None:
+    # A measured choice may give token generation float32 (the kernel) and a context bucket
+    # bf16 (aten's bf16 GEMM on the same plain weights): the jobs, neuron_config and the
+    # build facts say so per row count.
+    from neuronctl.backends.torch import graph_jobs
+    from neuronctl.backends.torch.neuron_config import compute_words
+    from neuronctl.spec import ModelShape, finalize, resolve_spec
+    from neuronctl.store.manifest import OpChoice, RowChoice
+
+    config = read_config(make_checkpoint(tmp_path / "ckpt", "llama"))
+    base = {"model": "m", "compiler": "inductor", "dtype": "bfloat16", "seq_len": 64,
+            "batch_size": 1, "context_buckets": "16,32", "token_gen_buckets": "64"}
+    spec = finalize(resolve_spec(base, None, {})[0], ModelShape.from_config(config))
+    ops = OpChoice(layout="plain", chosen_by="measure", rows=[
+        RowChoice(rows=1, path="kernel", compute="float32"),
+        RowChoice(rows=16, path="aten", compute="bfloat16"),
+        RowChoice(rows=32, path="aten", compute="bfloat16")])
+    jobs = {job.name: job for job in graph_jobs(spec, config, tmp_path, ops)}
+    assert jobs["token_generation_64"].numerics.compute == torch.float32
+    assert jobs["token_generation_64"].linear is kernel.linear
+    assert jobs["context_encoding_16"].numerics.compute == torch.bfloat16
+    assert module_for(jobs["context_encoding_32"]).compute == torch.bfloat16
+    assert all(job.carries_kernel for job in jobs.values())  # attention by the kernel's op
+    assert compute_words(ops) == "float32 at 1 row; bfloat16 at 16, 32 rows"
+    assert compute_words(ops.model_copy(update={"rows": ops.rows[1:]})) == "bfloat16"

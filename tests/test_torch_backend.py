@@ -234,9 +234,14 @@ def test_an_artifact_computing_in_bf16_needs_bf16_units(
     from neuronctl.backends.torch import host
 
     manifest = read_manifest(compiled_artifact)
+    assert manifest.ops is not None
+    # the op choice records each row count's compute dtype: one graph in bf16 is enough
+    bf16_rows = [row.model_copy(update={"compute": "bfloat16"}) if i == 0 else row
+                 for i, row in enumerate(manifest.ops.rows)]
     native = manifest.model_copy(update={
         "backend_versions": {**manifest.backend_versions, "cpu_half_units": "bf16"},
         "spec": manifest.spec.model_copy(update={"dtype": "bfloat16"}),
+        "ops": manifest.ops.model_copy(update={"rows": bf16_rows}),
     })
     monkeypatch.setattr(host, "half_units", lambda: "none")
     failed = [c.reason for c in TorchBackend().host_checks(native) if not c.ok]
@@ -246,7 +251,8 @@ def test_an_artifact_computing_in_bf16_needs_bf16_units(
     assert all(c.ok for c in TorchBackend().host_checks(native))
     # Built where bf16 is emulated, it computes in float32 and runs anywhere.
     emulated = native.model_copy(update={
-        "backend_versions": {**manifest.backend_versions, "cpu_half_units": "none"}})
+        "backend_versions": {**manifest.backend_versions, "cpu_half_units": "none"},
+        "ops": manifest.ops})
     monkeypatch.setattr(host, "half_units", lambda: "none")
     checks = {c.name: c for c in TorchBackend().host_checks(emulated)}
     assert all(c.ok for c in checks.values())

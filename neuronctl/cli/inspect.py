@@ -98,12 +98,13 @@ def artifact_named(model: str, store: Path | None) -> Path | None:
 
 
 def op_rows(manifest: Manifest) -> tuple[list[str], list[list[Any]]]:
-    """The op-choice table: per row count the path taken and each candidate's time."""
+    """The op-choice table: per row count the path and compute dtype taken and each
+    candidate's time."""
     ops = manifest.ops
     assert ops is not None
     candidates = list(dict.fromkeys(path for row in ops.rows for path in row.ms))
-    columns = ["rows", "path", "timed at", *(f"{path} ms" for path in candidates)]
-    rows = [[row.rows, row.path, row.timed_rows or "-",
+    columns = ["rows", "path", "compute", "timed at", *(f"{path} ms" for path in candidates)]
+    rows = [[row.rows, row.path, row.compute, row.timed_rows or "-",
              *(f"{row.ms[p]:.3f}" if p in row.ms else "-" for p in candidates)]
             for row in ops.rows]
     return columns, rows

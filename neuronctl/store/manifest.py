@@ -91,15 +91,17 @@ class Source(BaseModel):
 MatmulPath = Literal["kernel", "onednn", "aten", "gemv"]
 WeightLayout = Literal["plain", "packed", "blocked"]
 ChosenBy = Literal["measure", "rules"]
+ComputeDtype = Literal["float32", "bfloat16", "float16"]
 
 
 class RowChoice(BaseModel):
-    """The matmul path the graphs that run at `rows` rows take, and what each candidate
-    (`path/layout`) measured: ms for one step's projections, timed at `timed_rows`; empty
-    when chosen by rule."""
+    """The matmul path and the compute dtype (activations and matmuls) of the graphs that
+    run at `rows` rows, and what each candidate (`path/layout/dtype`) measured: ms for one
+    step's projections, timed at `timed_rows`; empty when chosen by rule."""
 
     rows: int
     path: MatmulPath
+    compute: ComputeDtype
     timed_rows: int | None = None
     ms: dict[str, float] = Field(default_factory=dict)
 
@@ -113,11 +115,18 @@ class OpChoice(BaseModel):
     rows: list[RowChoice]
     chosen_by: ChosenBy
 
-    def path_for(self, rows: int) -> str:
+    def row(self, rows: int) -> RowChoice:
         for row in self.rows:
             if row.rows == rows:
-                return row.path
+                return row
         raise KeyError(rows)
+
+    def path_for(self, rows: int) -> str:
+        return self.row(rows).path
+
+    @property
+    def computes(self) -> set[str]:
+        return {row.compute for row in self.rows}
 
     @property
     def paths(self) -> set[str]:

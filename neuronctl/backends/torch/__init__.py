@@ -102,7 +102,7 @@ class TorchBackend:
             request.progress,
         )
         return BuildResult(graphs=graphs, graphs_reused=donor is not None,
-                           extra=build_facts(spec), ops=ops)
+                           extra=build_facts(spec, ops), ops=ops)
 
     def load(self, path: Path, manifest: Manifest) -> TorchRunner:
         from neuronctl.backends.torch.runner import TorchRunner
@@ -141,14 +141,15 @@ def check_tensors(checkpoint: Checkpoint, args: ModelArgs) -> None:
 def op_target(spec: BuildSpec, config: dict[str, Any]) -> opchoice.Target:
     from neuronctl.backends.torch import opchoice
     from neuronctl.backends.torch.config import Numerics, args_from_config
-    from neuronctl.backends.torch.graphs import DTYPES, graph_rows
+    from neuronctl.backends.torch.graphs import DTYPES, context_rows, graph_rows
 
     assert isinstance(spec.context_buckets, list)
     compute = host.compute_dtype(str(spec.dtype), spec.quantized, host.half_units())
     numerics = Numerics(DTYPES[str(spec.dtype)], DTYPES[compute], spec.quantized)
     rows = graph_rows(spec.context_buckets, spec.batch_size)
     args = args_from_config(config)
-    return opchoice.target_for(spec, args, numerics, rows, host.cpu_flags())
+    contexts = context_rows(spec.context_buckets, spec.batch_size)
+    return opchoice.target_for(spec, args, numerics, rows, host.cpu_flags(), contexts)
 
 
 def choose_ops(spec: BuildSpec, config: dict[str, Any]) -> OpChoice:
@@ -179,10 +180,10 @@ def graph_jobs(
     assert isinstance(spec.context_buckets, list) and isinstance(spec.token_gen_buckets, list)
     kinds = [(CONTEXT, b, n) for b in spec.context_buckets for n in prompt_counts(spec.batch_size)]
     kinds += [(TOKEN_GEN, b, 1) for b in spec.token_gen_buckets]
-    compute = host.compute_dtype(str(spec.dtype), spec.quantized, host.half_units())
     jobs = []
     for kind, bucket, prompts in kinds:
         rows = spec.batch_size if kind == TOKEN_GEN else bucket * prompts
+        row = ops.row(rows)
         jobs.append(GraphJob(
             kind,
             bucket,
@@ -192,11 +193,11 @@ def graph_jobs(
             str(spec.dtype),
             str(spec.compiler),
             str(staging),
-            compute=compute,
+            compute=row.compute,
             quantized=spec.quantized,
             prompts=prompts,
             layout=ops.layout,
-            path=ops.path_for(rows),
+            path=row.path,
             carries_kernel="kernel" in ops.paths,
         ))
     return jobs
@@ -225,14 +226,18 @@ def copy_graphs(donor: Path, staging: Path, jobs: list[GraphJob]) -> list[str]:
     return graphs
 
 
-def build_facts(spec: BuildSpec) -> dict[str, Any]:
+def build_facts(spec: BuildSpec, ops: OpChoice) -> dict[str, Any]:
+    """What the build host was and did; `compute_dtype` the graphs' (one, or each row
+    count's where the op choice gave them different ones)."""
     import torch
+
+    from neuronctl.backends.torch.neuron_config import compute_words
 
     facts: dict[str, Any] = {
         "torch_threads": torch.get_num_threads(),
         "cpu_isa": host.cpu_isa(),
         "cpu_half_units": host.half_units(),
-        "compute_dtype": host.compute_dtype(str(spec.dtype), spec.quantized, host.half_units()),
+        "compute_dtype": compute_words(ops),
     }
     if spec.compiler == "inductor":
         facts["cxx"] = _cxx_version()

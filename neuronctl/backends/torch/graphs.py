@@ -103,9 +103,12 @@ def prompt_counts(batch_size: int) -> list[int]:
 def graph_rows(context_buckets: list[int], batch_size: int) -> tuple[int, ...]:
     """Rows per matmul of each graph, ascending: token generation's batch, and each context
     bucket times the prompts a context-encoding graph takes."""
-    rows = {batch_size}
-    rows |= {b * n for b in context_buckets for n in prompt_counts(batch_size)}
-    return tuple(sorted(rows))
+    return tuple(sorted({batch_size, *context_rows(context_buckets, batch_size)}))
+
+
+def context_rows(context_buckets: list[int], batch_size: int) -> tuple[int, ...]:
+    """Rows per matmul of the context-encoding graphs, ascending."""
+    return tuple(sorted({b * n for b in context_buckets for n in prompt_counts(batch_size)}))
 
 
 def example_inputs(job: GraphJob) -> tuple[Any, ...]:

@@ -198,15 +198,27 @@ def host_checks(manifest: Manifest, here: Mapping[str, str]) -> list[Check]:
     return checks
 
 
-def half_units_check(manifest: Manifest, here: Mapping[str, str]) -> Check:
-    """A bf16 (fp16) artifact built to compute natively needs a CPU with those units."""
+def artifact_computes(manifest: Manifest) -> list[str]:
+    """The dtypes an artifact's graphs compute in: its op choice's, per row count (before
+    that record, the one its dtype and the build host's units gave)."""
+    if manifest.ops is not None:
+        return sorted(manifest.ops.computes, key=lambda dtype: dtype != "float32")
     built_with = manifest.backend_versions.get("cpu_half_units", "none")
     spec = manifest.spec
-    compute = compute_dtype(str(spec.dtype), bool(spec.quantized), built_with)
+    return [compute_dtype(str(spec.dtype), bool(spec.quantized), built_with)]
+
+
+def half_units_check(manifest: Manifest, here: Mapping[str, str]) -> Check:
+    """A graph built to compute in bf16 (fp16) needs a CPU with those units."""
+    built_with = manifest.backend_versions.get("cpu_half_units", "none")
+    computes = artifact_computes(manifest)
     units = here.get("cpu_half_units", "none")
-    if compute == "float32" or compute_dtype(compute, False, units) == compute:
+    narrow = [dtype for dtype in computes if compute_dtype(dtype, False, units) != dtype]
+    compute = " and ".join(computes)
+    if not narrow:
         return Check("half-precision units", True,
                      f"computes in {compute}; this host has {_units_phrase(units)}")
+    compute = " and ".join(narrow)
     return Check(
         "half-precision units",
         False,

@@ -33,7 +33,6 @@ def write(
 ) -> None:
     """The backend-native description: spec, KV layout and graph files (relative paths)."""
     args = args_from_config(config)
-    numerics = jobs[0].numerics
     data = {
         "backend": "torch",
         "neuron_config": spec.model_dump(mode="json"),
@@ -41,7 +40,7 @@ def write(
         # stored in `storage`, activations and matmuls run in `compute`.
         "numerics": {
             "storage": str(spec.dtype),
-            "compute": str(numerics.compute).removeprefix("torch."),
+            "compute": compute_words(ops),
             "quantized": "int8 " + spec.quantization_type if spec.quantized else None,
             "matmul": matmul_choice(ops, spec.quantized),
             "attention": attention_choice(jobs, args),
@@ -61,6 +60,18 @@ def write(
         },
     }
     (staging / NEURON_CONFIG).write_text(json.dumps(data, indent=2, sort_keys=True) + "\n")
+
+
+def compute_words(ops: OpChoice) -> str:
+    """The graphs' compute dtype: one, or per row count where the op choice differs
+    ("float32 at 1 row; bfloat16 at 64, 128 rows")."""
+    if len(ops.computes) == 1:
+        return next(iter(ops.computes))
+    by_dtype: dict[str, list[str]] = {}
+    for row in ops.rows:
+        by_dtype.setdefault(row.compute, []).append(str(row.rows))
+    return "; ".join(f"{dtype} at {', '.join(rows)} row{'s' if rows != ['1'] else ''}"
+                     for dtype, rows in by_dtype.items())
 
 
 def attention_choice(jobs: list[Any], args: Any) -> str:

@@ -1,25 +1,32 @@
-"""Which path each graph's matmuls take: chosen on the build host, recorded in the manifest.
+"""Which path and compute dtype each graph's matmuls take: chosen on the build host,
+recorded in the manifest.
 
 Paths, and the weight layouts each reads (layout.graph_sources):
 
 - `kernel`: kernel.linear (gemv.cpp): neuronctl::linear_blocked on the `blocked` layout,
-  neuronctl::linear_rows on the `plain` one;
-- `onednn`: linear.packed_linear on oneDNN-prepacked (`packed`) weights;
-- `aten`: linear.linear on `plain` [N, K] weights (int8 token generation:
-  linear.int8_linear);
+  neuronctl::linear_rows on the `plain` one; it computes in float32;
+- `onednn`: linear.packed_linear on oneDNN-prepacked (`packed`) weights, computing in the
+  storage dtype (float32, or bf16 where the CPU has bf16 units);
+- `aten`: linear.linear on `plain` [N, K] weights, in any compute dtype (int8 token
+  generation: linear.int8_linear);
 - `gemv`: linear.gemv, inductor's fused reduction, on `plain` weights. It exists only
   compiled, so it is never timed: it is the rule's choice for a few rows where the kernel
   does not run (arm64, x86 without AVX2).
 
-An artifact holds its weights once, in one layout; per row count its graphs take the
-fastest path that reads that layout. The row counts are those the graphs run at: the
+A graph computes (activations and matmuls) in float32, or in its storage dtype where the CPU
+has units for that dtype (`Target.computes`); each row count gets its own. An artifact holds
+its weights once, in one layout; per row count its graphs take the fastest (path, compute
+dtype) that reads that layout. The row counts are those the graphs run at: the
 token-generation batch and each context bucket times the prompts per call.
 
-`measure` (the default; NEURONCTL_OP_CHOICE) times every available path on every layout it
-reads (a candidate, `path/layout`) eagerly on random weights of the model's projection
-shapes, and picks the layout whose candidates are fastest over the row counts, then each
-row count's fastest candidate on it. It measures only where
-AOTInductor compiles and the kernel runs (elsewhere the untimed gemv would compete).
+`measure` (the default; NEURONCTL_OP_CHOICE) times every candidate (`path/layout/dtype`)
+eagerly on random weights of the model's projection shapes, in ROUNDS rounds that
+interleave the candidates and the row counts, and keeps each candidate's fastest round (a
+burst of load elsewhere only ever adds time). The layout is the one a served request costs
+least on: a prompt once (one context-encoding call, each context row count alike) and then
+GENERATED token-generation steps (`request_weights`). Then each row count takes its fastest
+candidate on that layout. It measures only where AOTInductor compiles and the kernel runs
+(elsewhere the untimed gemv would compete).
 `rules` picks as the ISA rules below do, without timing: identical artifacts across the
 builds of one host class, whatever the load.
 """
@@ -40,7 +47,13 @@ from neuronctl.backends.torch.layout import blockable
 from neuronctl.backends.torch.linear import can_pack, linear_for, pack_weight, packed_linear
 from neuronctl.backends.torch.quantize import quantize
 from neuronctl.errors import UsageError
-from neuronctl.store.manifest import MatmulPath, OpChoice, RowChoice, WeightLayout
+from neuronctl.store.manifest import (
+    ComputeDtype,
+    MatmulPath,
+    OpChoice,
+    RowChoice,
+    WeightLayout,
+)
 
 if TYPE_CHECKING:
     from neuronctl.spec import BuildSpec
@@ -59,6 +72,10 @@ LAYOUTS: tuple[WeightLayout, ...] = (BLOCKED, PACKED, PLAIN)
 # The layouts each path reads.
 READS: dict[MatmulPath, tuple[WeightLayout, ...]] = {
     KERNEL: (BLOCKED, PLAIN), ONEDNN: (PACKED,), ATEN: (PLAIN,), GEMV: (PLAIN,)}
+# How a candidate's name spells its compute dtype, and the dtype the record names.
+SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
+DTYPE_NAMES: dict[torch.dtype, ComputeDtype] = {
+    torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # The GEMV's batch range (rules): measured on a 2-core AVX-512 host, it streams weights at
 # full bandwidth up to 4 rows, aten's GEMM wins beyond (docs/torch-backend.md). Weights
 # stored narrower than they compute (bf16 on a CPU without bf16 units) it widens as it
@@ -67,16 +84,25 @@ GEMV_MAX_BATCH = 4
 GEMV_MAX_WIDENED_BATCH = 8
 # Context buckets run at up to thousands of rows. Each path is compute-bound long before 256
 # rows (every path's tile loop is saturated), so its rank there is its rank at more rows, and
-# timing 256 keeps the measurement to seconds for a 30-layer model.
+# timing 256 keeps the measurement to seconds for a 30-layer model. A bucket's time is
+# scaled from the timed rows to its own (linear in rows once compute-bound).
 MAX_TIMED_ROWS = 256
 # A layout (or a path) other than the rules' must be this much faster to be chosen. Repeated
 # timings of one path on a busy 2-core host vary by a few percent; below this margin two
 # builds of the same spec could pick differently for no real gain.
 MARGIN = 0.07
-REPS = 20  # timed calls per candidate, after one warm-up; the fastest counts (on a busy
-# host most calls of a 2-thread op wait for a descheduled thread: the fastest did not)
+# Each candidate is timed in ROUNDS rounds of REPS calls (after one warm-up per round); the
+# rounds interleave the row counts and, within a round, the candidates take turns every
+# call. The fastest call counts: on a busy host most calls of a 2-thread op wait for a
+# descheduled thread, and load elsewhere only ever adds time. Rounds spread the calls over
+# seconds, so one burst of load cannot cover all of a candidate's calls.
+ROUNDS = 5
+REPS = 4
+# The request the layout is chosen for (docs/torch-backend.md): one prompt, then this many
+# generated tokens, one token-generation step each.
+GENERATED = 128
 
-# (target, rows) -> milliseconds one step's projections take by each candidate
+# (target, rows) -> milliseconds one step's projections take by each candidate: one round
 Timer = Callable[["Target", int], dict[str, float]]
 
 
@@ -85,12 +111,19 @@ class Target:
     """What the choice depends on besides timings."""
 
     args: ModelArgs
-    numerics: Numerics
+    numerics: Numerics  # storage, quantized; `compute` is the rules' compute dtype
     compiler: str
     batch_size: int
     rows: tuple[int, ...]  # the row counts the graphs run at, ascending
     kernel: bool  # neuronctl's kernel runs here and takes every matrix unpadded
-    onednn: bool  # oneDNN's packed GEMM runs these numerics natively here
+    onednn: bool  # oneDNN's packed GEMM runs the storage dtype natively here
+    context_rows: tuple[int, ...] = ()  # the context graphs' rows; () = all but the batch's
+
+    @property
+    def computes(self) -> tuple[torch.dtype, ...]:
+        """The compute dtypes a graph may run in: float32, and the storage dtype where the
+        CPU has units for it (the rules' compute dtype is then the storage dtype)."""
+        return tuple(dict.fromkeys((torch.float32, self.numerics.compute)))
 
     @property
     def paths(self) -> list[MatmulPath]:
@@ -99,28 +132,42 @@ class Target:
             (KERNEL, self.kernel), (ONEDNN, self.onednn), (ATEN, True)]
         return [path for path, ok in available if ok]
 
+    def path_computes(self, path: MatmulPath) -> tuple[torch.dtype, ...]:
+        if path == KERNEL:
+            return (torch.float32,)
+        if path == ONEDNN:
+            return (self.numerics.storage,)
+        return self.computes
+
     @property
     def candidates(self) -> list[str]:
-        """What is timed: each available path on each layout it reads (`candidate`)."""
-        return [candidate(path, layout) for path in self.paths for layout in READS[path]]
+        """What is timed: each available path on each layout it reads in each compute dtype
+        it runs in (`candidate`)."""
+        return [candidate(path, layout, compute) for path in self.paths
+                for layout in READS[path] for compute in self.path_computes(path)]
+
+    @property
+    def contexts(self) -> tuple[int, ...]:
+        return self.context_rows or tuple(r for r in self.rows if r != self.batch_size)
 
     @property
     def measurable(self) -> bool:
         return self.compiler == "inductor" and self.kernel
 
 
-def candidate(path: str, layout: str) -> str:
-    return f"{path}/{layout}"
+def candidate(path: str, layout: str, compute: torch.dtype = torch.float32) -> str:
+    return f"{path}/{layout}/{SHORT[compute]}"
 
 
-def split(name: str) -> tuple[MatmulPath, WeightLayout]:
-    path, layout = name.split("/")
-    return path, layout  # type: ignore[return-value]
+def split(name: str) -> tuple[MatmulPath, WeightLayout, torch.dtype]:
+    path, layout, short = name.split("/")
+    compute = next(dtype for dtype, text in SHORT.items() if text == short)
+    return path, layout, compute  # type: ignore[return-value]
 
 
 def target_for(
     spec: BuildSpec, args: ModelArgs, numerics: Numerics,
-    rows: tuple[int, ...], cpu_flags: str | None = None,
+    rows: tuple[int, ...], cpu_flags: str | None = None, context_rows: tuple[int, ...] = (),
 ) -> Target:
     """The choice's inputs for a spec: `rows` the graphs' (graphs.graph_rows)."""
     compiler = str(spec.compiler)
@@ -134,6 +181,7 @@ def target_for(
         kernel=compiler == "inductor" and host.kernel_runs_on(flags) and blockable(args),
         onednn=(compiler == "inductor" and not numerics.quantized
                 and numerics.storage == numerics.compute and can_pack(numerics.storage)),
+        context_rows=context_rows,
     )
 
 
@@ -181,38 +229,67 @@ def rule_path(target: Target, layout: str, rows: int) -> MatmulPath:
 
 
 def by_rules(target: Target, layout: WeightLayout | None = None) -> OpChoice:
+    """The rules: the compute dtype the CPU's units allow (host.compute_dtype) everywhere."""
     layout = layout or rule_layout(target)
-    rows = [RowChoice(rows=r, path=rule_path(target, layout, r)) for r in target.rows]
+    compute = DTYPE_NAMES[target.numerics.compute]
+    rows = [RowChoice(rows=r, path=rule_path(target, layout, r), compute=compute)
+            for r in target.rows]
     return OpChoice(layout=layout, rows=rows, chosen_by=RULES)
 
 
 # --- measuring -------------------------------------------------------------------------------
 
 
+def request_weights(target: Target) -> dict[int, float]:
+    """How often a served request runs each row count's graphs: its prompt once, in one
+    context-encoding call (each context row count alike), then GENERATED token-generation
+    steps. A row count both kinds run at adds both."""
+    contexts = target.contexts
+    weights = dict.fromkeys(target.rows, 0.0)
+    for r in contexts:
+        weights[r] += 1 / len(contexts)
+    weights[target.batch_size] = weights.get(target.batch_size, 0.0) + GENERATED
+    return weights
+
+
+def sampled_ms(target: Target, timer: Timer, timed: list[int]) -> dict[int, dict[str, float]]:
+    """Each candidate's fastest of ROUNDS rounds per timed row count; the rounds interleave
+    the row counts, so a burst of load slows one round of each, not every round of one."""
+    best = {rows: dict.fromkeys(target.candidates, float("inf")) for rows in timed}
+    for _ in range(ROUNDS):
+        for rows in timed:
+            for name, ms in timer(target, rows).items():
+                best[rows][name] = min(best[rows][name], ms)
+    return best
+
+
 def measured(target: Target, timer: Timer) -> OpChoice:
-    """The layout whose fastest candidates, summed over the row counts relative to the
-    fastest of all, is least; the rules' layout unless another beats it by MARGIN. Then per
-    row count the fastest candidate on it (the rules' path unless another beats it by
-    MARGIN)."""
+    """The layout a request (request_weights) costs least on, the rules' unless another
+    beats it by MARGIN; then per row count the fastest candidate reading it (the rules'
+    path and dtype unless another beats it by MARGIN)."""
     timed_rows = {r: min(r, MAX_TIMED_ROWS) for r in target.rows}
-    ms = {r: timer(target, timed_rows[r]) for r in target.rows}
+    samples = sampled_ms(target, timer, sorted(set(timed_rows.values())))
+    ms = {r: samples[timed_rows[r]] for r in target.rows}
     readers = {layout: [c for c in target.candidates if split(c)[1] == layout]
                for layout in LAYOUTS}
+    weights = request_weights(target)
 
-    def best(layout: WeightLayout, r: int) -> float:
-        return min(ms[r][c] for c in readers[layout])
+    def cost(layout: WeightLayout) -> float:
+        return sum(weights[r] * min(ms[r][c] for c in readers[layout]) * r / timed_rows[r]
+                   for r in target.rows)
 
-    scores = {layout: sum(best(layout, r) / min(ms[r].values()) for r in target.rows)
-              for layout in readers if readers[layout]}
+    costs = {layout: cost(layout) for layout in readers if readers[layout]}
     default = rule_layout(target)
-    layout = min(scores, key=lambda name: (scores[name], name != default))
-    if scores[layout] > scores[default] * (1 - MARGIN):
+    layout = min(costs, key=lambda name: (costs[name], name != default))
+    if default in costs and costs[layout] > costs[default] * (1 - MARGIN):
         layout = default
+    compute = target.numerics.compute
     rows = []
     for r in target.rows:
-        preferred = candidate(rule_path(target, layout, r), layout)
-        path = split(_fastest(ms[r], readers[layout], preferred))[0]
-        rows.append(RowChoice(rows=r, path=path, timed_rows=timed_rows[r], ms=_rounded(ms[r])))
+        preferred = candidate(rule_path(target, layout, r), layout, compute)
+        path, _, dtype = split(_fastest(ms[r], readers[layout], preferred))
+        rows.append(RowChoice(rows=r, path=path, compute=DTYPE_NAMES[dtype],
+                              timed_rows=timed_rows[r], ms=_rounded(ms[r])))
     return OpChoice(layout=layout, rows=rows, chosen_by=MEASURE)
 
 
@@ -243,9 +320,9 @@ def projection_shapes(target: Target, rows: int) -> list[tuple[tuple[int, int], 
 
 
 def step_ms(target: Target, rows: int) -> dict[str, float]:
-    """Milliseconds one step's projections take by each candidate at `rows` rows (eagerly,
-    on random weights in the artifact's storage dtype). The candidates take turns within
-    every repetition, so a burst of load elsewhere slows them alike."""
+    """One round: milliseconds one step's projections take by each candidate at `rows` rows
+    (eagerly, on random weights in the artifact's storage dtype). The candidates take turns
+    every call, so a burst of load elsewhere slows them alike."""
     total: dict[str, float] = dict.fromkeys(target.candidates, 0.0)
     with torch.no_grad():
         for shape, count in projection_shapes(target, rows):
@@ -259,7 +336,7 @@ def step_ms(target: Target, rows: int) -> dict[str, float]:
 def _call(
     target: Target, name: str, shape: tuple[int, int], rows: int
 ) -> Callable[[], torch.Tensor]:
-    path, layout = split(name)
+    path, layout, compute = split(name)
     numerics = target.numerics
     generator = torch.Generator().manual_seed(0)
     weight = torch.randn(shape, generator=generator)
@@ -268,7 +345,7 @@ def _call(
         weight, scale = quantize(weight, per_channel=True)
     else:
         weight = weight.to(numerics.storage)
-    x = torch.randn(rows, shape[1], generator=generator).to(numerics.compute)
+    x = torch.randn(rows, shape[1], generator=generator).to(compute)
     if path == KERNEL:
         kernel.load()
         laid_out = kernel.block(weight) if layout == BLOCKED else weight
