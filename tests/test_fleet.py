@@ -374,3 +374,22 @@ def test_deploy_command_json_and_errors(shop) -> None:
     small = cli_in_process("deploy", "k8s", manifest.keys.dirname, *args[:-1], "inf2.xlarge")
     assert small.returncode == 1 and "Traceback" not in small.stderr
     assert "needs 4 NeuronCores" in small.stderr
+
+
+def test_trusted_keys_secret_reaches_the_install_step(shop) -> None:
+    """The install verifies signatures against the keys it trusts: a named Secret is mounted
+    for it and named in NEURONCTL_TRUSTED_KEYS (store/signing.py TrustPolicy.load reads the
+    variable's paths); every target that can mount it still validates."""
+    _store, remote, manifest = shop
+    w = plan_workload(manifest, remote, options(keys_secret="neuron-publishers"))
+    pod = TARGETS["k8s"](w)[0]["spec"]["template"]["spec"]
+    init = pod["initContainers"][0]
+    assert {"name": "NEURONCTL_TRUSTED_KEYS", "value": "/etc/neuronctl/trusted-keys"} in init["env"]
+    assert {"name": "trusted-keys", "secret": {"secretName": "neuron-publishers"}} in pod["volumes"]
+    assert any(m["name"] == "trusted-keys" for m in init["volumeMounts"])
+    for target in ("k8s", "production-stack", "lws", "rayservice"):
+        check_documents(TARGETS[target](w), K8S)
+    with pytest.raises(NeuronctlError, match="cannot mount a Secret"):
+        TARGETS["kserve"](w)
+    plain = plan_workload(manifest, remote, options())
+    assert any("no --trusted-keys-secret" in note for note in plain.notes)

@@ -93,6 +93,12 @@ def deploy_command(
         typer.Option("--served-model-name", help="Model id clients send (default: the model "
                      "the artifact was compiled from).", show_default=False),
     ] = None,
+    trusted_keys_secret: Annotated[
+        str | None,
+        typer.Option("--trusted-keys-secret", help="Secret holding the publishers' public keys: "
+                     "mounted for the install step, named in $NEURONCTL_TRUSTED_KEYS.",
+                     show_default=False),
+    ] = None,
     kubernetes: Annotated[
         str, typer.Option("--kubernetes", help="Kubernetes version the objects are checked for.")
     ] = "1.33",
@@ -154,6 +160,7 @@ def deploy_command(
         sdk_versions=parse_versions(sdk_version or []),
         replicas=replicas,
         served_model_name=served_model_name,
+        keys_secret=trusted_keys_secret,
     )
     from neuronctl.store.remote.client import open_remote
 

@@ -12,7 +12,7 @@ from typing import Any
 import yaml
 
 from neuronctl.errors import NeuronctlError
-from neuronctl.fleet.workload import MOUNT, PORT, PORT_NAME, VOLUME, Workload
+from neuronctl.fleet.workload import KEYS_MOUNT, MOUNT, PORT, PORT_NAME, VOLUME, Workload
 
 # KServe: the container its webhook treats as the model server, and the variable that makes
 # it add the storage initializer to a custom container (pkg/constants/constants.go).
@@ -79,6 +79,12 @@ def kserve(w: Workload) -> list[dict[str, Any]]:
     # One ClusterStorageContainer serves every InferenceService of the cluster whose URI it
     # matches, whatever its tp degree: it asks for no Neuron devices of its own.
     install["resources"] = {"requests": {"memory": "1Gi"}, "limits": {"memory": "2Gi"}}
+    if w.keys_secret:
+        raise NeuronctlError(
+            "KServe's storage container cannot mount a Secret: the install image must carry "
+            "the trusted keys (NEURONCTL_TRUSTED_KEYS or ~/.config/neuronctl/trusted-keys)",
+            "drop --trusted-keys-secret for the kserve target",
+        )
     storage = {
         "apiVersion": "serving.kserve.io/v1alpha1",
         "kind": "ClusterStorageContainer",
@@ -142,7 +148,7 @@ def production_stack(w: Workload) -> list[dict[str, Any]]:
         "resources": w.resources(),
         "env": w.env_list(),
         "initContainer": install,
-        "extraVolumes": [w.volume()],
+        "extraVolumes": w.volumes(),
         "extraVolumeMounts": [{"name": VOLUME, "mountPath": MOUNT, "readOnly": True}],
         "vllmConfig": {
             "enablePrefixCaching": bool(w.vllm_args["enable_prefix_caching"]),
@@ -276,7 +282,7 @@ def rayservice(w: Workload) -> list[dict[str, Any]]:
     worker = ray_container(w, "ray-worker", head=False)
     worker_pod: dict[str, Any] = {
         "containers": [worker],
-        "volumes": [w.volume()],
+        "volumes": w.volumes(),
         "terminationGracePeriodSeconds": w.grace_seconds(),
         **w.scheduling(),
     }
@@ -329,7 +335,9 @@ def ray_container(w: Workload, name: str, head: bool) -> dict[str, Any]:
         ]
         return container
     container["resources"] = copy.deepcopy(w.resources())
-    container["volumeMounts"] = [{"name": VOLUME, "mountPath": MOUNT}]
+    container["volumeMounts"] = [{"name": VOLUME, "mountPath": MOUNT}, *w.keys_mounts()]
+    if w.keys_secret:
+        container["env"] = [{"name": "NEURONCTL_TRUSTED_KEYS", "value": KEYS_MOUNT}]
     return container
 
 

@@ -32,6 +32,9 @@ GIB = 2**30
 NEURON_DEVICE = "aws.amazon.com/neuron"  # whole devices: every core of each
 NEURON_CORE = "aws.amazon.com/neuroncore"  # single cores (the scheduler extension keeps them
 # contiguous)
+KEYS_VOLUME = "trusted-keys"
+KEYS_MOUNT = "/etc/neuronctl/trusted-keys"
+TRUSTED_KEYS_ENV = "NEURONCTL_TRUSTED_KEYS"  # store/signing.py: files or directories of keys
 NEURON_TAINT = "aws.amazon.com/neuron"  # EKS Neuron node groups are commonly tainted with it
 INSTANCE_LABEL = "node.kubernetes.io/instance-type"
 SERVERS = ("vllm", "neuronctl")
@@ -63,6 +66,7 @@ class Workload:
     instance: Instance | None
     replicas: int = 1
     namespace: str | None = None
+    keys_secret: str | None = None  # a Secret of public keys the install trusts
     vllm_args: dict[str, Any] = field(default_factory=dict)  # the engine arguments (vllm)
     notes: list[str] = field(default_factory=list)
     checks: list[Check] = field(default_factory=list)
@@ -183,11 +187,25 @@ class Workload:
             "image": self.install_image,
             "command": ["neuronctl", "install"],
             "resources": self.install_resources(),
-            "volumeMounts": [{"name": VOLUME, "mountPath": MOUNT}],
+            "volumeMounts": [{"name": VOLUME, "mountPath": MOUNT}, *self.keys_mounts()],
         }
+        if self.keys_secret:
+            container["env"] = [{"name": TRUSTED_KEYS_ENV, "value": KEYS_MOUNT}]
         if with_args:
             container["args"] = [self.source_uri, MOUNT]
         return container
+
+    def keys_mounts(self) -> list[dict[str, Any]]:
+        if not self.keys_secret:
+            return []
+        return [{"name": KEYS_VOLUME, "mountPath": KEYS_MOUNT, "readOnly": True}]
+
+    def volumes(self) -> list[dict[str, Any]]:
+        """The install volume, and the trusted keys' Secret when one is named."""
+        out = [self.volume()]
+        if self.keys_secret:
+            out.append({"name": KEYS_VOLUME, "secret": {"secretName": self.keys_secret}})
+        return out
 
     def server_container(self, name: str = "server") -> dict[str, Any]:
         return {
@@ -219,7 +237,7 @@ class Workload:
         return {
             "initContainers": [self.install_container()],
             "containers": [self.server_container()],
-            "volumes": [self.volume()],
+            "volumes": self.volumes(),
             "terminationGracePeriodSeconds": self.grace_seconds(),
             **self.scheduling(),
         }
@@ -339,6 +357,7 @@ class DeployOptions:
     sdk_versions: dict[str, str] = field(default_factory=dict)
     replicas: int = 1
     served_model_name: str | None = None
+    keys_secret: str | None = None
 
 
 class NotLoadableError(NeuronctlError):
@@ -371,6 +390,9 @@ def plan_workload(manifest: Manifest, remote: RemoteStore, options: DeployOption
     if where is None and manifest.backend != "torch":
         notes.append("no --instance-type: Neuron cores requested one by one and no node "
                      "selector; name the instance type to get whole devices")
+    if not options.keys_secret:
+        notes.append("no --trusted-keys-secret: the install step trusts only the keys its "
+                     f"image carries ({TRUSTED_KEYS_ENV} or ~/.config/neuronctl/trusted-keys)")
     if sdk is None and not options.sdk_versions and manifest.backend != "torch":
         versions = ", ".join(f"{k}=={v}" for k, v in sorted(manifest.backend_versions.items()))
         notes.append(f"the image must have exactly {versions} (name --neuron-sdk or "
@@ -389,6 +411,7 @@ def plan_workload(manifest: Manifest, remote: RemoteStore, options: DeployOption
         instance=where,
         replicas=options.replicas,
         namespace=options.namespace,
+        keys_secret=options.keys_secret,
         vllm_args=args,
         notes=notes,
         checks=checks,
