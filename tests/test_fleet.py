@@ -238,6 +238,8 @@ def test_rayservice_asks_ray_for_the_tp_degree_in_neuron_cores(shop) -> None:
     params = ray["rayClusterConfig"]["workerGroupSpecs"][0]["rayStartParams"]
     assert json.loads(params["resources"].strip("'")) == {"neuron_cores": 4}
     assert app["args"]["source_uri"] == w.source_uri
+    assert app["args"]["num_replicas"] == w.replicas and app["args"]["neuron_cores"] == 4
+    assert app["import_path"] == "neuronctl.fleet.rayserve:app"
 
 
 # --- Neuron resources, memory -----------------------------------------------------------------

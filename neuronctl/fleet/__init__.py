@@ -9,4 +9,6 @@ LeaderWorkerSet, KubeRay), written from a compiled artifact and the remote that 
   targets.py      one function per orchestrator: the workload as its objects
   schemacheck.py  every document checked offline: kubernetes-validate for Kubernetes' own
                   objects, the vendored CRD schemas (schemas/) for the rest
+  rayserve.py     the RayService's Ray Serve application: each replica installs, serves and
+                  reports the server's health (imports Ray: the `ray` extra)
 """

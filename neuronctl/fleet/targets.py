@@ -265,6 +265,8 @@ def rayservice(w: Workload) -> list[dict[str, Any]]:
             "argv": w.argv,
             "env": w.env,
             "served_model_name": w.served_model_name,
+            "num_replicas": w.replicas,
+            "neuron_cores": tp if w.neuron else 0,
         },
         "deployments": [
             {
