@@ -359,7 +359,7 @@ def check_versions(manifest: Manifest) -> list[Check]:
     except ImportError as exc:
         reason = f"the {manifest.backend} backend cannot be loaded here: {exc}"
         return [Check("versions", False, reason)]
-    checks = [_versions_check(manifest.backend_versions, current)]
+    checks = [versions_check(manifest.backend_versions, current)]
     checks.extend(_host_checks(backend, manifest))
     checks.append(check_cc_flags(manifest, os.environ))
     return checks
@@ -371,15 +371,20 @@ def _backend(name: str) -> Any:
     return get_backend(name)
 
 
-def _versions_check(recorded: Mapping[str, str], current: Mapping[str, str]) -> Check:
+def versions_check(
+    recorded: Mapping[str, str], current: Mapping[str, str], where: str = ""
+) -> Check:
+    """The recorded versions against `current`: this host's, or those of the host `where`
+    names (a deploy's image), which gets no pip hint for this host."""
     diffs = []
+    host = where or "this host"
     for name in sorted((set(recorded) | set(current)) - HOST_FACT_VERSIONS):
         was, now = recorded.get(name, "absent"), current.get(name, "absent")
         if was != now:
-            diffs.append(f"{name} compiled with {was}, this host has {now}")
+            diffs.append(f"{name} compiled with {was}, {host} has {now}")
     if diffs:
-        hint = _install_hint(recorded, current)
-        return Check("versions", False, "; ".join(diffs) + f"; recompile on this host{hint}")
+        hint = "" if where else _install_hint(recorded, current)
+        return Check("versions", False, "; ".join(diffs) + f"; recompile on {host}{hint}")
     shown = ", ".join(f"{k} {v}" for k, v in sorted(recorded.items()))
     return Check("versions", True, shown or "no versions recorded")
 
