@@ -206,15 +206,22 @@ class Engine:
             self._thread.join(timeout)
 
     def submit(
-        self, prompt_ids: Sequence[int], params: SamplingParams, sink: Sink | None = None
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        sink: Sink | None = None,
+        client: str | None = None,
+        group: object = None,
     ) -> RequestHandle:
-        """Queue a request; raise RequestError, QueueFullError or EngineStoppedError."""
+        """Queue a request; raise RequestError, QueueFullError or EngineStoppedError.
+        `client` and `group` are whose it is, for the scheduler's fair shares."""
         resolved = resolve(params, self.global_topk)
         max_tokens = self._check_lengths(prompt_ids, resolved)
         events: EventQueue | None = None
         if sink is None:
             sink = events = EventQueue()
-        request = Request(list(prompt_ids), resolved, max_tokens, sink, self.new_decoder())
+        request = Request(list(prompt_ids), resolved, max_tokens, sink, self.new_decoder(),
+                          client=client, group=group)  # fmt: skip
         with self._cond:
             self.check_health()
             if self._stopping:

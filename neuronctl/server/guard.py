@@ -27,10 +27,16 @@ ENDPOINTS = (
 )
 
 
+# FastAPI's interactive docs and the schema they read: they describe every endpoint and
+# field, so with a key set they take it too.
+DOCS_PATHS = ("/docs", "/docs/oauth2-redirect", "/openapi.json")
+
+
 def guarded(path: str) -> bool:
-    """The paths that run the model or its tokenizer: the API key and size limits apply
-    (vLLM leaves /tokenize open; here it costs tokenizer time, so it takes the key too)."""
-    return path.startswith("/v1") or path in ("/tokenize", "/detokenize")
+    """The paths that run the model or its tokenizer, or describe the API: the API key and
+    size limits apply (vLLM leaves /tokenize open; here it costs tokenizer time, so it takes
+    the key too)."""
+    return path.startswith("/v1") or path in ("/tokenize", "/detokenize", *DOCS_PATHS)
 
 
 class Guard:

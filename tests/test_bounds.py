@@ -1,0 +1,234 @@
+"""Bounds: no client, request, archive or remote takes more than its share. Each test here
+is an attack that once got through: a hostile request that cost everyone else, a value that
+ended in a 500, a variable that overflowed.
+
+The server tests run the app in-process over tests/fake_runner.py (no compiled artifact).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+from typing import Any
+
+import httpx
+import pytest
+
+from neuronctl.engine.engine import Engine
+from neuronctl.engine.errors import QueueFullError
+from neuronctl.engine.request import Request
+from neuronctl.engine.sampling import SamplingParams, resolve
+from neuronctl.engine.scheduler import Scheduler
+from neuronctl.server.app import Limits, create_app
+from neuronctl.server.protocol import (
+    MAX_LOGIT_BIAS,
+    MAX_MESSAGES,
+    MAX_PROMPTS,
+    CompletionRequest,
+)
+from tests.fake_runner import EOS_ID, FakeRunner, FakeTextModel, byte_decoder
+from tests.helpers import make_tokenizer
+
+KEY = "sk-bounds"
+
+
+@pytest.fixture(scope="module")
+def text_model(tmp_path_factory: pytest.TempPathFactory) -> FakeTextModel:
+    folder = tmp_path_factory.mktemp("tokenizer")
+    make_tokenizer(folder)
+    return FakeTextModel(str(folder))
+
+
+def app_over(model: FakeTextModel, **kw: Any) -> Any:
+    runner = FakeRunner(batch_size=kw.pop("batch_size", 2), seq_len=64)
+    engine = Engine(runner, byte_decoder, eos_ids=[EOS_ID], max_queue=kw.pop("max_queue", 8))
+    return engine.start(), create_app(engine, model, "fake", **kw)
+
+
+def call(app: Any, method: str, path: str, body: Any = None, **headers: str) -> httpx.Response:
+    """One request to the in-process app; a str body is sent as it is (NaN is not JSON)."""
+
+    async def go() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app)
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            content = body if isinstance(body, str) else json.dumps(body)
+            head = {"content-type": "application/json", **headers}
+            if body is None:
+                return await client.request(method, path, headers=head)
+            return await client.request(method, path, content=content, headers=head)
+
+    return asyncio.run(go())
+
+
+def refused(response: httpx.Response, param: str) -> str:
+    assert response.status_code == 400, response.text
+    error = response.json()["error"]
+    assert error["param"] == param, error
+    return str(error["message"])
+
+
+@pytest.fixture()
+def app(text_model: FakeTextModel) -> Any:
+    engine, app = app_over(text_model)
+    yield app
+    engine.stop(drain=False)
+
+
+# -- logit_bias ---------------------------------------------------------------------------------
+
+
+def test_logit_bias_is_capped_in_entries(app: Any) -> None:
+    """450,865 keys in an 8 MB body took 212 s for 120 tokens and moved a bystander's median
+    from 0.35 s to 15 s. vLLM's own per-request cap is 1024 (vllm-project/vllm,
+    vllm/v1/worker/gpu/sample/logit_bias.py: MAX_NUM_LOGIT_BIAS_TOKENS = 1024)."""
+    bias = {str(i): 1.0 for i in range(MAX_LOGIT_BIAS + 1)}
+    body = {"prompt": "hi", "max_tokens": 2, "logit_bias": bias}
+    assert "at most 1024" in refused(call(app, "POST", "/v1/completions", body), "logit_bias")
+    # At the cap: 1024 keys, padded spellings of 256 token ids.
+    body["logit_bias"] = {"0" * (i // 256) + str(i % 256): 1.0 for i in range(MAX_LOGIT_BIAS)}
+    assert len(body["logit_bias"]) == MAX_LOGIT_BIAS
+    assert call(app, "POST", "/v1/completions", body).status_code == 200
+
+
+def test_logit_bias_keys_naming_one_token_are_one_entry() -> None:
+    """"12", " 12" and "0012" all name token 12: each was an entry, applied again at every
+    step (the padding multiplied an 8 MB body's entries)."""
+    request = CompletionRequest(prompt="hi", logit_bias={"12": 1.0, " 12": 2.0, "0012": 3.0})
+    assert request.sampling(4).logit_bias == ((12, 3.0),)
+
+
+@pytest.mark.parametrize("value", ["NaN", "Infinity", "-Infinity"])
+def test_a_non_finite_logit_bias_is_a_400_naming_the_field(app: Any, value: str) -> None:
+    """min(100.0, nan) is 100.0: a NaN bias was clamped into +100 and forced its token."""
+    body = '{"prompt": "hi", "max_tokens": 2, "logit_bias": {"65": VALUE}}'.replace("VALUE", value)
+    assert "finite" in refused(call(app, "POST", "/v1/completions", body), "logit_bias")
+
+
+# -- prompts per request, and each request's share of the slots and the queue ------------------
+
+
+def test_prompts_per_request_are_bounded(app: Any) -> None:
+    """259 prompts in one 2.4 KB request filled all 256 waiting places."""
+    body = {"prompt": ["a"] * (MAX_PROMPTS + 1), "max_tokens": 1}
+    assert f"at most {MAX_PROMPTS}" in refused(call(app, "POST", "/v1/completions", body), "prompt")
+
+
+def queued(client: str | None, group: object) -> Request:
+    params = resolve(SamplingParams(temperature=0, max_tokens=2))
+    return Request([1], params, 2, lambda _: None, byte_decoder(), client=client, group=group)
+
+
+def test_a_later_request_gets_a_slot_beside_a_request_of_many_prompts() -> None:
+    """Admission was first come, first served per sequence: a request of many prompts held
+    every slot until its sequences were all done, and the next request waited behind all of
+    them (a bystander's 0.35 s answer took 40 s). Now a free slot goes to the request holding
+    the fewest, and one request never takes the last free slot while it holds another."""
+    scheduler = Scheduler(batch_size=4, max_queue=64)
+    many, one = object(), object()
+    for _ in range(16):
+        scheduler.add(queued("10.0.0.1", many))
+    bystander = queued("10.0.0.2", one)
+    scheduler.add(bystander)
+    step = scheduler.schedule()
+    assert bystander in step.prefill
+    assert sum(r.group is many for r in step.prefill) == 2  # the fourth slot stays free
+
+
+def test_one_request_leaves_the_last_slot_for_the_next() -> None:
+    scheduler = Scheduler(batch_size=4, max_queue=64)
+    many = object()
+    for _ in range(8):
+        scheduler.add(queued("10.0.0.1", many))
+    assert len(scheduler.schedule().prefill) == 3
+    late = queued("10.0.0.1", object())  # the same client, another request
+    scheduler.add(late)
+    assert scheduler.schedule().prefill == [late]
+
+
+def test_one_client_holds_at_most_its_share_of_the_queue() -> None:
+    """One client's requests take at most half the waiting places: the rest stay open to
+    everyone else."""
+    scheduler = Scheduler(batch_size=1, max_queue=8)
+    for _ in range(1 + 4):  # the free slot, then its share of 8 places
+        scheduler.add(queued("10.0.0.1", object()))
+    with pytest.raises(QueueFullError, match="share"):
+        scheduler.add(queued("10.0.0.1", object()))
+    for _ in range(4):
+        scheduler.add(queued("10.0.0.2", object()))
+
+
+# -- chat messages ------------------------------------------------------------------------------
+
+
+def test_chat_messages_are_bounded_in_count_before_templating(app: Any) -> None:
+    """180,000 empty messages (5 MB) cost ~8 s of template and tokenizer time before the 400."""
+    body = {"messages": [{"role": "user", "content": ""}] * (MAX_MESSAGES + 1), "max_tokens": 1}
+    refused(call(app, "POST", "/v1/chat/completions", body), "messages")
+    refused(call(app, "POST", "/tokenize", {"messages": body["messages"]}), "messages")
+
+
+def test_empty_messages_count_against_the_character_limit(text_model: FakeTextModel) -> None:
+    """The character check counted content only, so empty messages were free to template."""
+    engine, app = app_over(text_model, limits=Limits(max_prompt_chars=100))
+    try:
+        body = {"messages": [{"role": "user", "content": ""}] * 10, "max_tokens": 1}
+        assert "characters" in refused(call(app, "POST", "/v1/chat/completions", body), "messages")
+        tokenize = {"messages": body["messages"]}
+        assert "characters" in refused(call(app, "POST", "/tokenize", tokenize), "messages")
+    finally:
+        engine.stop(drain=False)
+
+
+# -- 500s that are the client's mistake ---------------------------------------------------------
+
+
+@pytest.mark.parametrize("token", [-5, 2**64, 10**6])
+def test_detokenize_of_an_id_outside_the_vocabulary_is_a_400(app: Any, token: int) -> None:
+    """The tokenizer raised OverflowError (or returned nothing) for them: a plain-text 500."""
+    response = call(app, "POST", "/detokenize", {"tokens": [65, token]})
+    assert "tokens[1]" in refused(response, "tokens")
+    assert call(app, "POST", "/detokenize", {"tokens": [39, 72]}).json() == {"prompt": "Hi"}
+
+
+@pytest.mark.parametrize("value", [1e-300, 0.001, 1e300])
+def test_an_extreme_repetition_penalty_is_a_400(app: Any, value: float) -> None:
+    """1e-300 divided each logit into inf: "probability tensor contains inf/nan", a 500."""
+    body = {"prompt": "hi", "max_tokens": 2, "repetition_penalty": value}
+    refused(call(app, "POST", "/v1/completions", body), "repetition_penalty")
+    body["repetition_penalty"] = 1.2
+    assert call(app, "POST", "/v1/completions", body).status_code == 200
+
+
+# -- the API's description ----------------------------------------------------------------------
+
+
+def test_docs_and_schema_take_the_api_key_when_one_is_set(text_model: FakeTextModel) -> None:
+    engine, app = app_over(text_model, api_key=KEY)
+    try:
+        for path in ("/docs", "/openapi.json"):
+            assert call(app, "GET", path).status_code == 401
+            auth = {"authorization": f"Bearer {KEY}"}
+            assert call(app, "GET", path, **auth).status_code == 200
+        assert call(app, "GET", "/health").status_code == 200  # probes stay open
+    finally:
+        engine.stop(drain=False)
+
+
+# -- environment timeouts -----------------------------------------------------------------------
+
+
+@pytest.mark.parametrize("text", ["1e308", "9e18", "604801"])
+def test_a_timeout_variable_past_a_week_is_a_usage_error(monkeypatch: Any, text: str) -> None:
+    """1e308 or 9e18 passed the check and died in an OverflowError inside the wait (for the
+    graph timeout, after the compiles ended)."""
+    from neuronctl.backends.torch import graphs, kernel
+    from neuronctl.errors import UsageError
+
+    for name, read in ((kernel.BUILD_TIMEOUT_ENV, kernel.build_timeout),
+                       (graphs.GRAPH_TIMEOUT_ENV, graphs.graph_timeout)):  # fmt: skip
+        monkeypatch.setenv(name, text)
+        with pytest.raises(UsageError, match="a week"):
+            read()
+        monkeypatch.setenv(name, "604800")
+        assert read() == 604800.0
+
