@@ -8,7 +8,13 @@ The server tests run the app in-process over tests/fake_runner.py (no compiled a
 from __future__ import annotations
 
 import asyncio
+import io
 import json
+import pickle
+import struct
+import zipfile
+import zlib
+from pathlib import Path
 from typing import Any
 
 import httpx
@@ -232,3 +238,123 @@ def test_a_timeout_variable_past_a_week_is_a_usage_error(monkeypatch: Any, text:
         monkeypatch.setenv(name, "604800")
         assert read() == 604800.0
 
+
+
+# -- a graph archive read one way by the scan and another by torch ------------------------------
+
+
+class _Touch:
+    """Unpickling this creates a file: the stand-in for any command an attacker runs."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+
+    def __reduce__(self) -> tuple[object, tuple[str, str]]:
+        return (open, (self.path, "w"))
+
+
+def stored_zip(members: list[tuple[str, bytes]], zip64_end_at: int) -> bytes:
+    """A plain stored zip of `members`, its zip64 end record placed at `zip64_end_at` and no
+    end record after it: what miniz finds when an end record later in the file points there."""
+    out, central = bytearray(), bytearray()
+    for name, data in members:
+        raw, crc, offset = name.encode(), zlib.crc32(data), len(out)
+        out += struct.pack("<4s5H3L2H", b"PK\x03\x04", 20, 0, 0, 0, 0, crc, len(data),
+                           len(data), len(raw), 0) + raw + data  # fmt: skip
+        central += struct.pack("<4s6H3L5H2L", b"PK\x01\x02", 20, 20, 0, 0, 0, 0, crc, len(data),
+                               len(data), len(raw), 0, 0, 0, 0, 0, offset) + raw  # fmt: skip
+    cd_at = len(out)
+    out += central
+    out += bytes(zip64_end_at - len(out))
+    out += struct.pack("<4sQ2H2L4Q", b"PK\x06\x06", 44, 45, 45, 0, 0, len(members), len(members),
+                       len(central), cd_at)  # fmt: skip
+    return bytes(out)
+
+
+def two_faced_graph(folder: Path, marker: Path) -> Path:
+    """A malicious zip followed by a benign export graph, as torch writes it. Python's
+    zipfile finds the benign graph's end record and, seeing data before it, shifts every
+    offset by it: the benign members. miniz (torch's reader) takes the zip64 locator's offset
+    as written, which lands on the malicious zip's own zip64 end record: its members, whose
+    sample inputs torch.export.load unpickles with weights_only=False on fallback."""
+    import torch
+
+    class AddOne(torch.nn.Module):
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return x + 1
+
+    program = torch.export.export(AddOne(), (torch.ones(2),))
+    program.example_inputs = None  # as neuronctl saves its graphs: nothing pickled
+    benign_file = folder / "benign.pt2"
+    torch.export.save(program, str(benign_file))
+    benign = benign_file.read_bytes()
+    locator = benign[-22 - 20 : -22]
+    assert locator[:4] == b"PK\x06\x07", "torch writes a zip64 locator"
+    payload = pickle.dumps(_Touch(str(marker)), protocol=2)
+    with zipfile.ZipFile(benign_file) as archive:
+        members = [
+            (info.filename, payload if info.filename.endswith("model.pt") else archive.read(info))
+            for info in archive.infolist()
+        ]
+    hostile = folder / "graph.pt2"
+    hostile.write_bytes(stored_zip(members, struct.unpack("<Q", locator[8:16])[0]) + benign)
+    return hostile
+
+
+def test_a_graph_that_zipfile_and_torch_read_differently_is_refused(tmp_path: Path) -> None:
+    """`validate --deep` said "no graph carries code" of such a file and generate
+    --allow-unsigned then unpickled it. The scan now refuses any layout but the one both
+    readers read alike."""
+    import torch
+
+    from neuronctl.backends.torch.safeload import UnsafeGraphError, check_export_graph
+
+    marker = tmp_path / "pwned"
+    graph = two_faced_graph(tmp_path, marker)
+    with zipfile.ZipFile(graph) as archive:  # what the scan used to judge: benign
+        assert archive.getinfo("benign/data/sample_inputs/model.pt").file_size == 0
+    reader = torch._C.PyTorchFileReader(str(graph))  # what torch loads: the payload
+    assert reader.get_record("data/sample_inputs/model.pt").startswith(b"\x80\x02")
+    check_export_graph(tmp_path / "benign.pt2")  # torch's own layout passes
+    with pytest.raises(UnsafeGraphError, match="bytes before its first member"):
+        check_export_graph(graph)
+    assert not marker.exists()
+    try:
+        torch.export.load(str(graph))  # without the scan: the payload runs
+    except Exception:
+        pass
+    assert marker.exists()
+
+
+@pytest.mark.parametrize("damage", ["trailing", "overlap", "gap", "renamed"])
+def test_archive_layouts_torch_never_writes_are_refused(tmp_path: Path, damage: str) -> None:
+    """Bytes after the end record, two entries on one local header, a gap between members
+    and a local header whose name is not the central directory's: each lets two readers
+    disagree, and torch writes none of them."""
+    from neuronctl.backends.torch.safeload import UnsafeGraphError, check_export_graph
+
+    members = [("g/a.json", b"{}"), ("g/b.json", b"[]")]
+    plain = io.BytesIO()
+    with zipfile.ZipFile(plain, "w") as archive:
+        for name, body in members:
+            archive.writestr(name, body)
+    data = bytearray(plain.getvalue())
+    if damage == "trailing":
+        data += b"x"
+    elif damage == "overlap":  # the second entry's offset points at the first's header
+        at = data.rindex(b"PK\x01\x02")
+        data[at + 42 : at + 46] = struct.pack("<L", 0)
+    elif damage == "gap":  # 4 bytes between the members, offsets moved past them
+        second = data.index(b"PK\x03\x04", 4)
+        data[second:second] = b"\0" * 4
+        at = data.rindex(b"PK\x01\x02")
+        data[at + 42 : at + 46] = struct.pack("<L", second + 4)
+        end = data.rindex(b"PK\x05\x06")
+        cd_at = struct.unpack("<L", data[end + 16 : end + 20])[0]
+        data[end + 16 : end + 20] = struct.pack("<L", cd_at + 4)
+    else:
+        data[30:38] = b"g/c.jso~"[: len("g/a.json")]
+    graph = tmp_path / "graph.pt2"
+    graph.write_bytes(bytes(data))
+    with pytest.raises(UnsafeGraphError):
+        check_export_graph(graph)
