@@ -10,8 +10,13 @@ from __future__ import annotations
 import asyncio
 import io
 import json
+import os
 import pickle
 import struct
+import subprocess
+import sys
+import threading
+import time
 import zipfile
 import zlib
 from pathlib import Path
@@ -358,3 +363,101 @@ def test_archive_layouts_torch_never_writes_are_refused(tmp_path: Path, damage: 
     graph.write_bytes(bytes(data))
     with pytest.raises(UnsafeGraphError):
         check_export_graph(graph)
+
+
+# -- a FIFO in place of a graph, and a step that never ends -------------------------------------
+
+
+def within(seconds: float, call: Any) -> Any:
+    """call() in a daemon thread: a hang fails the test instead of blocking the suite."""
+    box: list[Any] = []
+
+    def run() -> None:
+        try:
+            box.append(call())
+        except BaseException as exc:  # handed back to the test
+            box.append(exc)
+
+    thread = threading.Thread(target=run, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert box, f"still blocked after {seconds} s"
+    return box[0]
+
+
+@pytest.mark.parametrize("compiler", ["export", "inductor"])
+def test_a_fifo_in_place_of_a_graph_is_refused_without_waiting(
+    tmp_path: Path, compiler: str
+) -> None:
+    """Opening a FIFO waits for a writer: the engine thread's first use of the graph hung,
+    and with it every request."""
+    from neuronctl.backends.torch.runner import load_graph
+    from neuronctl.store.files import NotRegularFileError
+
+    fifo = tmp_path / "graph.pt2"
+    os.mkfifo(fifo)
+    error = within(10, lambda: load_graph(fifo, compiler))
+    assert isinstance(error, NotRegularFileError) and "a FIFO" in str(error)
+
+
+class StuckRunner(FakeRunner):
+    """Its decode never returns until released: a read that blocks for good."""
+
+    def __init__(self) -> None:
+        super().__init__(batch_size=1)
+        self.release = threading.Event()
+
+    def decode(self, token_ids: Any, positions: Any) -> Any:
+        self.release.wait()
+        return super().decode(token_ids, positions)
+
+
+def test_a_stuck_step_turns_health_503_and_fails_what_it_held(text_model: FakeTextModel) -> None:
+    """/health said ok while a step could not finish, and every request hung."""
+    runner = StuckRunner()
+    engine = Engine(runner, byte_decoder, eos_ids=[EOS_ID], stall_seconds=0.5).start()
+    app = create_app(engine, text_model, "fake")
+    try:
+        handle = engine.submit([1, 2], SamplingParams(temperature=0, max_tokens=4))
+        assert call(app, "GET", "/health").status_code == 200
+        time.sleep(1.0)
+        health = call(app, "GET", "/health")
+        assert health.status_code == 503 and "without finishing" in health.json()["error"]
+        out = within(5, handle.result)
+        assert out.finish_reason == "error"
+        body = {"prompt": "hi", "max_tokens": 1}
+        assert call(app, "POST", "/v1/completions", body).status_code == 503
+    finally:
+        runner.release.set()
+
+
+STUCK_AT_EXIT = """
+import threading, time
+from neuronctl.engine import engine as engine_module
+from neuronctl.engine.engine import Engine
+from neuronctl.engine.sampling import SamplingParams
+from tests.fake_runner import EOS_ID, FakeRunner, byte_decoder
+
+engine_module.EXIT_JOIN_SECONDS = 1.0
+
+class Stuck(FakeRunner):
+    def decode(self, token_ids, positions):
+        threading.Event().wait()
+
+engine = Engine(Stuck(batch_size=1), byte_decoder, eos_ids=[EOS_ID]).start()
+engine.submit([1, 2], SamplingParams(temperature=0, max_tokens=4))
+time.sleep(0.5)
+print("exiting", flush=True)
+"""
+
+
+def test_exit_proceeds_past_an_engine_stuck_in_a_step() -> None:
+    """The exit hook joined the stuck engine thread with no timeout: after SIGTERM the
+    process lived on until SIGKILL."""
+    root = Path(__file__).resolve().parents[1]
+    env = {**os.environ, "PYTHONPATH": str(root)}
+    proc = subprocess.run([sys.executable, "-c", STUCK_AT_EXIT], env=env, cwd=root,
+                          capture_output=True, text=True, timeout=60)  # fmt: skip
+    assert "exiting" in proc.stdout
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    assert "stuck in a step" in proc.stderr

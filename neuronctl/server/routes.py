@@ -143,7 +143,7 @@ def add_routes(
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        if engine.death is not None:  # vLLM: EngineDeadError -> 503
+        if engine.watchdog() is not None:  # vLLM: EngineDeadError -> 503; a stuck step too
             return JSONResponse(
                 {"status": "engine failed", "error": engine.death, **engine.stats()},
                 status_code=503,

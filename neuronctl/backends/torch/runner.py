@@ -17,6 +17,7 @@ from neuronctl.backends.torch.layout import new_kv_cache
 from neuronctl.backends.torch.linear import can_pack, pack_weight, packed_names
 from neuronctl.backends.torch.safeload import load_export_graph
 from neuronctl.errors import CheckpointError, NotFoundError, UsageError
+from neuronctl.store.files import check_regular
 
 if TYPE_CHECKING:
     from neuronctl.spec import BuildSpec
@@ -162,6 +163,7 @@ class TorchRunner:
 
 def load_graph(file: Path, compiler: str) -> Graph:
     """A callable taking the graph's flat input list and returning its output tensor."""
+    check_regular(file)  # a FIFO in its place would block this (the engine's) thread forever
     if compiler == "inductor":
         # torch's own package loader, without torch._inductor.aoti_load_package: that
         # imports all of inductor and dynamo (~2 s of a cold start) to wrap this object.

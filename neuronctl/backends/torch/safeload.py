@@ -46,6 +46,7 @@ from pathlib import Path
 from typing import IO, Any
 
 from neuronctl.errors import NeuronctlError
+from neuronctl.store.files import open_regular
 
 STRING_OPS = frozenset(
     {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "STRING", "BINSTRING",
@@ -74,8 +75,8 @@ def load_export_graph(file: Path) -> Any:
 def check_export_graph(file: Path) -> None:
     """Raise UnsafeGraphError unless every member of the `.pt2` is data (see module doc)."""
     try:
-        with zipfile.ZipFile(file) as archive:
-            problem = _layout_problem(file, archive) or _archive_problem(archive)
+        with open_regular(file) as stream, zipfile.ZipFile(stream) as archive:
+            problem = _layout_problem(stream, archive) or _archive_problem(archive)
     except (zipfile.BadZipFile, OSError) as exc:
         raise UnsafeGraphError(f"{file} is not a torch.export archive: {exc}") from None
     if problem:
@@ -94,34 +95,33 @@ LOCAL_SIG, DESCRIPTOR_SIG = b"PK\x03\x04", b"PK\x07\x08"
 DESCRIPTOR_FLAG = 0x08
 
 
-def _layout_problem(file: Path, archive: zipfile.ZipFile) -> str | None:
+def _layout_problem(stream: IO[bytes], archive: zipfile.ZipFile) -> str | None:
     """Why the archive could read differently in another zip reader, or None (module doc)."""
-    with open(file, "rb") as stream:
-        size = stream.seek(0, io.SEEK_END)
-        stream.seek(size - EOCD.size)
-        tail = stream.read(EOCD.size)
-        if len(tail) != EOCD.size or EOCD.unpack(tail)[0] != EOCD_SIG or EOCD.unpack(tail)[-1]:
-            return "has data after its end record (or an archive comment)"
-        cd_end = _central_directory_end(stream, size - EOCD.size)
-        cd_start = cd_end - sum(_cd_entry_size(info) for info in archive.infolist())
-        if archive.start_dir != cd_start:  # type: ignore[attr-defined]
-            return "has data before its first member or around its central directory"
-        entries = sorted(archive.infolist(), key=lambda i: i.header_offset)
-        if entries and entries[0].header_offset:
-            return (
-                f"has {entries[0].header_offset} bytes before its first member (another zip "
-                "reader, torch's, can read another archive there)"
-            )
-        position = 0
-        for info in entries:
-            problem = _entry_problem(stream, info, position)
-            if problem:
-                return f"member {info.filename} {problem}"
-            position = _entry_end(stream, info)
-            if position < 0:
-                return f"member {info.filename} has no data descriptor after its data"
-        if position != cd_start:
-            return "has data between its last member and its central directory"
+    size = stream.seek(0, io.SEEK_END)
+    stream.seek(size - EOCD.size)
+    tail = stream.read(EOCD.size)
+    if len(tail) != EOCD.size or EOCD.unpack(tail)[0] != EOCD_SIG or EOCD.unpack(tail)[-1]:
+        return "has data after its end record (or an archive comment)"
+    cd_end = _central_directory_end(stream, size - EOCD.size)
+    cd_start = cd_end - sum(_cd_entry_size(info) for info in archive.infolist())
+    if archive.start_dir != cd_start:  # type: ignore[attr-defined]
+        return "has data before its first member or around its central directory"
+    entries = sorted(archive.infolist(), key=lambda i: i.header_offset)
+    if entries and entries[0].header_offset:
+        return (
+            f"has {entries[0].header_offset} bytes before its first member (another zip "
+            "reader, torch's, can read another archive there)"
+        )
+    position = 0
+    for info in entries:
+        problem = _entry_problem(stream, info, position)
+        if problem:
+            return f"member {info.filename} {problem}"
+        position = _entry_end(stream, info)
+        if position < 0:
+            return f"member {info.filename} has no data descriptor after its data"
+    if position != cd_start:
+        return "has data between its last member and its central directory"
     return None
 
 
