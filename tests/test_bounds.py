@@ -461,3 +461,45 @@ def test_exit_proceeds_past_an_engine_stuck_in_a_step() -> None:
     assert "exiting" in proc.stdout
     assert proc.returncode == 0, proc.stderr[-2000:]
     assert "stuck in a step" in proc.stderr
+
+
+# -- manifest.json: read capped, nesting checked ------------------------------------------------
+
+
+def test_validate_reads_a_huge_sparse_manifest_capped(tmp_path: Path) -> None:
+    """A 6 GB sparse manifest.json cost validate (and the reuse check before every generate
+    and serve) 12.6 GB of memory: it was read whole."""
+    from neuronctl.store.manifest import MAX_MANIFEST_BYTES
+    from neuronctl.validate import check_artifact
+
+    artifact = tmp_path / "artifact"
+    artifact.mkdir()
+    with open(artifact / "manifest.json", "wb") as out:
+        out.truncate(MAX_MANIFEST_BYTES * 4)  # sparse: no disk, a whole read costs 256 MB
+    check, manifest = check_artifact(artifact)
+    assert not check.ok and manifest is None
+    assert "limit" in check.reason, check.reason
+
+
+@pytest.mark.parametrize("opener", ["[", '{"a":'])
+def test_a_deeply_nested_manifest_is_a_clear_error(tmp_path: Path, opener: str) -> None:
+    """Nested 100,000 deep it was an internal RecursionError."""
+    from neuronctl.errors import NotFoundError
+    from neuronctl.store.manifest import read_manifest
+    from neuronctl.validate import check_artifact
+
+    artifact = tmp_path / "artifact"
+    artifact.mkdir()
+    closer = "]" if opener == "[" else "}"
+    (artifact / "manifest.json").write_text(opener * 100_000 + "1" + closer * 100_000)
+    check, _ = check_artifact(artifact)
+    assert not check.ok and "nests deeper" in check.reason, check.reason
+    with pytest.raises(NotFoundError, match="nests deeper"):
+        read_manifest(artifact)
+
+
+def test_brackets_inside_strings_do_not_count_as_nesting() -> None:
+    from neuronctl.store.manifest import json_depth_problem
+
+    assert json_depth_problem(b'{"a": "[[[[[[[[[[\\"[[[[", "b": [[1]]}', limit=3) is None
+    assert json_depth_problem(b'{"a": [[[1]]]}', limit=3) is not None
