@@ -39,6 +39,7 @@ from neuronctl.server.protocol import (
 )
 from tests.fake_runner import EOS_ID, FakeRunner, FakeTextModel, byte_decoder
 from tests.helpers import make_tokenizer
+from tests.test_remote import trusted_env  # noqa: F401  (pulls trust the test publisher)
 
 KEY = "sk-bounds"
 
@@ -503,3 +504,121 @@ def test_brackets_inside_strings_do_not_count_as_nesting() -> None:
 
     assert json_depth_problem(b'{"a": "[[[[[[[[[[\\"[[[[", "b": [[1]]}', limit=3) is None
     assert json_depth_problem(b'{"a": [[[1]]]}', limit=3) is not None
+
+
+# -- pulls: a remote that stalls, drips or breaks off mid-object ------------------------------
+
+
+class _Remote:
+    """What a pull reads from, handed out by Transport.open_object: the real object until
+    `after` bytes, then a read that `behave` decides (block for good, or raise)."""
+
+    def __init__(self, real: Any, after: int, behave: Any) -> None:
+        self.real, self.left, self.behave = real, after, behave
+
+    def read(self, n: int = -1) -> bytes:
+        if self.left <= 0:
+            return self.behave()  # type: ignore[no-any-return]
+        data = self.real.read(min(n, self.left))
+        self.left -= len(data)
+        return data  # type: ignore[no-any-return]
+
+    def __enter__(self) -> _Remote:
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        self.real.close()
+
+
+def remote_that(monkeypatch: Any, behave: Any) -> None:
+    from neuronctl.store.remote.transport import Transport
+
+    real_open = Transport.open_object
+    def open_object(self: Any, dirname: str, rel: str) -> _Remote:
+        return _Remote(real_open(self, dirname, rel), 1000, behave)
+
+    monkeypatch.setattr(Transport, "open_object", open_object)
+
+
+def test_a_pull_from_a_remote_that_stalls_fails_and_frees_the_key(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """A remote dripping a byte every 8 s never tripped the read timeout: the pull sat at
+    73 % for 10 minutes holding the key's lock."""
+    from neuronctl.store.local import Store
+    from neuronctl.store.remote import pull
+    from neuronctl.store.remote.client import open_remote
+    from neuronctl.store.remote.errors import RemoteUnreachableError
+    from tests.test_remote import _pushed_to_mount
+
+    artifact, _ = _pushed_to_mount(tmp_path)
+    monkeypatch.setattr(pull, "STALL_SECONDS", 0.5)
+    never = threading.Event()
+    remote_that(monkeypatch, lambda: never.wait() or b"")
+    store = Store(tmp_path / "b")
+    error = within(30, lambda: open_remote(str(tmp_path / "mount")).pull(artifact.name, store))
+    assert isinstance(error, RemoteUnreachableError), error
+    assert "stalled" in str(error) and "1000 of" in str(error)
+    lock = store.lock(artifact.name)
+    lock.acquire(timeout=0)  # the key is free again
+    lock.release()
+    never.set()
+
+
+def test_a_transfer_that_breaks_off_mid_object_is_a_clear_error(
+    tmp_path: Path, monkeypatch: Any
+) -> None:
+    """An S3 stall mid-object ended in "internal error: IndexError"."""
+    from neuronctl.store.local import Store
+    from neuronctl.store.remote.client import open_remote
+    from neuronctl.store.remote.errors import RemoteUnreachableError
+    from tests.test_remote import _pushed_to_mount
+
+    artifact, _ = _pushed_to_mount(tmp_path)
+
+    def broken() -> bytes:
+        raise IndexError("list index out of range")
+
+    remote_that(monkeypatch, broken)
+    with pytest.raises(RemoteUnreachableError, match="broke off at 1000 of .*IndexError"):
+        open_remote(str(tmp_path / "mount")).pull(artifact.name, Store(tmp_path / "b"))
+
+
+def test_a_second_pull_of_a_key_says_it_waits_for_the_first(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """The second pull of a key waited silently behind the first."""
+    from neuronctl.store.local import Store
+    from neuronctl.store.remote.client import open_remote
+    from tests.test_remote import _pushed_to_mount
+
+    artifact, _ = _pushed_to_mount(tmp_path)
+    store = Store(tmp_path / "b")
+    lock = store.lock(artifact.name)
+    lock.acquire()  # the first pull, in another process as far as the second can tell
+    with caplog.at_level("WARNING", logger="neuronctl.store.local"):
+        thread = threading.Thread(
+            target=lambda: open_remote(str(tmp_path / "mount")).pull(artifact.name, store),
+            daemon=True,
+        )
+        thread.start()
+        deadline = time.monotonic() + 20
+        while "waiting for another" not in caplog.text and time.monotonic() < deadline:
+            time.sleep(0.05)
+        lock.release()
+        thread.join(30)
+    assert "waiting for another neuronctl process" in caplog.text
+    assert not thread.is_alive()
+
+
+def test_a_checksum_failure_hints_at_corruption_in_transit_not_the_url() -> None:
+    """botocore's FlexibleChecksumError (a flipped byte caught by the S3 client) got the
+    hint "check the URL, the network and the credentials"."""
+    from botocore.exceptions import FlexibleChecksumError
+
+    from neuronctl.store.remote.errors import unreachable
+
+    exc = FlexibleChecksumError(error_msg="Expected checksum abc did not match calculated def")
+    error = unreachable("s3://bucket/neuron", exc)
+    assert error is not None and "corrupted in transit" in (error.hint or "")
+    assert "URL" not in (error.hint or "")

@@ -10,16 +10,20 @@ Layout under `<root>/neuron-compiled-artifacts/`:
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from neuronctl.errors import NeuronctlError, NotFoundError, UsageError
 from neuronctl.store.manifest import MANIFEST, Manifest, read_manifest, record_files, write_manifest
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from filelock import FileLock
@@ -127,7 +131,7 @@ class Store:
         final = self.path(dirname)
         if reuse(final):
             return Published(final, cache_hit=True)
-        with self.lock(dirname):
+        with self._locked(dirname):
             if reuse(final):  # a concurrent process built it while we waited
                 return Published(final, cache_hit=True)
             staging = self.new_staging(dirname)
@@ -146,6 +150,26 @@ class Store:
                 self._discard(staging, exc)
                 raise
         return Published(final, cache_hit=False)
+
+    @contextmanager
+    def _locked(self, dirname: str) -> Iterator[None]:
+        """The key's lock; when another process holds it, say so before waiting (a second
+        pull of a key waited silently behind the first)."""
+        from filelock import Timeout
+
+        lock = self.lock(dirname)
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            logger.warning(
+                "waiting for another neuronctl process that is building or pulling %s "
+                "(its lock: %s)", dirname[:12], lock.lock_file,
+            )  # fmt: skip
+            lock.acquire()
+        try:
+            yield
+        finally:
+            lock.release()
 
     def _discard(self, staging: Path, exc: BaseException) -> None:
         """A failed build keeps its staging dir (logs) under .failed/; an interrupted one goes."""
