@@ -622,3 +622,46 @@ def test_a_checksum_failure_hints_at_corruption_in_transit_not_the_url() -> None
     error = unreachable("s3://bucket/neuron", exc)
     assert error is not None and "corrupted in transit" in (error.hint or "")
     assert "URL" not in (error.hint or "")
+
+
+# -- compile beside a server ------------------------------------------------------------------
+
+
+def test_a_rebuild_never_replaces_an_artifact_a_server_holds(tmp_path: Path) -> None:
+    """`compile` of a key whose artifact was not intact replaced it while a server held its
+    lease (the server's mapped weights and graphs went to the trash under it)."""
+    from neuronctl.errors import NeuronctlError
+    from neuronctl.store.lease import hold
+    from neuronctl.store.local import Store
+    from neuronctl.store.manifest import is_intact
+    from tests.test_remote import make_artifact
+
+    artifact = make_artifact(tmp_path / "store", {"weights/w.bin": b"w" * 100})
+    store = Store(tmp_path / "store")
+    (artifact / "weights" / "w.bin").write_bytes(b"x" * 10)  # no longer intact
+    built = []
+
+    def build(staging: Path) -> Any:
+        built.append(staging)
+        raise AssertionError("never built: it could not be published")
+
+    lease = hold(artifact)
+    try:
+        with pytest.raises(NeuronctlError, match="holds it: refusing to replace"):
+            store.publish(artifact.name, build, reuse=is_intact)
+        assert not built
+        assert (artifact / "weights" / "w.bin").read_bytes() == b"x" * 10  # left as it was
+    finally:
+        lease.release()
+    rebuilt = []
+
+    def rebuild(staging: Path) -> Any:
+        rebuilt.append(staging)
+        (staging / "weights").mkdir()
+        (staging / "weights" / "w.bin").write_bytes(b"w" * 100)
+        from neuronctl.store.manifest import read_manifest
+
+        return read_manifest(artifact).model_copy(update={"files": {}})
+
+    store.publish(artifact.name, rebuild, reuse=is_intact)  # nobody holds it now
+    assert rebuilt and (artifact / "weights" / "w.bin").read_bytes() == b"w" * 100

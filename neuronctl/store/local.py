@@ -73,6 +73,14 @@ def is_store(path: Path) -> bool:
     return path.name == ARTIFACTS_DIR or (path / ARTIFACTS_DIR).is_dir()
 
 
+def _in_use(final: Path) -> NeuronctlError:
+    return NeuronctlError(
+        f"{final} is not intact, but a running process (a server) holds it: refusing to "
+        "replace an artifact in use",
+        "stop the process that serves it, then run the command again",
+    )
+
+
 @dataclass(frozen=True)
 class Published:
     path: Path
@@ -134,6 +142,7 @@ class Store:
         with self._locked(dirname):
             if reuse(final):  # a concurrent process built it while we waited
                 return Published(final, cache_hit=True)
+            self._refuse_if_leased(final)  # before the build: it could never be published
             staging = self.new_staging(dirname)
             try:
                 step("building")
@@ -185,12 +194,29 @@ class Store:
         if isinstance(exc, NeuronctlError) and exc.hint is None:
             exc.hint = f"build files and logs kept in {kept}; `neuronctl artifacts gc` removes them"
 
+    def _refuse_if_leased(self, final: Path) -> None:
+        from neuronctl.store.lease import unused  # lease.py builds on this module
+
+        if final.exists():
+            with unused(final) as free:
+                if not free:
+                    raise _in_use(final)
+
     def _move_into_place(self, staging: Path, final: Path) -> None:
+        from neuronctl.store.lease import unused
+
         doomed = None
         if final.exists():  # a broken or partial directory: set it aside, never merge
-            doomed = self._private(".trash") / f"{final.name}.{uuid.uuid4().hex[:8]}"
-            final.rename(doomed)
-        staging.rename(final)
+            # Under its lease, taken exclusively: a process that loaded it (a server) keeps
+            # what it mapped, and none starts loading it while it is swapped.
+            with unused(final) as free:
+                if not free:
+                    raise _in_use(final)
+                doomed = self._private(".trash") / f"{final.name}.{uuid.uuid4().hex[:8]}"
+                final.rename(doomed)
+                staging.rename(final)
+        else:
+            staging.rename(final)
         fsync_dir(self.artifacts)
         if doomed is not None:
             # Only our own: other processes rename into .trash concurrently (remove, publish).
