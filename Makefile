@@ -44,6 +44,7 @@ bench:
 	$(PYTHON) bench/decode.py
 	$(PYTHON) bench/validate.py
 	$(PYTHON) bench/serve.py
+	$(PYTHON) bench/hostile.py
 	$(PYTHON) bench/remote.py
 
 # docs/cli.md is generated from the commands' own --help text.
