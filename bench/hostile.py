@@ -104,6 +104,7 @@ def bystander(port: int, requests: int) -> list[float]:
 
 
 def under_load(port: int, kind: str, requests: int) -> dict[str, Any]:
+    print(f"bystander under {kind} ...", file=sys.stderr, flush=True)
     ctx = multiprocessing.get_context("spawn")
     stop, counts = ctx.Event(), ctx.Array("i", 2)
     senders = [ctx.Process(target=attack, args=(port, kind, stop, counts)) for _ in range(SENDERS)]
