@@ -21,14 +21,20 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 from neuronctl.errors import NeuronctlError, NotFoundError, UsageError
-from neuronctl.store.manifest import MANIFEST, Manifest, read_manifest, record_files, write_manifest
+from neuronctl.store.manifest import (
+    ARTIFACTS_DIR,
+    MANIFEST,
+    Manifest,
+    read_manifest,
+    record_files,
+    write_manifest,
+)
 
 logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from filelock import FileLock
 
-ARTIFACTS_DIR = "neuron-compiled-artifacts"
 STORE_ENV = "NEURONCTL_STORE"
 
 StepHook = Callable[[str], None]

@@ -42,6 +42,7 @@ from neuronctl.keys import FORMAT_VERSION, Keys, canonical_json
 from neuronctl.spec import BuildSpec, ModelShape
 
 MANIFEST = "manifest.json"
+ARTIFACTS_DIR = "neuron-compiled-artifacts"  # a store's artifacts, under its root (local.py)
 MANIFEST_TMP = MANIFEST + ".tmp"
 HASH_CHUNK = 8 * 1024 * 1024
 # Metadata is read with a cap before it is parsed: a hostile or broken manifest.json cannot
