@@ -49,6 +49,7 @@ bench:
 	$(PYTHON) bench/decode.py
 	$(PYTHON) bench/validate.py
 	$(PYTHON) bench/serve.py
+	$(PYTHON) bench/hostile.py
 	$(PYTHON) bench/remote.py
 	$(PYTHON) bench/oci.py
 

@@ -49,6 +49,7 @@ from neuronctl.store.manifest import (
     Manifest,
     file_problems,
     leftover_problem,
+    load_json_capped,
     sha256_file,
     stray_files,
 )
@@ -215,9 +216,11 @@ def check_artifact(path: Path) -> tuple[Check, Manifest | None]:
             ),
             None,
         )
-    try:
-        data = json.loads(manifest_path.read_text())
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+    try:  # capped and depth-checked: a 6 GB sparse manifest cost 12.6 GB of memory here
+        data = load_json_capped(manifest_path)
+    except NeuronctlError as exc:
+        return Check(name, False, f"{MANIFEST} is unreadable: {exc.message}; recompile"), None
+    except OSError as exc:
         return Check(name, False, f"{MANIFEST} is unreadable: {exc}; recompile"), None
     if not isinstance(data, dict):
         return Check(name, False, f"{MANIFEST} is not a JSON object; recompile"), None

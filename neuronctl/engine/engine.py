@@ -118,6 +118,13 @@ class RequestHandle:
         return self._events
 
 
+# A step running longer than this counts as stuck: /health answers 503 and new requests are
+# refused (a step is a few graph calls; a first-use graph load takes seconds, not minutes).
+STALL_SECONDS = 120.0
+# How long exit waits for a stopped engine's thread: a step stuck in a system call never
+# returns, and the process must end anyway.
+EXIT_JOIN_SECONDS = 10.0
+
 # The engines whose thread has started, for `stop_started` at exit; weak, so an engine that
 # was stopped and dropped goes as before (a running thread holds its engine itself).
 _started: weakref.WeakSet[Engine] = weakref.WeakSet()
@@ -143,9 +150,12 @@ def stop_started() -> None:
     atexit runs this after Python has joined the non-daemon threads (which may still use an
     engine) and before it finalizes, while the engine thread can still take the GIL and end
     cleanly. What is in flight is aborted, not finished: the process is ending. The wait is
-    for the step in progress, which a runner call always ends."""
+    for the step in progress, at most EXIT_JOIN_SECONDS: a step stuck for good (a read that
+    never returns) must not keep the process alive after SIGTERM."""
     for engine in list(_started):
-        engine.stop(drain=False)
+        engine.stop(drain=False, timeout=EXIT_JOIN_SECONDS)
+        if engine.running_thread():
+            logger.warning("the engine thread is stuck in a step; exiting without it")
 
 
 # What `Engine.generate` calls for each request in prompt order: its index and handle in, its
@@ -162,6 +172,7 @@ class Engine:
         global_topk: int = DEFAULT_GLOBAL_TOPK,
         max_queue: int | None = None,
         scheduler: Scheduler | None = None,
+        stall_seconds: float = STALL_SECONDS,
     ) -> None:
         self.runner = runner
         self.new_decoder = new_decoder
@@ -178,6 +189,8 @@ class Engine:
         self._drain = True
         self.death: str | None = None  # why the engine thread failed; None while it is alive
         self._step: SchedulerOutput | None = None  # the step being applied
+        self._step_started: float | None = None  # monotonic time the step began; None: idle
+        self.stall_seconds = stall_seconds
         self.steps = 0  # decode steps run, for tests and metrics
         self._threads = 0  # the starting thread's intra-op thread count (start())
 
@@ -206,15 +219,23 @@ class Engine:
             self._thread.join(timeout)
 
     def submit(
-        self, prompt_ids: Sequence[int], params: SamplingParams, sink: Sink | None = None
+        self,
+        prompt_ids: Sequence[int],
+        params: SamplingParams,
+        sink: Sink | None = None,
+        client: str | None = None,
+        group: object = None,
     ) -> RequestHandle:
-        """Queue a request; raise RequestError, QueueFullError or EngineStoppedError."""
+        """Queue a request; raise RequestError, QueueFullError or EngineStoppedError.
+        `client` and `group` are whose it is, for the scheduler's fair shares."""
         resolved = resolve(params, self.global_topk)
         max_tokens = self._check_lengths(prompt_ids, resolved)
         events: EventQueue | None = None
         if sink is None:
             sink = events = EventQueue()
-        request = Request(list(prompt_ids), resolved, max_tokens, sink, self.new_decoder())
+        request = Request(list(prompt_ids), resolved, max_tokens, sink, self.new_decoder(),
+                          client=client, group=group)  # fmt: skip
+        self.watchdog()
         with self._cond:
             self.check_health()
             if self._stopping:
@@ -243,12 +264,27 @@ class Engine:
             self._cond.notify_all()
 
     def check_health(self) -> None:
-        """Raise EngineDeadError once the engine thread has failed."""
+        """Raise EngineDeadError once the engine thread has failed or is stuck in a step."""
         if self.death is not None:
             raise EngineDeadError(
                 f"the engine failed and serves nothing more ({self.death})",
                 "restart the server; the log has the failure's traceback",
             )
+
+    def watchdog(self) -> str | None:
+        """Why the engine is dead, after declaring it so if its step has run past
+        stall_seconds: what it held is failed (their clients get an answer, a drain can end)
+        and nothing new is taken. /health, each submit and the drain call this."""
+        started = self._step_started
+        if self.death is None and started is not None:
+            seconds = time.monotonic() - started
+            if seconds > self.stall_seconds:
+                logger.error("the engine thread is stuck in a step for %.0f s", seconds)
+                self._die(f"one step ran for over {self.stall_seconds:.0f} s without finishing")
+        return self.death
+
+    def running_thread(self) -> bool:
+        return self._thread is not None and self._thread.is_alive()
 
     def stats(self) -> dict[str, int]:
         with self._cond:
@@ -325,7 +361,9 @@ class Engine:
                     break
                 step = self.scheduler.schedule()
             self._step = step  # its aborted requests have left the scheduler already
+            self._step_started = time.monotonic()
             self.apply(step)
+            self._step_started = None
 
     def apply(self, step: SchedulerOutput) -> None:
         """Run one scheduled step on the runner and hand each request its new token."""
@@ -466,6 +504,8 @@ class Engine:
 
     def _die(self, reason: str) -> None:
         with self._cond:
+            if self.death is not None:  # the watchdog and the thread itself may both come
+                return
             self.death, self._stopping = reason, True
             leftover = self.scheduler.drain_all()
         step = self._step or SchedulerOutput()

@@ -109,6 +109,10 @@ class Request:
     request_id: str = field(default_factory=lambda: f"req-{next(_ids)}")
     arrival: float = field(default_factory=time.perf_counter)
     slot: int | None = None
+    # Who asked: `client` (the peer's address) shares the waiting queue with its other
+    # requests, `group` (one API request's sequences) shares the slots (scheduler.py).
+    client: str | None = None
+    group: object = None
     output_ids: list[int] = field(default_factory=list)
     token_times: list[float] = field(default_factory=list)
     scheduled: float | None = None

@@ -38,6 +38,9 @@ SEED_RANGE = (-(2**63), 2**64)
 # stream from 1 s to 12-16 s).
 MAX_STOP_STRINGS = 16
 MAX_STOP_CHARS = 1024
+# A penalty divides (or multiplies) a logit: past these a logit overflows float32 and the
+# sampler meets inf/nan (1e-300 was a 500).
+REPETITION_PENALTY_RANGE = (0.01, 100.0)
 
 
 @dataclass(frozen=True)
@@ -135,9 +138,10 @@ def _check_options(params: SamplingParams) -> None:
         value = getattr(params, name)
         if not -2 <= value <= 2:
             raise RequestError(f"{name} must be in [-2, 2], not {value}", param=name)
-    if not (math.isfinite(params.repetition_penalty) and params.repetition_penalty > 0):
+    low, high = REPETITION_PENALTY_RANGE
+    if not low <= params.repetition_penalty <= high:  # NaN fails this too
         raise RequestError(
-            f"repetition_penalty must be > 0, not {params.repetition_penalty}",
+            f"repetition_penalty must be in [{low}, {high}], not {params.repetition_penalty}",
             param="repetition_penalty",
         )
     if not 0 <= params.min_p <= 1:

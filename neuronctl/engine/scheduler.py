@@ -29,7 +29,18 @@ class SchedulerOutput:
         return not (self.prefill or self.decode or self.aborted)
 
 
+# One client (peer address) may hold at most this share of the waiting places: a client
+# that fills the queue leaves the rest of it to everyone else.
+CLIENT_QUEUE_SHARE = 0.5
+
+
 class Scheduler:
+    """Admits waiting requests fairly: a free slot goes to the waiting request whose API
+    request (`Request.group`) holds the fewest slots, earliest first among equals, and one
+    API request never takes the last free slot while it holds another. A request of many
+    prompts therefore runs beside later requests instead of ahead of them (259 prompts in
+    one request held a neighbour's 0.35 s answer back for 40 s when admission was FIFO)."""
+
     def __init__(self, batch_size: int, max_queue: int | None = None) -> None:
         self.slots: list[Request | None] = [None] * batch_size
         self.waiting: deque[Request] = deque()
@@ -48,7 +59,26 @@ class Scheduler:
                 f"{len(self.slots)} slots busy)",
                 "retry later, or start the server with a larger --max-queue",
             )
+        self._check_share(request, free)
         self.waiting.append(request)
+
+    def client_share(self) -> int | None:
+        """How many waiting places one client may hold (None: no limit)."""
+        if self.max_queue is None:
+            return None
+        return max(1, int(self.max_queue * CLIENT_QUEUE_SHARE))
+
+    def _check_share(self, request: Request, free: int) -> None:
+        share = self.client_share()
+        if share is None or request.client is None:
+            return
+        held = sum(r.client == request.client for r in self.waiting)
+        if held - free >= share:
+            raise QueueFullError(
+                f"this client has {held} requests waiting, its share of the "
+                f"{self.max_queue}-place queue is {share}",
+                "wait for your earlier requests to finish, then retry",
+            )
 
     def schedule(self) -> SchedulerOutput:
         """Drop cancelled requests, decode every running one, admit waiting ones (FIFO)."""
@@ -76,12 +106,33 @@ class Scheduler:
     def _admit(self) -> list[Request]:
         admitted = []
         for slot, occupant in enumerate(self.slots):
-            if occupant is None and self.waiting:
-                request = self.waiting.popleft()
-                request.slot = slot
-                self.slots[slot] = request
-                admitted.append(request)
+            if occupant is not None or not self.waiting:
+                continue
+            request = self._next_fair()
+            if request is None:
+                break
+            self.waiting.remove(request)
+            request.slot = slot
+            self.slots[slot] = request
+            admitted.append(request)
         return admitted
+
+    def _next_fair(self) -> Request | None:
+        """The earliest waiting request of the API request that holds the fewest slots; None
+        when only a request holding a slot waits and this is the last free one."""
+        held: dict[int, int] = {}
+        for r in self.running():
+            held[id(r.group)] = held.get(id(r.group), 0) + 1
+        free = sum(r is None for r in self.slots)
+        best: Request | None = None
+        for request in self.waiting:  # earliest first: only a strictly lower count wins
+            if best is None or held.get(id(request.group), 0) < held.get(id(best.group), 0):
+                best = request
+        if best is None or best.group is None:
+            return best
+        if held.get(id(best.group), 0) and free == 1 and self.batch_size > 1:
+            return None  # the last slot stays free for another request's arrival
+        return best
 
     def _take_cancelled(self) -> list[Request]:
         gone = [r for r in self.waiting if r.cancelled]

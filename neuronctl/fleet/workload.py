@@ -21,6 +21,7 @@ from neuronctl.store.manifest import Manifest
 
 if TYPE_CHECKING:
     from neuronctl.store.remote.client import RemoteStore
+    from neuronctl.store.remote.oci import OciStore
 
 # KServe's storage initializer writes to /mnt/models (its DefaultModelLocalMountPath); every
 # target uses the same directory so one install image and one command line serve them all.
@@ -297,7 +298,7 @@ def dns_name(text: str) -> str:
     return name
 
 
-def published_uri(remote: RemoteStore, manifest: Manifest) -> str:
+def published_uri(remote: RemoteStore | OciStore, manifest: Manifest) -> str:
     """The URI the install step pulls, once the remote is known to hold this very artifact."""
     dirname = manifest.keys.dirname
     if not remote.has(dirname):
@@ -364,7 +365,7 @@ class NotLoadableError(NeuronctlError):
     """The named instance type or SDK would compile the artifact again."""
 
 
-def plan_workload(manifest: Manifest, remote: RemoteStore, options: DeployOptions) -> Workload:
+def plan_workload(manifest: Manifest, remote: RemoteStore | OciStore, options: DeployOptions) -> Workload:
     """The workload for `manifest` from `remote`, or the reason a pod could not load it as
     compiled (nothing is written then)."""
     from neuronctl.fleet.instances import instance, load_checks, sdk_release

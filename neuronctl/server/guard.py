@@ -5,6 +5,7 @@ body costs nothing. It also counts every request for /metrics."""
 from __future__ import annotations
 
 import hmac
+import re
 
 from fastapi import FastAPI
 from fastapi.responses import JSONResponse
@@ -27,10 +28,25 @@ ENDPOINTS = (
 )
 
 
+# FastAPI's interactive docs and the schema they read: they describe every endpoint and
+# field, so with a key set they take it too.
+DOCS_PATHS = ("/docs", "/docs/oauth2-redirect", "/openapi.json")
+
+
+# JSON object keys a body may hold, counted in the raw bytes as they arrive (a quote, then a
+# colon): parsing is what costs, and it runs on the event loop every request shares. 450,000
+# logit_bias keys in 6.6 MB took 0.9 s of json.loads each, and two senders starved a
+# bystander. What a request may hold (1,024 messages of a few keys, 1,024 logit_bias
+# entries, the other fields) stays far below this.
+MAX_JSON_KEYS = 16384
+_KEY_END = re.compile(rb'"\s*:')
+
+
 def guarded(path: str) -> bool:
-    """The paths that run the model or its tokenizer: the API key and size limits apply
-    (vLLM leaves /tokenize open; here it costs tokenizer time, so it takes the key too)."""
-    return path.startswith("/v1") or path in ("/tokenize", "/detokenize")
+    """The paths that run the model or its tokenizer, or describe the API: the API key and
+    size limits apply (vLLM leaves /tokenize open; here it costs tokenizer time, so it takes
+    the key too)."""
+    return path.startswith("/v1") or path in ("/tokenize", "/detokenize", *DOCS_PATHS)
 
 
 class Guard:
@@ -72,16 +88,21 @@ class Guard:
                 status, started = message["status"], True
             await send(message)
 
-        seen = 0
+        seen = keys = 0
 
         async def capped_receive() -> Message:
-            nonlocal seen, too_large, status
+            nonlocal seen, keys, too_large, status
             message = await receive()
             if message["type"] == "http.request" and not too_large:
-                seen += len(message.get("body", b""))
-                if seen > self.max_body:  # answer now; the app sees the client gone
-                    too_large, status = True, 413
-                    await self._too_large()(scope, receive, send)
+                body = message.get("body", b"")
+                seen += len(body)
+                keys += len(_KEY_END.findall(body))
+                refusal = self._too_large() if seen > self.max_body else None
+                if refusal is None and keys > MAX_JSON_KEYS:
+                    refusal = self._too_many_keys()
+                if refusal is not None:  # answer now; the app sees the client gone
+                    too_large, status = True, refusal.status_code
+                    await refusal(scope, receive, send)
                     return {"type": "http.disconnect"}
             return message
 
@@ -107,6 +128,14 @@ class Guard:
         if length.isdigit() and int(length) > self.max_body:
             return self._too_large()
         return None
+
+    def _too_many_keys(self) -> JSONResponse:
+        return error_response(
+            400,
+            f"the request body has over {MAX_JSON_KEYS} JSON object keys; no request needs "
+            "that many (logit_bias takes 1024 entries, messages 1024)",
+            code="too_many_keys",
+        )
 
     def _too_large(self) -> JSONResponse:
         return error_response(

@@ -9,6 +9,7 @@ field, unless they hold their neutral value.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 from dataclasses import replace
 from typing import Any, ClassVar, Literal
@@ -52,6 +53,24 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "use_beam_search": _neutral(None, False),
     "prompt_logprobs": _neutral(None),
 }
+
+
+# -- bounds: what one request may ask for, so that it costs a bounded share of the server --
+# logit_bias keys: vLLM's own per-request limit (vllm-project/vllm,
+# vllm/v1/worker/gpu/sample/logit_bias.py: MAX_NUM_LOGIT_BIAS_TOKENS = 1024).
+MAX_LOGIT_BIAS = 1024
+# Prompts in one completion request (each is tokenized, then queued as its own sequences).
+MAX_PROMPTS = 64
+# Chat messages in one request, checked while the body is validated: before any templating.
+MAX_MESSAGES = 1024
+# What the chat template adds per message (role markers, separators), counted with the
+# content against the character limit: empty messages are not free to template.
+MESSAGE_OVERHEAD_CHARS = 16
+
+
+def template_chars(messages: list[dict[str, str]]) -> int:
+    """The characters a template sees: each message's content and its overhead."""
+    return sum(len(m["content"]) + MESSAGE_OVERHEAD_CHARS for m in messages)
 
 
 def _or(value: Any, default: Any) -> Any:
@@ -100,16 +119,29 @@ class _Sampling(_Strict):
         )
 
     def _bias(self) -> tuple[tuple[int, float], ...]:
-        out = []
-        for key, value in (self.logit_bias or {}).items():
+        """One (token id, bias) per id: "12", " 12" and "0012" name the same token, the last
+        one given wins. Capped in count before any key is parsed; never NaN or infinite
+        (min(100, nan) is 100: a NaN would force its token)."""
+        given = self.logit_bias or {}
+        if len(given) > MAX_LOGIT_BIAS:
+            raise RequestError(
+                f"logit_bias has {len(given)} entries; at most {MAX_LOGIT_BIAS}",
+                param="logit_bias",
+            )
+        out: dict[int, float] = {}
+        for key, value in given.items():
             try:
                 token = int(key)
             except ValueError:
                 raise RequestError(
                     f"logit_bias keys are token ids, not {key!r}", param="logit_bias"
                 ) from None
-            out.append((token, max(-100.0, min(100.0, value))))  # OpenAI's range, clamped as vLLM
-        return tuple(out)
+            if not math.isfinite(value):
+                raise RequestError(
+                    f"logit_bias[{key!r}] is {value}, not a finite number", param="logit_bias"
+                )
+            out[token] = max(-100.0, min(100.0, value))  # OpenAI's range, clamped as vLLM
+        return tuple(out.items())
 
     def logprobs_k(self) -> int | None:
         """How many top logprobs each output token reports; None: no logprobs."""
@@ -208,6 +240,12 @@ class CompletionRequest(_Sampling):
             out = list(p)  # type: ignore[arg-type]
         if not out or any(len(x) == 0 for x in out):
             raise RequestError("the prompt is empty", param="prompt")
+        if len(out) > MAX_PROMPTS:
+            raise RequestError(
+                f"{len(out)} prompts in one request; at most {MAX_PROMPTS}",
+                param="prompt",
+                hint="send the prompts in several requests",
+            )
         return out
 
     def prompt_chars(self) -> int:
@@ -232,7 +270,7 @@ class ChatMessage(_Strict):
 
 
 class ChatRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = None
@@ -259,7 +297,7 @@ class ChatRequest(_Sampling):
                 )
 
     def prompt_chars(self) -> int:
-        return sum(len(m.as_template_message()["content"]) for m in self.messages)
+        return template_chars([m.as_template_message() for m in self.messages])
 
 
 class TokenizeRequest(_Strict):
@@ -267,7 +305,7 @@ class TokenizeRequest(_Strict):
 
     model: str | None = None
     prompt: str | None = None
-    messages: list[ChatMessage] | None = None
+    messages: list[ChatMessage] | None = Field(None, max_length=MAX_MESSAGES)
     add_special_tokens: bool | None = None
     return_token_strs: bool | None = None
 

@@ -28,6 +28,7 @@ from neuronctl.server.protocol import (
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    template_chars,
 )
 from neuronctl.server.streams import CompletionStream, Run, sse
 
@@ -75,6 +76,19 @@ def add_routes(
                 hint="start the server with a larger --max-prompt-chars",
             )
 
+    def check_sequences(n: int) -> None:
+        """A request never holds more than the waiting places one client may (plus the
+        slots): more could never be queued whole."""
+        share = engine.scheduler.client_share()
+        most = None if share is None else share + engine.runner.batch_size
+        if most is not None and n > most:
+            raise RequestError(
+                f"the request asks for {n} sequences (prompts x best_of); this server queues "
+                f"at most {most} for one client",
+                param="prompt",
+                hint="send the prompts in several smaller requests",
+            )
+
     v1 = APIRouter(prefix="/v1")
 
     @v1.get("/models")
@@ -92,13 +106,13 @@ def add_routes(
         params = body.sampling(body.max_new_tokens)
         per_prompt = body.sequences_within(engine.runner.batch_size)
         texts = body.prompts()
+        check_sequences(len(texts) * per_prompt)
         check_chars(body.prompt_chars(), "prompt")
         prompts = [await _encode(model.encode, p) if isinstance(p, str) else p for p in texts]
         if per_prompt > body.choices_per_prompt and params.logprobs is None:
             params = replace(params, logprobs=0)  # best_of ranks by cumulative logprob
-        run = Run(
-            engine, jobs(prompts, params, per_prompt), metrics, prompts, stream=body.streaming
-        )
+        run = Run(engine, jobs(prompts, params, per_prompt), metrics, prompts,
+                  stream=body.streaming, client=client_of(request))  # fmt: skip
         echo = [p if isinstance(p, str) else model.decode(p) for p in texts] if body.echo else None
         stream = CompletionStream(run, served_model_name, body, model, echo)
         if body.streaming:
@@ -114,20 +128,22 @@ def add_routes(
         check_chars(body.prompt_chars(), "messages")
         messages = [m.as_template_message() for m in body.messages]
         prompt = await run_in_threadpool(model.encode_chat, messages)
-        run = Run(
-            engine, jobs([prompt], params, per_prompt), metrics, [prompt], stream=body.streaming
-        )
+        run = Run(engine, jobs([prompt], params, per_prompt), metrics, [prompt],
+                  stream=body.streaming, client=client_of(request))  # fmt: skip
         stream = CompletionStream(run, served_model_name, body, model)
         if body.streaming:
             return sse(stream.chunks())
         return typed(await stream.whole(request))
 
     app.include_router(v1)
-    add_vllm_routes(app, model, check_model, check_chars, max_model_len or engine.runner.seq_len)
+    add_vllm_routes(
+        app, model, check_model, check_chars, max_model_len or engine.runner.seq_len,
+        engine.runner.vocab_size,
+    )  # fmt: skip
 
     @app.get("/health")
     async def health() -> JSONResponse:
-        if engine.death is not None:  # vLLM: EngineDeadError -> 503
+        if engine.watchdog() is not None:  # vLLM: EngineDeadError -> 503; a stuck step too
             return JSONResponse(
                 {"status": "engine failed", "error": engine.death, **engine.stats()},
                 status_code=503,
@@ -149,6 +165,7 @@ def add_vllm_routes(
     check_model: Callable[[str | None], None],
     check_chars: Callable[[int, str], None],
     max_model_len: int,
+    vocab_size: int,
 ) -> None:
     """vLLM's /version, /tokenize and /detokenize, with its request and response shapes."""
 
@@ -163,7 +180,7 @@ def add_vllm_routes(
             raise RequestError("send either prompt or messages", param="prompt")
         if body.messages is not None:
             messages = [m.as_template_message() for m in body.messages]
-            check_chars(sum(len(m["content"]) for m in messages), "messages")
+            check_chars(template_chars(messages), "messages")
             ids = await run_in_threadpool(model.encode_chat, messages)
         else:
             check_chars(len(body.prompt or ""), "prompt")
@@ -177,7 +194,19 @@ def add_vllm_routes(
     @app.post("/detokenize")
     async def detokenize(body: DetokenizeRequest) -> Response:
         check_model(body.model)
+        bad = next((i for i, t in enumerate(body.tokens) if not 0 <= t < vocab_size), None)
+        if bad is not None:  # the tokenizer's Rust side fails on them: a 500, not an answer
+            raise RequestError(
+                f"tokens[{bad}] = {body.tokens[bad]} is not a token id of this model "
+                f"(0..{vocab_size - 1})",
+                param="tokens",
+            )
         return typed(DetokenizeResponse(prompt=await run_in_threadpool(model.decode, body.tokens)))
+
+
+def client_of(request: Request) -> str | None:
+    """Who a request is from, for its share of the queue: the peer's address."""
+    return request.client.host if request.client is not None else None
 
 
 def jobs(

@@ -20,7 +20,7 @@ from typing import Any
 
 import uvicorn
 
-from neuronctl.engine.engine import Engine
+from neuronctl.engine.engine import EXIT_JOIN_SECONDS, Engine
 from neuronctl.errors import NeuronctlError
 from neuronctl.server.app import Limits, create_app
 from neuronctl.server.routes import TextModel
@@ -45,7 +45,8 @@ class _DrainingServer(uvicorn.Server):
         if self._drain_until is not None and not self.should_exit:
             stats = self._engine.stats()
             idle = not (stats["waiting"] or stats["running"] or self._app.state.in_flight)
-            if idle or time.monotonic() > self._drain_until:
+            dead = self._engine.watchdog() is not None  # nothing it holds will finish
+            if idle or dead or time.monotonic() > self._drain_until:
                 self.should_exit = True
         return await super().on_tick(counter)
 
@@ -114,6 +115,7 @@ def run_server(
     try:
         server.run(sockets=[sock])
     finally:
-        engine.stop(drain=True, timeout=DRAIN_SECONDS)
+        dead = engine.watchdog() is not None  # its thread may be stuck for good
+        engine.stop(drain=not dead, timeout=EXIT_JOIN_SECONDS if dead else DRAIN_SECONDS)
         signal.signal(signal.SIGTERM, previous)
         sock.close()

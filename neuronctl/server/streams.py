@@ -62,6 +62,7 @@ class Run:
         prompts: Sequence[Sequence[int]],
         *,
         stream: bool,
+        client: str | None = None,
     ) -> None:
         self.loop = asyncio.get_running_loop()
         self.queue: asyncio.Queue[tuple[int, Event]] = asyncio.Queue()
@@ -71,7 +72,8 @@ class Run:
         self.handles: list[RequestHandle] = []
         try:
             for i, (prompt, params) in enumerate(jobs):
-                self.handles.append(engine.submit(prompt, params, sink=self._sink(i)))
+                sink = self._sink(i)
+                self.handles.append(engine.submit(prompt, params, sink, client, group=self))
         except Exception:
             self.cancel()
             raise

@@ -16,7 +16,7 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from pathlib import Path
 
-from neuronctl.store.local import ARTIFACTS_DIR
+from neuronctl.store.manifest import ARTIFACTS_DIR
 
 logger = logging.getLogger(__name__)
 

@@ -10,21 +10,31 @@ Layout under `<root>/neuron-compiled-artifacts/`:
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import uuid
 from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from neuronctl.errors import NeuronctlError, NotFoundError, UsageError
-from neuronctl.store.manifest import MANIFEST, Manifest, read_manifest, record_files, write_manifest
+from neuronctl.store.manifest import (
+    ARTIFACTS_DIR,
+    MANIFEST,
+    Manifest,
+    read_manifest,
+    record_files,
+    write_manifest,
+)
+
+logger = logging.getLogger(__name__)
 
 if TYPE_CHECKING:
     from filelock import FileLock
 
-ARTIFACTS_DIR = "neuron-compiled-artifacts"
 STORE_ENV = "NEURONCTL_STORE"
 
 StepHook = Callable[[str], None]
@@ -67,6 +77,14 @@ def is_artifact(path: Path) -> bool:
 def is_store(path: Path) -> bool:
     """A store root or its neuron-compiled-artifacts directory."""
     return path.name == ARTIFACTS_DIR or (path / ARTIFACTS_DIR).is_dir()
+
+
+def _in_use(final: Path) -> NeuronctlError:
+    return NeuronctlError(
+        f"{final} is not intact, but a running process (a server) holds it: refusing to "
+        "replace an artifact in use",
+        "stop the process that serves it, then run the command again",
+    )
 
 
 @dataclass(frozen=True)
@@ -127,9 +145,10 @@ class Store:
         final = self.path(dirname)
         if reuse(final):
             return Published(final, cache_hit=True)
-        with self.lock(dirname):
+        with self._locked(dirname):
             if reuse(final):  # a concurrent process built it while we waited
                 return Published(final, cache_hit=True)
+            self._refuse_if_leased(final)  # before the build: it could never be published
             staging = self.new_staging(dirname)
             try:
                 step("building")
@@ -147,6 +166,26 @@ class Store:
                 raise
         return Published(final, cache_hit=False)
 
+    @contextmanager
+    def _locked(self, dirname: str) -> Iterator[None]:
+        """The key's lock; when another process holds it, say so before waiting (a second
+        pull of a key waited silently behind the first)."""
+        from filelock import Timeout
+
+        lock = self.lock(dirname)
+        try:
+            lock.acquire(timeout=0)
+        except Timeout:
+            logger.warning(
+                "waiting for another neuronctl process that is building or pulling %s "
+                "(its lock: %s)", dirname[:12], lock.lock_file,
+            )  # fmt: skip
+            lock.acquire()
+        try:
+            yield
+        finally:
+            lock.release()
+
     def _discard(self, staging: Path, exc: BaseException) -> None:
         """A failed build keeps its staging dir (logs) under .failed/; an interrupted one goes."""
         if not isinstance(exc, Exception):
@@ -161,12 +200,29 @@ class Store:
         if isinstance(exc, NeuronctlError) and exc.hint is None:
             exc.hint = f"build files and logs kept in {kept}; `neuronctl artifacts gc` removes them"
 
+    def _refuse_if_leased(self, final: Path) -> None:
+        from neuronctl.store.lease import unused  # lease.py builds on this module
+
+        if final.exists():
+            with unused(final) as free:
+                if not free:
+                    raise _in_use(final)
+
     def _move_into_place(self, staging: Path, final: Path) -> None:
+        from neuronctl.store.lease import unused
+
         doomed = None
         if final.exists():  # a broken or partial directory: set it aside, never merge
-            doomed = self._private(".trash") / f"{final.name}.{uuid.uuid4().hex[:8]}"
-            final.rename(doomed)
-        staging.rename(final)
+            # Under its lease, taken exclusively: a process that loaded it (a server) keeps
+            # what it mapped, and none starts loading it while it is swapped.
+            with unused(final) as free:
+                if not free:
+                    raise _in_use(final)
+                doomed = self._private(".trash") / f"{final.name}.{uuid.uuid4().hex[:8]}"
+                final.rename(doomed)
+                staging.rename(final)
+        else:
+            staging.rename(final)
         fsync_dir(self.artifacts)
         if doomed is not None:
             # Only our own: other processes rename into .trash concurrently (remove, publish).

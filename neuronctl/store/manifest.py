@@ -21,6 +21,7 @@ import hashlib
 import json
 import os
 import platform
+import re
 import stat
 from collections.abc import Callable, Iterator, Mapping
 from datetime import UTC, datetime
@@ -41,6 +42,7 @@ from neuronctl.keys import FORMAT_VERSION, Keys, canonical_json
 from neuronctl.spec import BuildSpec, ModelShape
 
 MANIFEST = "manifest.json"
+ARTIFACTS_DIR = "neuron-compiled-artifacts"  # a store's artifacts, under its root (local.py)
 MANIFEST_TMP = MANIFEST + ".tmp"
 HASH_CHUNK = 8 * 1024 * 1024
 # Metadata is read with a cap before it is parsed: a hostile or broken manifest.json cannot
@@ -292,10 +294,39 @@ def read_capped(path: Path, cap: int) -> bytes:
     return data
 
 
+# How deeply a manifest's JSON may nest: its own records go 4 levels deep; a hostile one
+# nested thousands deep was an internal RecursionError in the parser.
+MAX_JSON_DEPTH = 32
+_JSON_STRING = re.compile(rb'"(?:[^"\\]|\\.)*"')
+_NOT_BRACKETS = bytes(b for b in range(256) if b not in b"[]{}")
+
+
+def json_depth_problem(data: bytes, limit: int = MAX_JSON_DEPTH) -> str | None:
+    """Why `data` nests deeper than `limit` (counted outside strings, before any parse)."""
+    depth = 0
+    for byte in _JSON_STRING.sub(b"", data).translate(None, _NOT_BRACKETS):
+        depth += 1 if byte in b"[{" else -1
+        if depth > limit:
+            return f"nests deeper than {limit} levels"
+    return None
+
+
+def load_json_capped(path: Path, cap: int = MAX_MANIFEST_BYTES) -> Any:
+    """A small JSON file parsed, after read_capped and json_depth_problem: NeuronctlError
+    for a file too large, too deep or not JSON; FileNotFoundError as it is."""
+    data = read_capped(path, cap)
+    if (problem := json_depth_problem(data)) is not None:
+        raise NeuronctlError(f"{path} {problem}; it is not a neuronctl manifest")
+    try:
+        return json.loads(data)
+    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
+        raise NeuronctlError(f"{path} is not valid JSON: {exc}") from None
+
+
 def read_manifest(root: Path) -> Manifest:
     path = root / MANIFEST
     try:
-        data = json.loads(read_capped(path, MAX_MANIFEST_BYTES))
+        data = load_json_capped(path)
     except NeuronctlError as exc:
         raise NotFoundError(exc.message) from None
     except FileNotFoundError:
@@ -303,8 +334,6 @@ def read_manifest(root: Path) -> Manifest:
             f"{root} is not an artifact: no {MANIFEST}",
             "compile one with `neuronctl compile MODEL`",
         ) from None
-    except (json.JSONDecodeError, UnicodeDecodeError, RecursionError) as exc:
-        raise NotFoundError(f"{path} is not valid JSON: {exc}") from None
     try:
         return Manifest.model_validate(data)
     except ValidationError as exc:

@@ -27,6 +27,7 @@ import weakref
 from pathlib import Path
 
 from neuronctl.errors import CheckpointError
+from neuronctl.store.files import NotRegularFileError, kind_of
 from neuronctl.store.manifest import HASH_CHUNK
 
 SEALS = ("F_SEAL_SEAL", "F_SEAL_SHRINK", "F_SEAL_GROW", "F_SEAL_WRITE")
@@ -56,8 +57,10 @@ def verified_copy(source: Path, sha256: str, what: str = "") -> VerifiedCopy:
     bytes are not the ones the manifest records (`sha256`)."""
     fd = os.open(source, os.O_RDONLY | os.O_NOFOLLOW | os.O_NONBLOCK | os.O_CLOEXEC)
     try:
-        if not stat.S_ISREG(os.fstat(fd).st_mode):
-            raise CheckpointError(f"{source} is not a regular file", "recompile the artifact")
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):  # opened without waiting: a FIFO would block the engine
+            raise NotRegularFileError(f"{source} is not a regular file ({kind_of(mode)})",
+                                      "recompile the artifact")
         copy, path = _new_copy(source.name)
         result = VerifiedCopy(source, copy, path, temporary=not str(path).startswith("/proc"))
         digest = _copy_hashing(fd, copy)

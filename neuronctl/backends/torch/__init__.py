@@ -69,14 +69,17 @@ class TorchBackend:
             )
 
     def build(self, request: BuildRequest) -> BuildResult:
-        from neuronctl.backends.torch import neuron_config
-        from neuronctl.backends.torch.graphs import DTYPES, build_graphs
+        from neuronctl.backends.torch import kernel, neuron_config
+        from neuronctl.backends.torch.graphs import DTYPES, build_graphs, graph_timeout
         from neuronctl.backends.torch.opchoice import BLOCKED
         from neuronctl.backends.torch.weights import GRAPH_WEIGHTS, write_graph_weights
 
         spec, staging = request.spec, request.staging
         config = dict(request.checkpoint.config)
         self.check(spec, config)
+        # A bad timeout variable fails now, not after the compiles it would time.
+        graph_timeout()
+        kernel.build_timeout()
         from neuronctl.backends.torch.config import args_from_config
 
         check_tensors(request.checkpoint, args_from_config(config))

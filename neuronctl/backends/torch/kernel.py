@@ -259,9 +259,14 @@ def build_timeout() -> float:
     return timeout_from_env(BUILD_TIMEOUT_ENV, DEFAULT_BUILD_TIMEOUT, example=1800)
 
 
+# The longest timeout a variable may set: a week. Waits hand the value to the OS's timers,
+# which overflow far below float's range (1e308 or 9e18 s was an OverflowError mid-build).
+MAX_TIMEOUT = 7 * 24 * 3600.0
+
+
 def timeout_from_env(name: str, default: float, example: int) -> float:
-    """Seconds from the variable `name`, else `default`; anything but a finite number > 0
-    is a usage error (a typo must not turn a timeout off)."""
+    """Seconds from the variable `name`, else `default`; anything but a number in
+    (0, MAX_TIMEOUT] is a usage error (a typo must not turn a timeout off)."""
     text = os.environ.get(name, "")
     if not text:
         return default
@@ -269,9 +274,10 @@ def timeout_from_env(name: str, default: float, example: int) -> float:
         seconds = float(text)
     except ValueError:
         seconds = -1.0
-    if not 0 < seconds < float("inf"):
+    if not 0 < seconds <= MAX_TIMEOUT:
         raise UsageError(
-            f"{name}={text!r} is not a number of seconds > 0", f"e.g. {name}={example}"
+            f"{name}={text!r} is not a number of seconds in (0, {MAX_TIMEOUT:.0f}] (a week)",
+            f"e.g. {name}={example}",
         )
     return seconds
 

@@ -14,6 +14,17 @@ member must be data, judged without executing anything:
 - a payload config that declares any pickled payload, script object or opaque object is
   refused, and so is any member that is a pickle or a torch.save zip, whatever its name.
 
+Python's `zipfile` and torch's zip reader (miniz, behind torch._C.PyTorchFileReader) must see
+the same members, or the scan judges one archive and torch loads another: `zipfile` tolerates
+data before the archive (it shifts every offset by what it finds there) where miniz takes the
+offsets as written, so a malicious zip followed by a benign one whose end record points back
+at the first central directory showed `zipfile` the benign members and torch the malicious
+ones. So the layout itself is checked first, and anything but the one plain layout is
+refused: the first member at offset 0, each member's local header right where the previous
+member (and its data descriptor) ended, with the same name as its central directory entry,
+the central directory right after the last member, the end records right after it and
+nothing after them. Such an archive has one reading, whichever reader reads it.
+
 torch's zip reader finds members case-insensitively (miniz's locate_file without the
 case-sensitive flag), so names are compared case-folded and an archive with two members whose
 names differ only in case is refused. Anything unrecognised is refused: the rule fails closed.
@@ -29,11 +40,13 @@ import io
 import json
 import pickletools
 import re
+import struct
 import zipfile
 from pathlib import Path
 from typing import IO, Any
 
 from neuronctl.errors import NeuronctlError
+from neuronctl.store.files import open_regular
 
 STRING_OPS = frozenset(
     {"SHORT_BINUNICODE", "BINUNICODE", "BINUNICODE8", "UNICODE", "STRING", "BINSTRING",
@@ -64,8 +77,8 @@ def check_export_graph(file: Path, name: str = "") -> None:
     `name`: what errors call the file (a verified copy's path means nothing to a user)."""
     shown = name or file
     try:
-        with zipfile.ZipFile(file) as archive:
-            problem = _archive_problem(archive)
+        with open_regular(file) as stream, zipfile.ZipFile(stream) as archive:
+            problem = _layout_problem(stream, archive) or _archive_problem(archive)
     except (zipfile.BadZipFile, OSError) as exc:
         raise UnsafeGraphError(f"{shown} is not a torch.export archive: {exc}") from None
     if problem:
@@ -74,6 +87,86 @@ def check_export_graph(file: Path, name: str = "") -> None:
             "neuronctl's export graphs never carry pickled objects; this file was "
             "not made by `neuronctl compile` (recompile, or pull a signed artifact)",
         )
+
+
+EOCD = struct.Struct("<4s4H2LH")  # end of central directory record
+EOCD_SIG, LOCATOR_SIG, EOCD64_SIG = b"PK\x05\x06", b"PK\x06\x07", b"PK\x06\x06"
+EOCD64_SIZE, LOCATOR_SIZE = 56, 20
+LOCAL = struct.Struct("<4s5H3L2H")  # local file header, before its name and extra field
+LOCAL_SIG, DESCRIPTOR_SIG = b"PK\x03\x04", b"PK\x07\x08"
+DESCRIPTOR_FLAG = 0x08
+
+
+def _layout_problem(stream: IO[bytes], archive: zipfile.ZipFile) -> str | None:
+    """Why the archive could read differently in another zip reader, or None (module doc)."""
+    size = stream.seek(0, io.SEEK_END)
+    stream.seek(size - EOCD.size)
+    tail = stream.read(EOCD.size)
+    if len(tail) != EOCD.size or EOCD.unpack(tail)[0] != EOCD_SIG or EOCD.unpack(tail)[-1]:
+        return "has data after its end record (or an archive comment)"
+    cd_end = _central_directory_end(stream, size - EOCD.size)
+    cd_start = cd_end - sum(_cd_entry_size(info) for info in archive.infolist())
+    if archive.start_dir != cd_start:  # type: ignore[attr-defined]
+        return "has data before its first member or around its central directory"
+    entries = sorted(archive.infolist(), key=lambda i: i.header_offset)
+    if entries and entries[0].header_offset:
+        return (
+            f"has {entries[0].header_offset} bytes before its first member (another zip "
+            "reader, torch's, can read another archive there)"
+        )
+    position = 0
+    for info in entries:
+        problem = _entry_problem(stream, info, position)
+        if problem:
+            return f"member {info.filename} {problem}"
+        position = _entry_end(stream, info)
+        if position < 0:
+            return f"member {info.filename} has no data descriptor after its data"
+    if position != cd_start:
+        return "has data between its last member and its central directory"
+    return None
+
+
+def _central_directory_end(stream: IO[bytes], eocd_at: int) -> int:
+    """Where the central directory must end: at the zip64 end record, if there is one (its
+    locator right before the end record), else at the end record."""
+    if eocd_at >= LOCATOR_SIZE + EOCD64_SIZE:
+        stream.seek(eocd_at - LOCATOR_SIZE)
+        if stream.read(4) == LOCATOR_SIG:
+            return eocd_at - LOCATOR_SIZE - EOCD64_SIZE
+    return eocd_at
+
+
+def _cd_entry_size(info: zipfile.ZipInfo) -> int:
+    return 46 + len(info.orig_filename.encode("utf-8" if info.flag_bits & 0x800 else "cp437")) \
+        + len(info.extra) + len(info.comment)
+
+
+def _entry_problem(stream: IO[bytes], info: zipfile.ZipInfo, expected: int) -> str | None:
+    if info.header_offset != expected:
+        return f"starts at {info.header_offset}, not where the previous one ended ({expected})"
+    stream.seek(info.header_offset)
+    header = stream.read(LOCAL.size)
+    if len(header) != LOCAL.size or LOCAL.unpack(header)[0] != LOCAL_SIG:
+        return "has no local header where the central directory says"
+    name = stream.read(LOCAL.unpack(header)[-2])
+    if name.decode("utf-8", "replace") != info.orig_filename:
+        return "has another name in its local header than in the central directory"
+    return None
+
+
+def _entry_end(stream: IO[bytes], info: zipfile.ZipInfo) -> int:
+    """Where a member ends: after its local header, data and data descriptor, if any."""
+    stream.seek(info.header_offset)
+    fields = LOCAL.unpack(stream.read(LOCAL.size))
+    end = info.header_offset + LOCAL.size + fields[-2] + fields[-1] + info.compress_size
+    if not info.flag_bits & DESCRIPTOR_FLAG:
+        return end
+    stream.seek(end)
+    if stream.read(4) != DESCRIPTOR_SIG:
+        return -1  # torch writes the signature: anything else is not its layout
+    zip64 = info.compress_size >= 0xFFFFFFFF or info.file_size >= 0xFFFFFFFF
+    return end + (24 if zip64 else 16)
 
 
 def _archive_problem(archive: zipfile.ZipFile) -> str | None:

@@ -66,7 +66,14 @@ def unreachable(url: str, exc: Exception) -> RemoteUnreachableError | None:
     if not isinstance(exc, OSError) and module not in _TRANSPORT_MODULES:
         return None  # a bug: let it surface as one
     reason = str(exc).splitlines()[0] if str(exc) else type(exc).__name__
-    if type(exc).__name__ in ("NoCredentialsError", "PartialCredentialsError"):
+    if "checksum" in type(exc).__name__.lower() or "checksum" in reason.lower():
+        # The client's own integrity check (botocore's FlexibleChecksumError): the bytes
+        # changed on the way, not the address.
+        hint = (
+            "the bytes were corrupted in transit (or on the remote): pull again; if it "
+            "repeats, push the artifact again with --force"
+        )
+    elif type(exc).__name__ in ("NoCredentialsError", "PartialCredentialsError"):
         hint = (
             "set AWS credentials (AWS_PROFILE, or AWS_ACCESS_KEY_ID and AWS_SECRET_ACCESS_KEY); "
             "AWS_ENDPOINT_URL selects an S3-compatible server"

@@ -6,16 +6,22 @@ becomes visible; a failed pull leaves one copy in the store's .failed/, never a 
 from __future__ import annotations
 
 import hashlib
+import threading
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-from neuronctl.errors import NotFoundError, UsageError
+from neuronctl.errors import NeuronctlError, NotFoundError, UsageError
 from neuronctl.keys import KEY_LENGTH
 from neuronctl.progress import NullProgress, Progress
 from neuronctl.store.local import Published, Store
-from neuronctl.store.manifest import HASH_CHUNK, MANIFEST, Manifest, is_intact, read_manifest
-from neuronctl.store.remote.errors import RemoteArtifactError, on_this_host, remote_errors
+from neuronctl.store.manifest import MANIFEST, Manifest, is_intact, read_manifest
+from neuronctl.store.remote.errors import (
+    RemoteArtifactError,
+    RemoteUnreachableError,
+    on_this_host,
+    remote_errors,
+)
 from neuronctl.store.remote.transport import DIRNAME_RE, Transport, entry_problem, run_all
 from neuronctl.store.signing import (
     PROVENANCE,
@@ -176,17 +182,20 @@ def _fetch(
     written."""
     digest = hashlib.sha256()
     left = size
+    where = f"{remote.artifact_url(dirname)}/{rel}"
     with remote.open_object(dirname, rel) as src:
         out = on_this_host(lambda: open_output(dest), dest)
         try:
-            while left > 0 and (chunk := src.read(min(HASH_CHUNK, left))):
+            while left > 0 and (
+                chunk := read_within(src, min(READ_CHUNK, left), where, size - left, size)
+            ):
                 digest.update(chunk)
                 on_this_host(lambda: out.write(chunk), dest)
                 left -= len(chunk)
                 advance(len(chunk))
         finally:
             on_this_host(out.close, dest)  # a full disk may say so only at the flush
-        grew = bool(src.read(1))
+        grew = bool(read_within(src, 1, where, size - left, size))
     if left or grew:
         raise RemoteArtifactError(
             f"{remote.artifact_url(dirname)}/{rel} changed size during the pull "
@@ -195,6 +204,46 @@ def _fetch(
             "--force",
         )
     return digest.hexdigest()
+
+
+# Each read of a pulled object must bring bytes within STALL_SECONDS: a remote that drips a
+# byte every few seconds never trips a socket's read timeout (each byte resets it), and held
+# the key's lock for good. READ_CHUNK in STALL_SECONDS is the slowest transfer accepted.
+READ_CHUNK = 1024 * 1024
+STALL_SECONDS = 60.0
+
+
+def read_within(src: Any, n: int, where: str, done: int, size: int) -> bytes:
+    """src.read(n) on a daemon thread, waited for at most STALL_SECONDS (a read that never
+    returns cannot be interrupted; it is left behind and the pull fails, releasing its
+    lock). Whatever a read raises mid-object is a remote failure said as one."""
+    box: list[Any] = []
+    thread = threading.Thread(target=lambda: box.append(_attempt(src, n)), daemon=True)
+    thread.start()
+    thread.join(STALL_SECONDS)
+    if not box:
+        raise RemoteUnreachableError(
+            f"{where}: no data for {STALL_SECONDS:.0f} s at {done} of {size} bytes: the "
+            "remote stalled",
+            "check the network and the remote store, then pull again",
+        )
+    result = box[0]
+    if isinstance(result, BaseException):
+        if isinstance(result, NeuronctlError):
+            raise result
+        raise RemoteUnreachableError(
+            f"{where}: the transfer broke off at {done} of {size} bytes "
+            f"({type(result).__name__}: {result})",
+            "check the network and the remote store, then pull again",
+        ) from result
+    return bytes(result)
+
+
+def _attempt(src: Any, n: int) -> Any:
+    try:
+        return src.read(n)
+    except BaseException as exc:  # handed back to the pulling thread
+        return exc
 
 
 def open_output(dest: Path) -> Any:
