@@ -365,7 +365,9 @@ class NotLoadableError(NeuronctlError):
     """The named instance type or SDK would compile the artifact again."""
 
 
-def plan_workload(manifest: Manifest, remote: RemoteStore | OciStore, options: DeployOptions) -> Workload:
+def plan_workload(
+    manifest: Manifest, remote: RemoteStore | OciStore, options: DeployOptions
+) -> Workload:
     """The workload for `manifest` from `remote`, or the reason a pod could not load it as
     compiled (nothing is written then)."""
     from neuronctl.fleet.instances import instance, load_checks, sdk_release
