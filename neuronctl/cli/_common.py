@@ -50,6 +50,12 @@ ArtifactsOpt = Annotated[
         show_default=False,
     ),
 ]
+# For a command that deletes: the alias, without the variable's default (a variable left set
+# in a shell must not pick what is removed).
+ArtifactsNoEnvOpt = Annotated[
+    str | None,
+    typer.Option("--artifacts", help="The ARTIFACT argument's older spelling.", show_default=False),
+]
 ArtifactArg = Annotated[
     str | None,
     typer.Argument(

@@ -7,18 +7,28 @@ from typing import Any
 
 import typer
 
-from neuronctl.cli._common import JsonOpt, StoreOpt, console, human_size, print_json, print_table
+from neuronctl.cli._common import (
+    ArtifactArg,
+    ArtifactsNoEnvOpt,
+    ArtifactsOpt,
+    JsonOpt,
+    StoreOpt,
+    console,
+    human_size,
+    one_artifact,
+    print_json,
+    print_table,
+)
 from neuronctl.cli._groups import artifacts_app
 from neuronctl.cli._table import Col
 from neuronctl.errors import NeuronctlError
 from neuronctl.store.gc import collect, parse_duration, parse_size
 from neuronctl.store.lease import unused
-from neuronctl.store.local import Store
+from neuronctl.store.local import Store, spelled_as_path
 from neuronctl.store.manifest import Manifest, read_manifest
 from neuronctl.store.resolve import open_store
 
 ORDER = 40
-KeyArg = typer.Argument(help="Artifact key, directory name or a unique prefix; or a path.")
 
 
 def summary(path: Path, manifest: Manifest) -> dict[str, Any]:
@@ -105,12 +115,20 @@ def unique_prefixes(keys: list[str], least: int = SHORT_KEY) -> list[str]:
 
 
 @artifacts_app.command("show")
-def show_command(key: str = KeyArg, store: StoreOpt = None, json_out: JsonOpt = False) -> None:
+def show_command(
+    ctx: typer.Context,
+    artifact: ArtifactArg = None,
+    artifacts: ArtifactsOpt = None,
+    store: StoreOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
     """Show an artifact's manifest: spec, keys, source, versions and files.
 
     Example: neuronctl artifacts show 3f9a2c --json
     """
-    path = open_store(store).resolve(key)
+    from neuronctl.store.resolve import resolve_artifact
+
+    path = resolve_artifact(one_artifact(ctx, artifact, artifacts), store, fetch=False)
     manifest = read_manifest(path)
     if json_out:
         print_json({"path": str(path), **manifest.model_dump(mode="json")})
@@ -128,13 +146,24 @@ def show_command(key: str = KeyArg, store: StoreOpt = None, json_out: JsonOpt = 
 
 
 @artifacts_app.command("rm")
-def rm_command(key: str = KeyArg, store: StoreOpt = None, json_out: JsonOpt = False) -> None:
+def rm_command(
+    ctx: typer.Context,
+    artifact: ArtifactArg = None,
+    artifacts: ArtifactsNoEnvOpt = None,
+    store: StoreOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
     """Remove one artifact (atomically: it is never seen half-deleted). An artifact a running
     process has loaded (serve, generate, bench) is kept: stop that process first.
 
     Example: neuronctl artifacts rm 3f9a2c
     """
-    if "/" in key:  # a path, as the KEY help says
+    key = one_artifact(ctx, artifact, artifacts)
+    if not key:
+        from neuronctl.errors import UsageError
+
+        raise UsageError("no artifact given", "pass the KEY (or ./PATH) of the one to remove")
+    if spelled_as_path(key):  # a path, as the ARTIFACT help says
         path = Path(key).expanduser().absolute()
         s = Store.containing(path)
     else:
