@@ -542,11 +542,45 @@ def test_a_before_0_6_needs_block_size_equal_to_max_model_len(tmp_path: Path) ->
     assert json.loads(flags(launch.argv)["engine-args"])["block_size"] == 1024
 
 
-def test_a_refuses_nxdi_and_unserved_models(tmp_path: Path) -> None:
-    with pytest.raises(NeuronctlError, match="Transformers NeuronX artifacts only"):
-        serve(tmp_path, A6)
+def test_a_refuses_unserved_models(tmp_path: Path) -> None:
     with pytest.raises(NeuronctlError, match="does not serve MistralForCausalLM"):
         serve(tmp_path, "tnx-fork@0.3.3", "tnx", arch="MistralForCausalLM")
+
+
+A_NXDI_LOADER = "vllm/model_executor/model_loader/neuronx_distributed.py"
+
+
+def test_a_0_6_loads_nxdi_artifacts_as_b_does(tmp_path: Path) -> None:
+    """The v0.6.x-neuron fork (c097c1891) has an NxD Inference loader: with
+    VLLM_NEURON_FRAMEWORK=neuronx-distributed-inference (vllm/worker/neuron_worker.py:35-42;
+    unset, TNx wins when installed) it loads NEURON_COMPILED_ARTIFACTS
+    (neuronx_distributed.py:124-125), setattr()s every override key onto the loaded config
+    (:136-138, so none is passed), and its vLLM-built config asks for on-device sampling
+    unconditionally (:421-437, read at :81 and :97), so an artifact compiled without it is
+    refused. vLLM 0.3/0.5 have no such loader. It serves Llama, DBRX, Mixtral (:41-50)."""
+    launch = serve(tmp_path, A6)
+    f = flags(launch.argv)
+    assert launch.env["VLLM_NEURON_FRAMEWORK"] == NXDI
+    assert launch.env["NEURON_COMPILED_ARTIFACTS"] == str(tmp_path.resolve())
+    assert f["device"] == "neuron" and f["max-model-len"] == "512"  # max_context_length
+    assert "override-neuron-config" not in f and "block-size" not in f
+    for target, fields, why in (
+        ("tnx-fork@0.5.0", {}, "only the Transformers NeuronX loader"),
+        (A6, {"arch": "MistralForCausalLM"}, "does not serve MistralForCausalLM"),
+        (A6, {"on_device_sampling": "off"}, "without on-device sampling"),
+        (A6, {"draft_model": "org/d", "num_speculative_tokens": 3}, "speculation"),
+    ):
+        with pytest.raises(NeuronctlError, match=why):
+            serve(tmp_path, target, "nxdi", **fields)  # type: ignore[arg-type]
+    loader = git_show(UPSTREAMING, "c097c1891", A_NXDI_LOADER).splitlines()
+    assert "NEURON_COMPILED_ARTIFACTS" in loader[123] and "setattr" in loader[137]
+    assert "self.config.neuron_config = neuron_config" in loader[119]
+    assert "on_device_sampling_config=on_device_sampling_config" in "".join(loader[420:437])
+    served = set(re.findall(r'^\s+"(\w+)": \(', "\n".join(loader[40:50]), re.M))
+    assert served == {"LlamaForCausalLM", "DbrxForCausalLM", "MixtralForCausalLM",
+                      "MllamaForConditionalGeneration"}  # fmt: skip
+    worker = git_show(UPSTREAMING, "c097c1891", "vllm/worker/neuron_worker.py").splitlines()
+    assert 'os.environ.get("VLLM_NEURON_FRAMEWORK")' in worker[34]
 
 
 def test_tnx_sampling_env_follows_what_was_compiled(tmp_path: Path) -> None:
@@ -686,6 +720,10 @@ def test_hash_vllm_for_a_torch_build_says_there_is_none(tiny_llama, tmp_path) ->
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
     assert data["vllm_dirname"] is None and "torch-backend" in data["vllm_dirname_note"]
+    assert data["vllm_dirname_plugin"] is None
+    assert "none for vllm-neuron (generation C)" in data["vllm_dirname_plugin_note"]
+    text = CliRunner().invoke(app, args[:-3] + ["--store", str(tmp_path)]).output
+    assert "vllm_dirname_plugin" in text and "generation C" in text
 
 
 def test_env_exports_work_from_a_written_manifest(tmp_path: Path) -> None:
@@ -762,6 +800,7 @@ def block_size_choices(ref: str) -> list[int]:
 
 
 V0_LAUNCHES = [  # (target, source ref, backend, spec fields)
+    (A6, "c097c1891", "nxdi", {}),
     (A6, "c097c1891", "tnx", {"quantized": True}),
     (A6, "c097c1891", "tnx", {"draft_model": "org/d", "num_speculative_tokens": 3}),
     (B_FORK, "490ab20f1", "nxdi", {"draft_model": "org/d", "num_speculative_tokens": 3}),
@@ -846,8 +885,11 @@ def test_dry_runs_show_what_each_generation_runs(  # type: ignore[no-untyped-def
     assert code == 0 and "vLLM generation B (v0, vLLM 0.9.2" in err
     assert "export VLLM_NEURON_FRAMEWORK=neuronx-distributed-inference" in out
     assert "--max-model-len 64" in out and "--block-size" not in out
-    code, _, err = run_cli([*serve_args, "--vllm-target", "tnx-fork"], capsys, monkeypatch)
-    assert code == 1 and "Transformers NeuronX artifacts only" in err
+    code, out, err = run_cli([*serve_args, "--vllm-target", "tnx-fork"], capsys, monkeypatch)
+    assert code == 0 and "vLLM generation A" in err, err  # the 0.6.x-neuron fork's NxDI loader
+    assert "export VLLM_NEURON_FRAMEWORK=neuronx-distributed-inference" in out
+    code, _, err = run_cli([*serve_args, "--vllm-target", "tnx-fork@0.5.0"], capsys, monkeypatch)
+    assert code == 1 and "only the Transformers NeuronX loader" in err
     code, _, err = run_cli(serve_args, capsys, monkeypatch)  # no vLLM here, none named
     assert code == 2 and "--vllm-target" in err
     gen_args = ["generate", "--engine", "vllm", "--artifacts", art, "-p", "hi", "--dry-run"]
