@@ -180,13 +180,17 @@ def _generate_builtin(
     if not json_out:
         tokens = sum(len(o.token_ids) for o in outputs)
         err_console.print(
-            f"[dim]{len(outputs)} prompts, {tokens} tokens in {elapsed:.2f} s "
+            f"[dim]{plural(len(outputs), 'prompt')}, {plural(tokens, 'token')} in {elapsed:.2f} s "
             f"({tokens / elapsed if elapsed else 0:.1f} tokens/s)[/dim]"
         )
     if failed:
         from neuronctl.errors import NeuronctlError
 
         raise NeuronctlError(f"generation failed for {len(failed)} prompt(s): {failed[0].error}")
+
+
+def plural(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def _print_event(index: int, event: Event, json_out: bool) -> None:

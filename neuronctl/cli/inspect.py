@@ -118,13 +118,18 @@ def print_path_line(path: Path | str) -> None:
 
 
 def show_artifact(path: Path, manifest: Manifest, json_out: bool) -> None:
-    ops = manifest.ops
+    from neuronctl.cli.artifacts import dtype_label
+
+    ops, spec = manifest.ops, manifest.spec
+    quantized = spec.quantization_dtype if spec.quantized else None
     if json_out:
-        print_json({"artifact": str(path), "backend": manifest.backend,
-                    "ops": ops.model_dump(mode="json") if ops else None})
+        print_json({"artifact": str(path), "backend": manifest.backend, "dtype": spec.dtype,
+                    "quantized": quantized, "ops": ops.model_dump(mode="json") if ops else None})
         return
     console.print(f"[bold]{manifest.source.model}[/bold]  ({manifest.backend})")
     print_path_line(path)
+    weights = f" ({quantized} weights, computed in {spec.dtype})" if quantized else ""
+    console.print(f"  {'dtype':<17} {dtype_label(spec)}{weights}", markup=False)
     if ops is None:
         console.print("  op choice: not recorded (another backend, or built before it was)")
         return
