@@ -5,12 +5,16 @@ from __future__ import annotations
 
 import hashlib
 import json
+import os
 import re
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
 
 from neuronctl.store.local import Store
+from neuronctl.store.manifest import read_manifest
 from tests.helpers import publish_stub_artifact, run_in_process
 
 MODELS = ("meta-llama/Llama-3.2-1B-Instruct", "TinyLlama/TinyLlama-1.1B-Chat-v1.0")
@@ -76,10 +80,13 @@ def test_artifacts_list_fits_80_columns_with_keys_whole(
     assert "Llama-3.2-1B-Instruct" in out  # a long model name loses its start, not its end
 
     whole = _run([*args, "--no-trunc"], capsys, monkeypatch)
-    assert [r.split()[0] for r in whole.splitlines()[2:]] == [p.name for p in paths]
+    # The whole artifact key (it was the 20-character directory name, its prefix).
+    keys = [read_manifest(p).artifact_key for p in paths]
+    assert [r.split()[0] for r in whole.splitlines()[2:]] == keys and len(keys[0]) == 64
     assert all(m in whole for m in MODELS) and "CREATED" in whole
     listed = json.loads(_run([*args, "--json"], capsys, monkeypatch))["artifacts"]
     assert [a["key"] for a in listed] == [p.name for p in paths]
+    assert [a["artifact_key"] for a in listed] == keys
 
 
 def test_list_prefixes_grow_until_they_tell_keys_apart() -> None:
@@ -273,7 +280,8 @@ def test_plain_progress_is_a_start_a_heartbeat_and_a_done_line() -> None:
         if step == 199:
             progress.heartbeat()  # what the heartbeat thread does every `interval` seconds
     graph(1)
-    progress.heartbeat()  # nothing runs: nothing to say
+    now[0] += 15
+    progress.heartbeat()  # between tasks (publishing): still a line, naming the last step
     assert lines == [
         "pull 5b85196557c5 ...",
         "inductor context_encoding_64 ...",
@@ -281,7 +289,21 @@ def test_plain_progress_is_a_start_a_heartbeat_and_a_done_line() -> None:
         "inductor context_encoding_64",
         "pull 5b85196557c5: done in 60.0 s",
         "inductor context_encoding_64: done in 60.0 s",
+        "still running after 75 s (past: inductor context_encoding_64)",
     ]
+
+
+def test_plain_progress_beats_before_the_first_task() -> None:
+    """compile's first "still running" line came at 60 s, not 30: its first task started
+    after the first beat, which then had nothing to name and said nothing."""
+    from neuronctl.cli._progress import PlainProgress
+
+    now = [0.0]
+    lines: list[str] = []
+    progress = PlainProgress(write=lines.append, clock=lambda: now[0])
+    now[0] = 30.0
+    progress.heartbeat()
+    assert lines == ["still running after 30 s"]
 
 
 def test_plain_progress_beats_while_nothing_advances() -> None:
@@ -367,3 +389,111 @@ def test_compile_prints_the_artifact_key_whole_within_80_columns(
     keys = [line for line in out.splitlines() if line.startswith("artifact key ")]
     assert len(keys) == 1 and re.fullmatch(r"artifact key [0-9a-f]{64}", keys[0]), out
     assert str(compiled_artifact) in out
+
+
+# --- what a person reads: dtype, help, pipes, tables, wording --------------------------------
+
+
+def test_int8_artifacts_say_int8_not_fp32(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """An int8 artifact showed as `fp32` in `artifacts list`, `show` and `inspect` (its
+    compute dtype); each now says the weights are int8."""
+    spec = {"tp_degree": 1, "seq_len": 64, "batch_size": 1, "dtype": "float32",
+            "quantized": True, "quantization_type": "per_channel_symmetric"}  # fmt: skip
+    keys = {"graph_key": _sha("g"), "weights_key": _sha("w"), "artifact_key": _sha("q")}
+    path = publish_stub_artifact(Store(tmp_path), _sha("q")[:20], "org/q", spec, keys)
+    store = ["--store", str(tmp_path)]
+    listed = _run(["artifacts", "list", *store], capsys, monkeypatch)
+    assert "int8/fp32" in listed.splitlines()[2].split()
+    shown = _run(["artifacts", "show", path.name, *store], capsys, monkeypatch)
+    assert re.search(r"^quantized\s+int8$", shown, re.M)
+    inspected = _run(["inspect", path.name, *store], capsys, monkeypatch)
+    assert "int8/fp32 (int8 weights, computed in float32)" in inspected
+    data = json.loads(_run(["inspect", path.name, *store, "--json"], capsys, monkeypatch))
+    assert data["quantized"] == "int8" and data["dtype"] == "float32"
+
+
+def _commands() -> list[list[str]]:
+    from neuronctl.cli.main import full_app
+
+    app = full_app()
+    out = [[c.name or ""] for c in app.registered_commands]
+    for group in app.registered_groups:
+        sub = group.typer_instance
+        assert sub is not None
+        out += [[group.name or "", c.name or ""] for c in sub.registered_commands]
+    return out
+
+
+def test_help_never_cuts_a_flag_or_variable_name_at_80_columns(
+    capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """rich shrank typer's options table to 80 columns by cutting names
+    (`--override-neuron-conf…`, `NEURON_COMPILED_ARTIFA…`). Every command's help now shows
+    them whole: no ellipsis anywhere."""
+    monkeypatch.setenv("COLUMNS", "80")  # typer makes its help console per call
+    for command in _commands():
+        code, out, err = run_in_process([*command, "--help"], capsys, monkeypatch)
+        assert code == 0, err
+        assert "…" not in out, (command, out)
+        assert max(len(line) for line in out.splitlines()) <= 80
+        if command == ["compile"]:
+            assert "--override-neuron-config" in out and "--num-speculative-tokens" in out
+
+
+def test_piped_output_is_not_wrapped_inside_a_command() -> None:
+    """Piped, rich wrapped at its default 80 columns: doctor's `pip install ...` fix broke
+    over three lines. Off a terminal with no COLUMNS asked for, a line is never wrapped."""
+    env = {k: v for k, v in os.environ.items() if k != "COLUMNS"}
+    done = subprocess.run([sys.executable, "-m", "neuronctl.cli.main", "doctor"],
+                          capture_output=True, text=True, env=env)  # fmt: skip
+    fix = "fix: pip install --extra-index-url https://pip.repos.neuron.amazonaws.com neuronx-cc"
+    assert any(line.strip() == fix for line in done.stdout.splitlines()), done.stdout
+    assert any(len(line) > 100 for line in done.stdout.splitlines())  # past 80, unwrapped
+
+
+def test_config_migrate_fits_80_columns(
+    narrow: None, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Its table was 135 columns: a long note repeated in a column on every row."""
+    override = '{"shard_over_sequence": true, "quant": {"quant_dtype": "s8"}, "fuse_qkv": true}'
+    out = _run(["config", "migrate", override, "--from", "tnx"], capsys, monkeypatch)
+    table = out.split("override_neuron_config for NxD Inference:")[0]
+    assert max(len(line) for line in table.splitlines()) <= 80
+    assert table.count("To use quantization") == 2  # two notes, each once, below the table
+    assert re.search(r"quantized_checkpoints_path\s+\"quantized_checkpoint\"\s+\[1\]", table)
+
+
+def test_wording_says_what_is_true(
+    tmp_path: Path, capsys: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """`revision None` for a local checkpoint; "artifact trusted: NOT verified" for what
+    nothing vouches for; gc's in-use warning printed twice."""
+    from neuronctl.cli._common import say_vouch
+    from neuronctl.store.lease import hold
+    from neuronctl.store.signing import UNSIGNED, Vouch
+
+    path = _publish(Store(tmp_path), MODELS[0])
+    shown = _run(["artifacts", "show", path.name, "--store", str(tmp_path)], capsys,
+                 monkeypatch)  # fmt: skip
+    assert "None" not in shown and "a local checkpoint: no Hub revision" in shown
+    say_vouch(Vouch(UNSIGNED, url="s3://b/k"))
+    err = capsys.readouterr().err
+    assert "trusted" not in err and err.startswith("artifact NOT verified")
+    lease = hold(path)
+    try:
+        code, out, err = run_in_process(["artifacts", "gc", "--keep-last", "0", "--store",
+                                         str(tmp_path)], capsys, monkeypatch)  # fmt: skip
+    finally:
+        lease.release()
+    assert code == 0 and (out + err).count("a running process uses it") == 1, out + err
+
+
+def test_one_prompt_is_one_prompt(compiled_artifact: Path) -> None:
+    """generate's summary said "1 prompts"."""
+    from tests.helpers import cli_in_process
+
+    done = cli_in_process("generate", str(compiled_artifact), "-p", "hi", "--max-tokens", "1")
+    assert done.returncode == 0, done.stderr
+    assert "1 prompt, 1 token in" in done.stderr

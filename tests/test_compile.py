@@ -229,4 +229,4 @@ def test_check_accuracy_is_one_line_and_a_failed_check_exits_1(
     assert result.exit_code == (0 if passed else 1), result.output
     line = next(x for x in result.output.splitlines() if "accuracy" in x)
     assert ("passed" if passed else "FAILED") in line and "{" not in line
-    assert "16/16" in line if passed else "first divergence at new token 3" in line
+    assert "16/16 tokens agree" in line if passed else "first divergence at new token 3" in line

@@ -127,7 +127,7 @@ def test_exit_codes(tmp_path: Path) -> None:
     assert "compiled for neuronx-distributed-inference" in wrong.stderr
     no_vllm = cli("env", str(path))
     assert no_vllm.returncode == 2 and "--vllm-target" in no_vllm.stderr
-    refused = cli("env", str(path), "--vllm-target", "tnx-fork")
-    assert refused.returncode == 1 and "Transformers NeuronX artifacts only" in refused.stderr
+    refused = cli("env", str(path), "--vllm-target", "tnx-fork@0.5.0")
+    assert refused.returncode == 1 and "only the Transformers NeuronX loader" in refused.stderr
     native = cli("env", str(path), "--vllm-target", "native")
     assert native.returncode == 2 and "generation C" in native.stderr

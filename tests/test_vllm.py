@@ -542,11 +542,45 @@ def test_a_before_0_6_needs_block_size_equal_to_max_model_len(tmp_path: Path) ->
     assert json.loads(flags(launch.argv)["engine-args"])["block_size"] == 1024
 
 
-def test_a_refuses_nxdi_and_unserved_models(tmp_path: Path) -> None:
-    with pytest.raises(NeuronctlError, match="Transformers NeuronX artifacts only"):
-        serve(tmp_path, A6)
+def test_a_refuses_unserved_models(tmp_path: Path) -> None:
     with pytest.raises(NeuronctlError, match="does not serve MistralForCausalLM"):
         serve(tmp_path, "tnx-fork@0.3.3", "tnx", arch="MistralForCausalLM")
+
+
+A_NXDI_LOADER = "vllm/model_executor/model_loader/neuronx_distributed.py"
+
+
+def test_a_0_6_loads_nxdi_artifacts_as_b_does(tmp_path: Path) -> None:
+    """The v0.6.x-neuron fork (c097c1891) has an NxD Inference loader: with
+    VLLM_NEURON_FRAMEWORK=neuronx-distributed-inference (vllm/worker/neuron_worker.py:35-42;
+    unset, TNx wins when installed) it loads NEURON_COMPILED_ARTIFACTS
+    (neuronx_distributed.py:124-125), setattr()s every override key onto the loaded config
+    (:136-138, so none is passed), and its vLLM-built config asks for on-device sampling
+    unconditionally (:421-437, read at :81 and :97), so an artifact compiled without it is
+    refused. vLLM 0.3/0.5 have no such loader. It serves Llama, DBRX, Mixtral (:41-50)."""
+    launch = serve(tmp_path, A6)
+    f = flags(launch.argv)
+    assert launch.env["VLLM_NEURON_FRAMEWORK"] == NXDI
+    assert launch.env["NEURON_COMPILED_ARTIFACTS"] == str(tmp_path.resolve())
+    assert f["device"] == "neuron" and f["max-model-len"] == "512"  # max_context_length
+    assert "override-neuron-config" not in f and "block-size" not in f
+    for target, fields, why in (
+        ("tnx-fork@0.5.0", {}, "only the Transformers NeuronX loader"),
+        (A6, {"arch": "MistralForCausalLM"}, "does not serve MistralForCausalLM"),
+        (A6, {"on_device_sampling": "off"}, "without on-device sampling"),
+        (A6, {"draft_model": "org/d", "num_speculative_tokens": 3}, "speculation"),
+    ):
+        with pytest.raises(NeuronctlError, match=why):
+            serve(tmp_path, target, "nxdi", **fields)  # type: ignore[arg-type]
+    loader = git_show(UPSTREAMING, "c097c1891", A_NXDI_LOADER).splitlines()
+    assert "NEURON_COMPILED_ARTIFACTS" in loader[123] and "setattr" in loader[137]
+    assert "self.config.neuron_config = neuron_config" in loader[119]
+    assert "on_device_sampling_config=on_device_sampling_config" in "".join(loader[420:437])
+    served = set(re.findall(r'^\s+"(\w+)": \(', "\n".join(loader[40:50]), re.M))
+    assert served == {"LlamaForCausalLM", "DbrxForCausalLM", "MixtralForCausalLM",
+                      "MllamaForConditionalGeneration"}  # fmt: skip
+    worker = git_show(UPSTREAMING, "c097c1891", "vllm/worker/neuron_worker.py").splitlines()
+    assert 'os.environ.get("VLLM_NEURON_FRAMEWORK")' in worker[34]
 
 
 def test_tnx_sampling_env_follows_what_was_compiled(tmp_path: Path) -> None:
@@ -686,6 +720,10 @@ def test_hash_vllm_for_a_torch_build_says_there_is_none(tiny_llama, tmp_path) ->
     assert result.exit_code == 0, result.output
     data = json.loads(result.output)
     assert data["vllm_dirname"] is None and "torch-backend" in data["vllm_dirname_note"]
+    assert data["vllm_dirname_plugin"] is None
+    assert "none for vllm-neuron (generation C)" in data["vllm_dirname_plugin_note"]
+    text = CliRunner().invoke(app, args[:-3] + ["--store", str(tmp_path)]).output
+    assert "vllm_dirname_plugin" in text and "generation C" in text
 
 
 def test_env_exports_work_from_a_written_manifest(tmp_path: Path) -> None:
@@ -762,6 +800,7 @@ def block_size_choices(ref: str) -> list[int]:
 
 
 V0_LAUNCHES = [  # (target, source ref, backend, spec fields)
+    (A6, "c097c1891", "nxdi", {}),
     (A6, "c097c1891", "tnx", {"quantized": True}),
     (A6, "c097c1891", "tnx", {"draft_model": "org/d", "num_speculative_tokens": 3}),
     (B_FORK, "490ab20f1", "nxdi", {"draft_model": "org/d", "num_speculative_tokens": 3}),
@@ -846,8 +885,11 @@ def test_dry_runs_show_what_each_generation_runs(  # type: ignore[no-untyped-def
     assert code == 0 and "vLLM generation B (v0, vLLM 0.9.2" in err
     assert "export VLLM_NEURON_FRAMEWORK=neuronx-distributed-inference" in out
     assert "--max-model-len 64" in out and "--block-size" not in out
-    code, _, err = run_cli([*serve_args, "--vllm-target", "tnx-fork"], capsys, monkeypatch)
-    assert code == 1 and "Transformers NeuronX artifacts only" in err
+    code, out, err = run_cli([*serve_args, "--vllm-target", "tnx-fork"], capsys, monkeypatch)
+    assert code == 0 and "vLLM generation A" in err, err  # the 0.6.x-neuron fork's NxDI loader
+    assert "export VLLM_NEURON_FRAMEWORK=neuronx-distributed-inference" in out
+    code, _, err = run_cli([*serve_args, "--vllm-target", "tnx-fork@0.5.0"], capsys, monkeypatch)
+    assert code == 1 and "only the Transformers NeuronX loader" in err
     code, _, err = run_cli(serve_args, capsys, monkeypatch)  # no vLLM here, none named
     assert code == 2 and "--vllm-target" in err
     gen_args = ["generate", "--engine", "vllm", "--artifacts", art, "-p", "hi", "--dry-run"]
@@ -928,3 +970,125 @@ def test_vllm_dirname_is_stable_and_names_the_model_path(  # type: ignore[no-unt
     assert vllm_dirname(spec, config, str(copy)) != first  # another --model, another name
     name, exact = vllm_dirname_exact(spec, config, "org/not-a-local-dir")
     assert not exact and vllm_dirname(spec, config, "org/not-a-local-dir") == name
+
+
+# --- what `serve --engine vllm` hands vLLM besides the artifact -------------------------------
+
+
+API_KEY_READERS = {  # ref -> where its OpenAI server reads VLLM_API_KEY beside --api-key
+    "c097c1891": "vllm/entrypoints/openai/api_server.py:436",  # A, v0.6.x-neuron
+    "490ab20f1": "vllm/entrypoints/openai/api_server.py:688",  # B, the AWS 0.7.2 fork
+    "dd417b3": "vllm/entrypoints/openai/api_server.py:1063",  # B, upstream 0.9
+}
+
+
+def test_the_api_key_reaches_vllm_through_its_variable_never_argv(tmp_path: Path) -> None:
+    """vLLM's server reads `envs.VLLM_API_KEY or args.api_key` (API_KEY_READERS): the key is
+    passed in the environment, where `ps` does not show it, and a printed launch names the
+    variable without its value."""
+    from neuronctl.vllm.launch import shell_lines
+
+    for target in (A6, B_FORK, B9, C41):
+        launch = serve_launch(tmp_path, make_manifest("tnx" if target == A6 else "nxdi"),
+                              api_key="s3cret-key", target=target)  # fmt: skip
+        assert launch.env["VLLM_API_KEY"] == "s3cret-key"
+        assert "s3cret-key" not in " ".join(launch.argv) and "--api-key" not in launch.argv
+        printed = json.dumps(launch.as_dict()) + "\n".join(shell_lines(launch))
+        assert "s3cret-key" not in printed
+        assert 'export VLLM_API_KEY="${VLLM_API_KEY:?' in "\n".join(shell_lines(launch))
+        assert launch.as_dict()["secret_env"] == ["VLLM_API_KEY"]
+    for ref, where in API_KEY_READERS.items():
+        path, line = where.split(":")
+        source = git_show(UPSTREAMING, ref, path).splitlines()
+        assert "VLLM_API_KEY" in source[int(line) - 1] and "api_key" in source[int(line) - 1]
+
+
+def test_vllm_names_the_model_as_the_builtin_server_does(tmp_path: Path) -> None:
+    """Without --served-model-name vLLM calls the model by its --model (here a path clients
+    cannot know); the launch names it by the Hub id, as `neuronctl serve` does."""
+    manifest = make_manifest()
+    manifest.source.revision = "0123abcd" * 5  # compiled from the Hub at this commit
+    launch = serve_launch(tmp_path, manifest, target=B9)
+    assert flags(launch.argv)["served-model-name"] == "org/model"
+    assert flags(serve(tmp_path, B9).argv)["served-model-name"] == "model"  # a local folder
+    named = serve_launch(tmp_path, make_manifest(), served_model_name="mine", target=B9)
+    assert flags(named.argv)["served-model-name"] == "mine"
+
+
+def test_log_level_reaches_uvicorn_where_vllm_has_the_flag(tmp_path: Path) -> None:
+    """--uvicorn-log-level is in cli_args.py from the 0.6 fork on (v0.6.x-neuron :82)."""
+    launch = serve_launch(tmp_path, make_manifest(), log_level="debug", target=B9)
+    assert flags(launch.argv)["uvicorn-log-level"] == "debug"
+    with pytest.raises(UsageError, match="no --uvicorn-log-level"):
+        old = make_manifest("tnx", seq_len=128, max_context_length=128, context_buckets=[128],
+                            token_gen_buckets=[128])  # fmt: skip
+        serve_launch(tmp_path, old, log_level="debug", target="tnx-fork@0.5.0")
+    for ref in ("c097c1891", "490ab20f1", "dd417b3"):
+        assert '"--uvicorn-log-level"' in git_show(
+            UPSTREAMING, ref, "vllm/entrypoints/openai/cli_args.py"
+        )
+
+
+FAKE_VLLM = '''
+class SamplingParams:
+    def __init__(self, **kw):
+        self.kw = kw
+class _Out:
+    def __init__(self, text):
+        self.text, self.token_ids = text, [len(text)]
+class _Req:
+    def __init__(self, text):
+        self.outputs = [_Out(text)]
+class _Tok:
+    def encode(self, text):
+        return text.split()
+class LLM:
+    def __init__(self, **kw):
+        self.kw = kw
+    def get_tokenizer(self):
+        return _Tok()
+    def generate(self, prompts, params):
+        return [_Req(p.upper() + " " + self.kw["model"].rsplit("/", 1)[-1]) for p in prompts]
+'''
+
+
+def test_vllm_dry_runs_paste_on_the_serving_host(  # type: ignore[no-untyped-def]
+    neuron_standins, tiny_llama, tmp_path, capsys, monkeypatch
+) -> None:
+    """A dry run prints what the serving host runs: `python3`, not this host's venv python;
+    no file of this host's cache (the prompts go on standard input); the API key by name.
+    The printed generate launch is pasted into bash, over a vLLM stand-in, and answers.
+    Flags only the built-in server has are refused, not dropped."""
+    import neuronctl.doctor as doctor
+    from tests.test_nxdi import compile_nxdi
+
+    _build, outcome = compile_nxdi(tiny_llama, tmp_path / "store")
+    monkeypatch.setattr(doctor, "neuron_cores", lambda: (2, "neuron-ls: 1 devices"))
+    monkeypatch.setenv("NEURONCTL_API_KEY", "s3cret-key")
+    art = str(outcome.path)
+    serve_args = ["serve", "--engine", "vllm", art, "--dry-run", "--vllm-target", B9]
+    code, out, err = run_cli(serve_args, capsys, monkeypatch)
+    assert code == 0, err
+    assert "s3cret-key" not in out + err and "VLLM_API_KEY" in out
+    assert sys.executable not in out and "python3 -m vllm.entrypoints.openai.api_server" in out
+    for flag, value in (("--max-queue", "5"), ("--max-body-bytes", "10"),
+                        ("--max-prompt-chars", "9")):  # fmt: skip
+        code, _, err = run_cli([*serve_args, flag, value], capsys, monkeypatch)
+        assert code == 2 and f"{flag} (" in err and "--engine builtin only" in err
+    cache = tmp_path / "xdg"
+    monkeypatch.setenv("XDG_CACHE_HOME", str(cache))
+    gen_args = ["generate", "--engine", "vllm", art, "-p", "hi there", "-p", "EOF", "--dry-run",
+                "--vllm-target", B9]  # fmt: skip
+    code, out, err = run_cli(gen_args, capsys, monkeypatch)
+    assert code == 0, err
+    assert sys.executable not in out and str(cache) not in out and not cache.exists()
+    fake = tmp_path / "serving-host"
+    (fake / "vllm").mkdir(parents=True)
+    (fake / "vllm" / "__init__.py").write_text(FAKE_VLLM)
+    env = {**os.environ, "PYTHONPATH": f"{fake}{os.pathsep}{os.environ.get('PYTHONPATH', '')}",
+           "PATH": f"{Path(sys.executable).parent}{os.pathsep}{os.environ['PATH']}"}  # fmt: skip
+    ran = subprocess.run(["bash", "-e"], input=out, capture_output=True, text=True, env=env)
+    assert ran.returncode == 0, ran.stderr
+    rows = [json.loads(line) for line in ran.stdout.splitlines()]
+    name = outcome.path.resolve().name
+    assert [r["text"] for r in rows] == [f"HI THERE {name}", f"EOF {name}"]

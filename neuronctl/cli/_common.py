@@ -26,6 +26,20 @@ if TYPE_CHECKING:
 
 console = Console(highlight=False)
 err_console = Console(stderr=True, highlight=False)
+UNWRAPPED = 1_000_000  # the width a table is laid out for where lines are not wrapped
+
+
+def wraps(c: Console) -> bool:
+    """Whether output to `c` is wrapped to a width: on a terminal, or where one was asked for
+    (COLUMNS). In a pipe or a log it is not: rich's default of 80 columns broke lines inside
+    a command, a URL or a path, which then could not be pasted."""
+    return c.is_terminal or c._width is not None
+
+
+def unwrap_when_piped() -> None:
+    """At start-up: no console wraps what it prints where `wraps` says it should not."""
+    for c in (console, err_console):
+        c.soft_wrap = not wraps(c)
 
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document for machines.")]
 StoreOpt = Annotated[
@@ -49,6 +63,12 @@ ArtifactsOpt = Annotated[
         help="The ARTIFACT argument's older spelling (default: $NEURON_COMPILED_ARTIFACTS).",
         show_default=False,
     ),
+]
+# For a command that deletes: the alias, without the variable's default (a variable left set
+# in a shell must not pick what is removed).
+ArtifactsNoEnvOpt = Annotated[
+    str | None,
+    typer.Option("--artifacts", help="The ARTIFACT argument's older spelling.", show_default=False),
 ]
 ArtifactArg = Annotated[
     str | None,
@@ -234,7 +254,8 @@ def print_table(
     the title (often a path) on its own line above it, never wrapped."""
     if title:
         console.print(title, style="bold", soft_wrap=True, markup=False)
-    print_rows(console, [c if isinstance(c, Col) else Col(c) for c in columns], rows)
+    budget = console.width if wraps(console) else UNWRAPPED
+    print_rows(console, [c if isinstance(c, Col) else Col(c) for c in columns], rows, budget)
 
 
 def human_size(n: float) -> str:
@@ -251,5 +272,7 @@ def say_vouch(vouch: Vouch | None) -> None:
         return
     from neuronctl.store.signing import UNSIGNED
 
-    style = "yellow" if vouch.kind == UNSIGNED else "dim"
-    err_console.print(f"[{style}]artifact trusted: {vouch.describe()}[/{style}]", soft_wrap=True)
+    if vouch.kind == UNSIGNED:  # not "trusted": nothing vouches for it
+        err_console.print(f"[yellow]artifact {vouch.describe()}[/yellow]", soft_wrap=True)
+        return
+    err_console.print(f"[dim]artifact trusted: {vouch.describe()}[/dim]", soft_wrap=True)

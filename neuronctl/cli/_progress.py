@@ -79,12 +79,18 @@ class PlainProgress:
         return advance
 
     def heartbeat(self) -> None:
-        """One line naming what still runs, with how far each task with a total has got."""
+        """One line naming what still runs, with how far each task with a total has got; the
+        same line between tasks too (a compile traces before its first task and publishes
+        after its last: silence there looked like a hang, for up to a whole interval more)."""
         with self._lock:
+            after = f"still running after {self._clock() - self._start:.0f} s"
             running = [self._status(t) for t in self._tasks if not t.finished]
             if running:
-                after = self._clock() - self._start
-                self._write(f"still running after {after:.0f} s: " + "; ".join(running))
+                self._write(f"{after}: " + "; ".join(running))
+            elif self._tasks:
+                self._write(f"{after} (past: {self._tasks[-1].description})")
+            else:
+                self._write(after)
 
     @contextmanager
     def heartbeats(self) -> Iterator[PlainProgress]:

@@ -113,10 +113,14 @@ def render(
     return table, sum(widths[i] or 0 for i in keep) + GAP * (len(keep) - 1)
 
 
-def print_rows(console: Console, columns: Sequence[Col], rows: Sequence[Sequence[Any]]) -> None:
-    table, width = render(columns, rows, console.width)
+def print_rows(
+    console: Console, columns: Sequence[Col], rows: Sequence[Sequence[Any]], budget: int
+) -> None:
+    """The table laid out for `budget` columns (the terminal's width, or unbounded where
+    lines are not wrapped: then each cell is one line)."""
+    table, width = render(columns, rows, budget)
     # Wider than the terminal only when it cannot fit: then the terminal wraps, no key is cut.
-    options = console.options.update_width(max(width, console.width))
+    options = console.options.update_width(max(width, min(budget, console.width)))
     segments: list[Segment] = []
     for line in console.render_lines(table, options, pad=False):
         segments += _rstrip(line) + [Segment.line()]

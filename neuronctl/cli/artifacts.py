@@ -7,24 +7,36 @@ from typing import Any
 
 import typer
 
-from neuronctl.cli._common import JsonOpt, StoreOpt, console, human_size, print_json, print_table
+from neuronctl.cli._common import (
+    ArtifactArg,
+    ArtifactsNoEnvOpt,
+    ArtifactsOpt,
+    JsonOpt,
+    StoreOpt,
+    console,
+    human_size,
+    one_artifact,
+    print_json,
+    print_table,
+)
 from neuronctl.cli._groups import artifacts_app
 from neuronctl.cli._table import Col
 from neuronctl.errors import NeuronctlError
+from neuronctl.spec import BuildSpec
 from neuronctl.store.gc import collect, parse_duration, parse_size
 from neuronctl.store.lease import unused
-from neuronctl.store.local import Store
+from neuronctl.store.local import Store, spelled_as_path
 from neuronctl.store.manifest import Manifest, read_manifest
 from neuronctl.store.resolve import open_store
 
 ORDER = 40
-KeyArg = typer.Argument(help="Artifact key, directory name or a unique prefix; or a path.")
 
 
 def summary(path: Path, manifest: Manifest) -> dict[str, Any]:
     spec = manifest.spec
     return {
         "key": path.name,
+        "artifact_key": manifest.artifact_key,
         "path": str(path),
         "model": manifest.source.model,
         "backend": manifest.backend,
@@ -32,6 +44,8 @@ def summary(path: Path, manifest: Manifest) -> dict[str, Any]:
         "seq_len": spec.seq_len,
         "batch_size": spec.batch_size,
         "dtype": spec.dtype,
+        # Quantized weights: the dtype above is what they are dequantized to and computed in.
+        "quantized": spec.quantization_dtype if spec.quantized else None,
         "size": manifest.total_size(),
         "created": manifest.created,
     }
@@ -55,14 +69,16 @@ def list_command(
     Example: neuronctl artifacts list --store /mnt/artifacts
     """
     s = open_store(store)
-    rows = [summary(p, m) for p, m in s.iter_artifacts() if m is not None]
+    found = [(p, m) for p, m in s.iter_artifacts() if m is not None]
+    rows = [summary(p, m) for p, m in found]
     if json_out:
         print_json({"store": str(s.artifacts), "artifacts": rows})
         return
     if not rows:
         console.print(f"no artifacts in {s.artifacts}", soft_wrap=True)
         return
-    keys = [str(r["key"]) for r in rows]
+    # --no-trunc: the whole artifact key (the directory name is its first 20 characters).
+    keys = [m.artifact_key if no_trunc else p.name for p, m in found]
     short = keys if no_trunc else unique_prefixes(keys)
     columns = [
         Col("key"),
@@ -83,16 +99,22 @@ def list_command(
             r["tp_degree"],
             r["batch_size"],
             r["seq_len"],
-            SHORT_DTYPES.get(str(r["dtype"]), r["dtype"]),
+            dtype_label(manifest.spec),
             human_size(float(r["size"])),
             str(r["created"])[:10],  # the day; --json has the time
         ]
-        for key, r in zip(short, rows, strict=True)
+        for key, r, (_, manifest) in zip(short, rows, found, strict=True)
     ]
     print_table(str(s.artifacts), columns, cells)
 
 
 SHORT_DTYPES = {"bfloat16": "bf16", "float16": "fp16", "float32": "fp32"}
+
+
+def dtype_label(spec: BuildSpec) -> str:
+    """The dtype column: `int8/fp32` for int8 weights computed in fp32, else the dtype."""
+    short = SHORT_DTYPES.get(spec.dtype, spec.dtype)
+    return f"{spec.quantization_dtype}/{short}" if spec.quantized else short
 SHORT_KEY = 12  # as `docker images` shows image ids
 
 
@@ -105,12 +127,20 @@ def unique_prefixes(keys: list[str], least: int = SHORT_KEY) -> list[str]:
 
 
 @artifacts_app.command("show")
-def show_command(key: str = KeyArg, store: StoreOpt = None, json_out: JsonOpt = False) -> None:
+def show_command(
+    ctx: typer.Context,
+    artifact: ArtifactArg = None,
+    artifacts: ArtifactsOpt = None,
+    store: StoreOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
     """Show an artifact's manifest: spec, keys, source, versions and files.
 
     Example: neuronctl artifacts show 3f9a2c --json
     """
-    path = open_store(store).resolve(key)
+    from neuronctl.store.resolve import resolve_artifact
+
+    path = resolve_artifact(one_artifact(ctx, artifact, artifacts), store, fetch=False)
     manifest = read_manifest(path)
     if json_out:
         print_json({"path": str(path), **manifest.model_dump(mode="json")})
@@ -118,9 +148,11 @@ def show_command(key: str = KeyArg, store: StoreOpt = None, json_out: JsonOpt = 
     console.print(f"[bold]{path}[/bold]")
     info = summary(path, manifest)
     info["size"] = human_size(manifest.total_size())
-    rows = [[k, v] for k, v in info.items() if k not in ("key", "path")]
+    rows = [[k, v] for k, v in info.items() if k not in ("key", "artifact_key", "path")]
     rows += [[name, value] for name, value in manifest.keys.as_dict().items()]
-    rows += [["source digest", manifest.source.digest], ["revision", manifest.source.revision]]
+    rows = [r for r in rows if r[0] != "quantized" or r[1] is not None]
+    revision = manifest.source.revision or "- (a local checkpoint: no Hub revision)"
+    rows += [["source digest", manifest.source.digest], ["revision", revision]]
     rows += [[f"version {k}", v] for k, v in manifest.backend_versions.items()]
     print_table(None, ["field", "value"], rows)
     files = [[n, human_size(e.size), e.sha256[:16]] for n, e in manifest.files.items()]
@@ -128,13 +160,24 @@ def show_command(key: str = KeyArg, store: StoreOpt = None, json_out: JsonOpt = 
 
 
 @artifacts_app.command("rm")
-def rm_command(key: str = KeyArg, store: StoreOpt = None, json_out: JsonOpt = False) -> None:
+def rm_command(
+    ctx: typer.Context,
+    artifact: ArtifactArg = None,
+    artifacts: ArtifactsNoEnvOpt = None,
+    store: StoreOpt = None,
+    json_out: JsonOpt = False,
+) -> None:
     """Remove one artifact (atomically: it is never seen half-deleted). An artifact a running
     process has loaded (serve, generate, bench) is kept: stop that process first.
 
     Example: neuronctl artifacts rm 3f9a2c
     """
-    if "/" in key:  # a path, as the KEY help says
+    key = one_artifact(ctx, artifact, artifacts)
+    if not key:
+        from neuronctl.errors import UsageError
+
+        raise UsageError("no artifact given", "pass the KEY (or ./PATH) of the one to remove")
+    if spelled_as_path(key):  # a path, as the ARTIFACT help says
         path = Path(key).expanduser().absolute()
         s = Store.containing(path)
     else:

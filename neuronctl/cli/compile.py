@@ -6,6 +6,7 @@ from pathlib import Path
 from typing import Any
 
 import typer
+from rich.markup import escape
 
 from neuronctl.build import compile_model, compile_with_remote, resolve_build
 from neuronctl.cli._common import (
@@ -127,11 +128,16 @@ def compile_command(
 
 
 def accuracy_line(report: dict[str, Any]) -> str:
-    """One line: the verdict, then the figures that decided it."""
+    """One line: the verdict and its criterion, then the figures that decided it."""
     verdict = "[green]accuracy passed[/green]" if report["passed"] else "[red]accuracy FAILED[/red]"
+    criterion = report.get("criterion") or (
+        f"{report['mode']} ({report.get('numerics', report.get('dtype'))})"
+    )
+    exact = report.get("exact_matches")
     parts = [
-        f"{report['mode']} ({report.get('numerics', report.get('dtype'))})",
-        f"{report['tokens_matched']}/{report['new_tokens']} tokens matched",
+        escape(criterion),
+        f"{report['tokens_matched']}/{report['new_tokens']} tokens agree"
+        + (f" ({exact} exactly)" if exact is not None else ""),
         f"max logit diff {report['max_logit_diff']:.3g}",
     ]
     if report.get("tolerance") is not None:

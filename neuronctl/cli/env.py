@@ -8,7 +8,7 @@ from typing import Annotated
 
 import typer
 
-from neuronctl.cli._common import StoreOpt, print_json
+from neuronctl.cli._common import ArtifactArg, ArtifactsOpt, StoreOpt, one_artifact, print_json
 from neuronctl.vllm.detect import TARGET_HELP
 
 ORDER = 45
@@ -51,14 +51,9 @@ def render(env: dict[str, str], shell: Shell) -> str:
 
 
 def env_command(
-    artifact: Annotated[
-        str,
-        typer.Argument(
-            help="Artifact: KEY, unique key prefix or PATH (a URL/KEY once pulled).",
-            metavar="ARTIFACT",
-            show_default=False,
-        ),
-    ],
+    ctx: typer.Context,
+    artifact: ArtifactArg = None,
+    artifacts: ArtifactsOpt = None,
     framework: Annotated[
         str | None,
         typer.Option(
@@ -79,7 +74,7 @@ def env_command(
     from neuronctl.store.resolve import resolve_artifact
     from neuronctl.vllm.launch import cli_target, env_exports
 
-    path = resolve_artifact(artifact, store, fetch=False)  # env never pulls
+    path = resolve_artifact(one_artifact(ctx, artifact, artifacts), store, fetch=False)  # no pull
     manifest = read_manifest(path)  # first: a clear error when it is not an artifact
     env = env_exports(path, manifest, framework, cli_target(manifest, vllm_target, framework))
     if json_out or shell is Shell.json:

@@ -180,13 +180,17 @@ def _generate_builtin(
     if not json_out:
         tokens = sum(len(o.token_ids) for o in outputs)
         err_console.print(
-            f"[dim]{len(outputs)} prompts, {tokens} tokens in {elapsed:.2f} s "
+            f"[dim]{plural(len(outputs), 'prompt')}, {plural(tokens, 'token')} in {elapsed:.2f} s "
             f"({tokens / elapsed if elapsed else 0:.1f} tokens/s)[/dim]"
         )
     if failed:
         from neuronctl.errors import NeuronctlError
 
         raise NeuronctlError(f"generation failed for {len(failed)} prompt(s): {failed[0].error}")
+
+
+def plural(n: int, noun: str) -> str:
+    return f"{n} {noun}" if n == 1 else f"{n} {noun}s"
 
 
 def _print_event(index: int, event: Event, json_out: bool) -> None:
@@ -270,33 +274,21 @@ def _generate_vllm(
     }
     sampling = {k: v for k, v in sampling.items() if v is not None}
 
-    def launch_for(prompts_file: Path) -> VllmLaunch:
+    def launch_for(prompts_file: Path | None) -> VllmLaunch:
         return generate_launch(path, manifest, prompts_file, sampling=sampling, target=target)
 
     lines = "".join(json.dumps({"prompt": p.text}) + "\n" for p in prompts)
-    if dry_run:
-        print_launch(launch_for(kept_prompts_file(lines)), json_out)
+    if dry_run:  # to paste on the serving host: the prompts go with it, on standard input
+        launch = launch_for(None)
+        launch.stdin = lines
+        print_launch(launch, json_out)
         return
     code = run_with_prompts(lines, launch_for)
     if code:
         raise typer.Exit(code)
 
 
-def kept_prompts_file(lines: str) -> Path:
-    """A dry run prints a command to run later: its prompts stay, under the user cache, named
-    by their content (the same prompts, the same file: repeated dry runs add nothing)."""
-    import hashlib
-
-    from neuronctl.store.local import user_cache_store
-
-    folder = user_cache_store() / "prompts"
-    folder.mkdir(parents=True, exist_ok=True)
-    path = folder / f"{hashlib.sha256(lines.encode()).hexdigest()[:32]}.jsonl"
-    path.write_text(lines)
-    return path
-
-
-def run_with_prompts(lines: str, launch_for: Callable[[Path], VllmLaunch]) -> int:
+def run_with_prompts(lines: str, launch_for: Callable[[Path | None], VllmLaunch]) -> int:
     """Run the vLLM program over the prompts in a temporary file, removed when it exits; its
     exit status. SIGTERM and SIGHUP are passed on; Ctrl-C reaches it from the terminal."""
     import os

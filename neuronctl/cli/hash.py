@@ -32,7 +32,8 @@ def hash_command(
         False,
         "--vllm",
         help="Also print the directory vLLM 0.9 (generation B) would recompile into, "
-        "<model>/neuron-compiled-artifacts/<md5>, or why there is none.",
+        "<model>/neuron-compiled-artifacts/<md5>, or why there is none; and that there is "
+        "no such name for vllm-neuron (generation C).",
     ),
     json_out: JsonOpt = False,
 ) -> None:
@@ -59,16 +60,26 @@ def _vllm_dirname(spec: Any, config: Any) -> dict[str, Any]:
     spec.model` (where it recompiles when NEURON_COMPILED_ARTIFACTS is unset), or why none."""
     from neuronctl.vllm.dirname import no_vllm_dirname, vllm_dirname_exact
 
+    plugin = {"vllm_dirname_plugin": None, "vllm_dirname_plugin_note": PLUGIN_NOTE}
     why = no_vllm_dirname(spec)
     if why:
-        return {"vllm_dirname": None, "vllm_dirname_note": why}
+        return {"vllm_dirname": None, "vllm_dirname_note": why, **plugin}
     name, exact = vllm_dirname_exact(spec, config)
     note = (
         "exact for vLLM 0.9 (generation B) given --model " + str(spec.model)
         if exact
         else "approximate: exact only with NxD Inference installed and a local --model"
     )
-    return {"vllm_dirname": name, "vllm_dirname_note": note}
+    return {"vllm_dirname": name, "vllm_dirname_note": note, **plugin}
+
+
+# vllm-neuron builds its config from its own defaults (its loader's _load_weights_common) and
+# neuronctl's launch always sets NEURON_COMPILED_ARTIFACTS, so no default path is computed.
+PLUGIN_NOTE = (
+    "none for vllm-neuron (generation C): it hashes a config built from its own defaults, "
+    "which neuronctl does not reproduce, and neuronctl always launches it with "
+    "NEURON_COMPILED_ARTIFACTS set, so that default path is never used"
+)
 
 
 def register(app: typer.Typer) -> None:

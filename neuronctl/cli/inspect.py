@@ -2,23 +2,23 @@
 
 from __future__ import annotations
 
-import re
 from pathlib import Path
 from typing import Annotated, Any
 
 import typer
 
 from neuronctl.cli._common import (
+    ArtifactsOpt,
     JsonOpt,
-    ModelArg,
     RevisionOpt,
     StoreOpt,
     console,
     human_size,
+    one_artifact,
     print_json,
     print_table,
 )
-from neuronctl.store.manifest import MANIFEST, Manifest, read_manifest
+from neuronctl.store.manifest import Manifest, read_manifest
 
 ORDER = 15
 
@@ -29,7 +29,15 @@ AllowPickleOpt = Annotated[
 
 
 def inspect_command(
-    model: ModelArg,
+    ctx: typer.Context,
+    model: str | None = typer.Argument(
+        None,
+        help="Hub id or checkpoint directory; or an artifact: KEY, unique key prefix, PATH "
+        "(a directory with a manifest.json) or URL/KEY once pulled.",
+        metavar="MODEL|ARTIFACT",
+        show_default=False,
+    ),
+    artifacts: ArtifactsOpt = None,
     revision: RevisionOpt = None,
     allow_pickle: AllowPickleOpt = False,
     store: StoreOpt = None,
@@ -38,9 +46,10 @@ def inspect_command(
     """Show a checkpoint's architecture, size, dtype, supported backends and tp degrees;
     or an artifact's matmul paths (what each row count runs, what each candidate measured).
 
-    A Hub id is downloaded first (or read from the cache with HF_HUB_OFFLINE=1). A directory
-    with a manifest.json is an artifact, and so is a key (or unique prefix of one, 8 hex
-    digits or more) of an artifact in the store.
+    A Hub id is downloaded first (or read from the cache with HF_HUB_OFFLINE=1). An artifact
+    is named as every command names one: a key or unique prefix of the store (a bare name
+    is never a directory of the working directory: write ./NAME for that), a path to a
+    directory with a manifest.json, a URL once pulled, or --artifacts.
 
     Examples:
 
@@ -54,11 +63,17 @@ def inspect_command(
     """
     from neuronctl.checkpoints import open_checkpoint
     from neuronctl.checkpoints.summary import summarize
+    from neuronctl.store.resolve import artifact_or_checkpoint, resolve_artifact
 
-    artifact = artifact_named(model, store)
+    if model is None:  # --artifacts or $NEURON_COMPILED_ARTIFACTS, else resolve says what to do
+        artifact: Path | None = resolve_artifact(artifacts, store, fetch=False)
+    else:
+        one_artifact(ctx, model, artifacts)
+        artifact = artifact_or_checkpoint(model, store)
     if artifact is not None:
         show_artifact(artifact, read_manifest(artifact), json_out)
         return
+    assert model is not None
     info = summarize(open_checkpoint(model, revision, allow_pickle=allow_pickle))
     if json_out:
         print_json(info)
@@ -84,19 +99,6 @@ def inspect_command(
         console.print(f"  {name:<17} {value}")
 
 
-def artifact_named(model: str, store: Path | None) -> Path | None:
-    """The artifact `model` names: a directory with a manifest, or a store key (prefix).
-    Reading a manifest loads no code, so no trust decision is needed here."""
-    local = Path(model).expanduser()
-    if (local / MANIFEST).is_file():
-        return local
-    if local.exists() or not re.fullmatch(r"[0-9a-f]{8,64}", model):
-        return None
-    from neuronctl.store.resolve import open_store
-
-    return open_store(store).find(model)
-
-
 def op_rows(manifest: Manifest) -> tuple[list[str], list[list[Any]]]:
     """The op-choice table: per row count the path and compute dtype taken and each
     candidate's time."""
@@ -117,13 +119,18 @@ def print_path_line(path: Path | str) -> None:
 
 
 def show_artifact(path: Path, manifest: Manifest, json_out: bool) -> None:
-    ops = manifest.ops
+    from neuronctl.cli.artifacts import dtype_label
+
+    ops, spec = manifest.ops, manifest.spec
+    quantized = spec.quantization_dtype if spec.quantized else None
     if json_out:
-        print_json({"artifact": str(path), "backend": manifest.backend,
-                    "ops": ops.model_dump(mode="json") if ops else None})
+        print_json({"artifact": str(path), "backend": manifest.backend, "dtype": spec.dtype,
+                    "quantized": quantized, "ops": ops.model_dump(mode="json") if ops else None})
         return
     console.print(f"[bold]{manifest.source.model}[/bold]  ({manifest.backend})")
     print_path_line(path)
+    weights = f" ({quantized} weights, computed in {spec.dtype})" if quantized else ""
+    console.print(f"  {'dtype':<17} {dtype_label(spec)}{weights}", markup=False)
     if ops is None:
         console.print("  op choice: not recorded (another backend, or built before it was)")
         return

@@ -17,13 +17,16 @@ from collections.abc import Iterator, Sequence
 from typing import Annotated, Any
 
 import typer
+import typer.rich_utils
 from rich.markup import escape
+from rich.table import Table
+from rich.text import Text
 from typer._click.exceptions import ClickException, NoArgsIsHelpError
 from typer.core import TyperGroup
 
 import neuronctl.cli as cli_pkg
 from neuronctl import __version__, log
-from neuronctl.cli._common import err_console, print_json
+from neuronctl.cli._common import err_console, print_json, unwrap_when_piped
 from neuronctl.errors import EXIT_FAILED, EXIT_USAGE, NeuronctlError, UsageError
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
@@ -80,6 +83,37 @@ def _as_neuronctl_error(exc: ClickException) -> Exception:
     hint = f"see '{ctx.command_path} --help'" if ctx is not None else None
     error = UsageError if exc.exit_code == EXIT_USAGE else NeuronctlError
     return error(exc.format_message(), hint)
+
+
+class _HelpTable(Table):
+    """typer's options table, whose columns it never declares: every column but the help
+    text keeps its names whole (rich shrank them all to fit 80 columns, cutting
+    `--override-neuron-config` to `--override-neuron-conf…`); the help text wraps between
+    words and folds a word longer than its column (a variable name, a path) instead of
+    cutting it."""
+
+    def add_row(self, *renderables: Any, **kw: Any) -> None:
+        super().add_row(*renderables, **kw)
+        for column in self.columns[:-1]:
+            column.no_wrap = True
+        if self.columns:
+            self.columns[-1].overflow = "fold"
+
+
+_parameter_help = typer.rich_utils._get_parameter_help
+
+
+def _help_folding_long_words(**kw: Any) -> Any:
+    """An option's help text with words longer than the column folded, not cut."""
+    columns = _parameter_help(**kw)
+    for item in columns.renderables:
+        if isinstance(item, Text):
+            item.overflow = "fold"
+    return columns
+
+
+typer.rich_utils.Table = _HelpTable  # type: ignore[attr-defined,misc]
+typer.rich_utils._get_parameter_help = _help_folding_long_words
 
 
 def _new_app() -> typer.Typer:
@@ -246,6 +280,7 @@ def main() -> None:
     # anyway. Frozen (gc's permanent generation), they are skipped; Python never promised
     # finalizers to objects alive at exit, and atexit handlers run as before.
     atexit.register(gc.freeze)
+    unwrap_when_piped()
     try:
         # prog_name: not "python -m neuronctl.cli.main" in usage and hints
         app_for(sys.argv[1:])(prog_name="neuronctl")

@@ -76,9 +76,18 @@ def migrate_command(
     if json_out:
         print_json(result.as_dict())
         return
-    rows = [[m["tnx"], m["nxdi"], json.dumps(m["value"]), m["note"]] for m in result.mapped]
-    rows += [[d["tnx"], "dropped", json.dumps(d["value"]), d["note"]] for d in result.dropped]
+    entries = [(m["tnx"], m["nxdi"], m["value"], m["note"]) for m in result.mapped]
+    entries += [(d["tnx"], "dropped", d["value"], d["note"]) for d in result.dropped]
+    # Each note once, below the table, by number: in a column, a note repeated on every row
+    # its key maps to made the table 135 columns wide.
+    notes_by_text: dict[str, int] = {}
+    rows = []
+    for tnx, nxdi, value, note in entries:
+        ref = f"[{notes_by_text.setdefault(note, len(notes_by_text) + 1)}]" if note else ""
+        rows.append([tnx, nxdi, json.dumps(value), ref])
     print_table("Transformers NeuronX -> NxD Inference", ["TNx", "NxDI", "value", "note"], rows)
+    for text, number in notes_by_text.items():
+        console.print(f"[{number}] {text}", markup=False)
     console.print("override_neuron_config for NxD Inference:")
     typer.echo(json.dumps(result.nxdi, indent=2, sort_keys=True))
     _spec, _override, notes = result.for_neuronctl()

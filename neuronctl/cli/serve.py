@@ -3,10 +3,12 @@
 from __future__ import annotations
 
 import os
+from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import typer
+from typer._click.core import ParameterSource
 
 from neuronctl.cli._common import (
     AllowUnsignedOpt,
@@ -47,7 +49,8 @@ def serve_command(
         None,
         "--api-key",
         envvar="NEURONCTL_API_KEY",
-        help="Require 'Authorization: Bearer KEY' on /v1 (default: $NEURONCTL_API_KEY).",
+        help="Require 'Authorization: Bearer KEY' on /v1 (default: $NEURONCTL_API_KEY; "
+        "vLLM gets it as $VLLM_API_KEY, never on its command line).",
         show_default=False,
     ),
     served_model_name: str | None = typer.Option(
@@ -57,16 +60,23 @@ def serve_command(
         show_default=False,
     ),
     max_queue: int = typer.Option(
-        256, "--max-queue", min=0, help="Requests allowed to wait for a slot; beyond it, 429."
+        256,
+        "--max-queue",
+        min=0,
+        help="Requests allowed to wait for a slot; beyond it, 429 (builtin only).",
     ),
     max_body_bytes: int = typer.Option(
-        8 * 1024 * 1024, "--max-body-bytes", min=1, help="Largest request body; beyond it, 413."
+        8 * 1024 * 1024,
+        "--max-body-bytes",
+        min=1,
+        help="Largest request body; beyond it, 413 (builtin only).",
     ),
     max_prompt_chars: int = typer.Option(
         0,
         "--max-prompt-chars",
         min=0,
-        help="Longest prompt text; beyond it, 400 (0: 32 per prompt token, at least 65536).",
+        help="Longest prompt text; beyond it, 400 (0: 32 per prompt token, at least 65536; "
+        "builtin only).",
     ),
     engine: str = typer.Option("builtin", "--engine", help="builtin | vllm."),
     vllm_target: str | None = typer.Option(
@@ -103,6 +113,11 @@ def serve_command(
     artifact exits 1 with the reasons. SIGTERM stops accepting, finishes in-flight requests
     and exits 0. A full queue answers 429.
 
+    With --engine vllm the same API key, host, port, model name and log level reach vLLM's
+    server; --max-queue, --max-body-bytes and --max-prompt-chars, which it has no flag for,
+    are refused. --dry-run prints the launch to paste on the serving host (`python3`, the
+    key as $VLLM_API_KEY, never its value).
+
     Examples:
 
       neuronctl serve ./neuron-compiled-artifacts/3f2a... --port 8000
@@ -125,6 +140,8 @@ def serve_command(
     log_level = log_level.lower()
     if vllm_target and engine != "vllm":
         raise UsageError("--vllm-target only applies to --engine vllm")
+    if engine == "vllm":
+        refuse_builtin_only(ctx)
     from neuronctl.store.signing import TrustPolicy
     from neuronctl.target import artifact_to_run
 
@@ -150,7 +167,9 @@ def serve_command(
         from neuronctl.engine.loader import vouch_for
 
         say_vouch(vouch_for(path, policy))  # vLLM loads the artifact's code itself
-        _serve_vllm(path, host, port, served_model_name, launch_for, dry_run, json_out)
+        given = ctx.get_parameter_source("log_level") is not ParameterSource.DEFAULT
+        server = VllmServer(host, port, api_key, served_model_name, log_level if given else None)
+        _serve_vllm(path, server, launch_for, dry_run, json_out)
         return
     from neuronctl.backends import prepare_load
 
@@ -162,6 +181,35 @@ def serve_command(
         path, host, port, api_key, served_model_name, max_queue, dry_run, json_out, log_level,
         limits, policy,
     )  # fmt: skip
+
+
+# The built-in server's own limits: vLLM's OpenAI server has no such flag in any generation
+# (entrypoints/openai/cli_args.py), so they are refused rather than silently dropped.
+BUILTIN_ONLY = {
+    "max_queue": "--max-queue (vLLM queues every request it is sent, without a cap)",
+    "max_body_bytes": "--max-body-bytes (vLLM's server has no request-size limit)",
+    "max_prompt_chars": "--max-prompt-chars (vLLM caps prompts in tokens, by --max-model-len)",
+}
+
+
+def refuse_builtin_only(ctx: typer.Context) -> None:
+    for name, why in BUILTIN_ONLY.items():
+        if ctx.get_parameter_source(name) is not ParameterSource.DEFAULT:
+            raise UsageError(
+                f"{why} applies to --engine builtin only",
+                "leave it out with --engine vllm, or put a proxy in front of vLLM",
+            )
+
+
+@dataclass(frozen=True)
+class VllmServer:
+    """What `serve` passes on to vLLM's server, besides the artifact."""
+
+    host: str
+    port: int
+    api_key: str | None
+    served_model_name: str | None
+    log_level: str | None  # only when given: vLLM < 0.6 has no --uvicorn-log-level
 
 
 def named_target(vllm_target: str | None, dry_run: bool) -> tuple[VllmTarget | None, bool]:
@@ -182,13 +230,7 @@ def named_target(vllm_target: str | None, dry_run: bool) -> tuple[VllmTarget | N
 
 
 def _serve_vllm(
-    path: Path,
-    host: str,
-    port: int,
-    served_model_name: str | None,
-    vllm_target: VllmTarget | None,
-    dry_run: bool,
-    json_out: bool,
+    path: Path, server: VllmServer, vllm_target: VllmTarget | None, dry_run: bool, json_out: bool
 ) -> None:
     from neuronctl.store.manifest import read_manifest
     from neuronctl.vllm.launch import cli_target, serve_launch
@@ -196,7 +238,14 @@ def _serve_vllm(
     manifest = read_manifest(path)
     target = cli_target(manifest, vllm_target)
     launch = serve_launch(
-        path, manifest, host=host, port=port, served_model_name=served_model_name, target=target
+        path,
+        manifest,
+        host=server.host,
+        port=server.port,
+        served_model_name=server.served_model_name,
+        api_key=server.api_key,
+        log_level=server.log_level,
+        target=target,
     )
     if dry_run:
         print_launch(launch, json_out)
@@ -217,16 +266,16 @@ def print_plan(plan: dict[str, Any], json_out: bool) -> None:
 
 
 def print_launch(launch: VllmLaunch, json_out: bool) -> None:
-    """Exactly what would run: the generation (stderr), the exports and the command."""
-    import shlex
+    """What would run, to paste on the serving host: the generation (stderr), the exports
+    and the command (vllm.launch.shell_lines: no secret, no path of this host's Python)."""
+    from neuronctl.vllm.launch import shell_lines
 
     if json_out:
         print_json(launch.as_dict())
         return
     _print_notes(launch)
-    for name, value in sorted(launch.env.items()):
-        console.print(f"export {name}={shlex.quote(value)}", soft_wrap=True, highlight=False)
-    console.print(shlex.join(launch.argv), soft_wrap=True, highlight=False)
+    for line in shell_lines(launch):
+        console.print(line, soft_wrap=True, highlight=False, markup=False)
 
 
 def _print_notes(launch: VllmLaunch) -> None:

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import os
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
@@ -10,12 +9,15 @@ import typer
 
 from neuronctl.cli._common import (
     AllowUnsignedOpt,
+    ArtifactArg,
+    ArtifactsOpt,
     ConfigOpt,
     JsonOpt,
     RevisionOpt,
     StoreOpt,
     TrustKeyOpt,
     console,
+    one_artifact,
     print_json,
     print_table,
     with_spec_options,
@@ -34,11 +36,9 @@ ARTIFACTS_ENV = "NEURON_COMPILED_ARTIFACTS"
 @with_spec_options
 def validate_command(
     spec_flags: dict[str, Any],
-    path: str | None = typer.Argument(
-        None,
-        help="Artifact directory or artifact key (default: $NEURON_COMPILED_ARTIFACTS).",
-        show_default=False,
-    ),
+    ctx: typer.Context,
+    artifact: ArtifactArg = None,
+    artifacts: ArtifactsOpt = None,
     config: ConfigOpt = None,
     model: str | None = typer.Option(
         None,
@@ -78,7 +78,7 @@ def validate_command(
     from neuronctl.store.signing import TrustPolicy
 
     policy = TrustPolicy.load(trust_key, allow_unsigned)
-    target = resolve_target(path, store, policy)
+    target = resolve_target(one_artifact(ctx, artifact, artifacts), store, policy)
     spec, sources = requested_spec(spec_flags, config)
     with progress_for(quiet=json_out or not deep, bytes_=True) as progress:
         report = validate_artifact(
@@ -101,8 +101,8 @@ def validate_command(
 def resolve_target(
     path: str | None, store: Path | None, policy: TrustPolicy | None = None
 ) -> Path:
-    """KEY|PATH|URL, else $NEURON_COMPILED_ARTIFACTS (store.resolve's one rule)."""
-    text = path or os.environ.get(ARTIFACTS_ENV)
+    """KEY|PATH|URL (store.resolve's one rule)."""
+    text = path
     if not text:
         raise UsageError(
             "no artifact given", f"pass KEY or PATH, or set {ARTIFACTS_ENV} to an artifact"

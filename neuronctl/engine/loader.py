@@ -20,7 +20,7 @@ from neuronctl.engine.tokenizer import EngineTokenizer, TokenizedText
 from neuronctl.spec import DEFAULT_GLOBAL_TOPK
 from neuronctl.store.lease import Lease
 from neuronctl.store.lease import hold as hold_lease
-from neuronctl.store.manifest import Manifest, read_manifest
+from neuronctl.store.manifest import Manifest, read_manifest, served_name
 from neuronctl.validate import NotReusableError, check_reusable
 
 if TYPE_CHECKING:
@@ -48,18 +48,6 @@ class LoadedArtifact(TokenizedText):
         return served_name(self.manifest.source.model, self.manifest.source.revision) or (
             self.path.name
         )
-
-
-def served_name(model: str | None, revision: str | None) -> str | None:
-    """A Hub id as compiled; for a local path, the Hub id of a cache snapshot
-    (.../models--ORG--NAME/snapshots/SHA) or the folder's name."""
-    if not model or revision:
-        return model
-    parts = Path(model).parts
-    for i, part in enumerate(parts[:-1]):
-        if part.startswith("models--") and parts[i + 1] == "snapshots":
-            return part.removeprefix("models--").replace("--", "/")
-    return Path(model).name or model
 
 
 def open_artifact(

@@ -143,7 +143,8 @@ def collect(
     for path, manifest in doomed_artifacts(artifacts, keep_last, older_than, max_size):
         with unused(path) as free:  # held across the removal: nobody starts loading it
             if not free:
-                logger.warning("keeping artifact %s: a running process uses it", path.name)
+                # The report lists it (gc's one line); a warning here said it a second time.
+                logger.info("keeping artifact %s: a running process uses it", path.name)
                 report.in_use.append(path)
                 continue
             logger.info("%s artifact %s (created %s)", _verb(dry_run), path.name, manifest.created)

@@ -70,6 +70,11 @@ def fsync_tree(root: Path) -> None:
         fsync_dir(Path(dirpath))
 
 
+def spelled_as_path(text: str) -> bool:
+    """The one rule's test: a separator, or a leading `.` or `~`, makes a name a path."""
+    return "/" in text or os.sep in text or text.startswith((".", "~"))
+
+
 def is_artifact(path: Path) -> bool:
     return (path / MANIFEST).is_file()
 
@@ -249,7 +254,7 @@ class Store:
         A path to a store (its root or its neuron-compiled-artifacts directory) is refused
         with a hint: it holds artifacts, it is not one."""
         path = Path(key_or_path).expanduser()
-        if "/" in key_or_path or os.sep in key_or_path or key_or_path.startswith((".", "~")):
+        if spelled_as_path(key_or_path):
             if not is_artifact(path) and is_store(path):
                 raise UsageError(
                     f"{path} is an artifact store, not an artifact",

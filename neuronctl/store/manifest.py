@@ -207,6 +207,18 @@ class Manifest(BaseModel):
         return None
 
 
+def served_name(model: str | None, revision: str | None) -> str | None:
+    """A Hub id as compiled; for a local path, the Hub id of a cache snapshot
+    (.../models--ORG--NAME/snapshots/SHA) or the folder's name."""
+    if not model or revision:
+        return model
+    parts = Path(model).parts
+    for i, part in enumerate(parts[:-1]):
+        if part.startswith("models--") and parts[i + 1] == "snapshots":
+            return part.removeprefix("models--").replace("--", "/")
+    return Path(model).name or model
+
+
 def _check_paths(paths: Any) -> None:
     for rel in paths:
         why = path_rule(rel)

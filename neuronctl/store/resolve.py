@@ -15,18 +15,21 @@ one default (`store.local.default_store_root`: $NEURONCTL_STORE, else ~/.cache/n
 from __future__ import annotations
 
 import logging
+import re
 from pathlib import Path
 from typing import TYPE_CHECKING
 
 from neuronctl.errors import NotFoundError, UsageError
 from neuronctl.progress import Progress
-from neuronctl.store.local import Store, default_store_root
+from neuronctl.store.local import Store, default_store_root, is_artifact, spelled_as_path
 from neuronctl.store.manifest import is_intact
 
 if TYPE_CHECKING:
     from neuronctl.store.signing import TrustPolicy
 
 logger = logging.getLogger(__name__)
+# A bare name spelled like a key (or a prefix of one) is never sent on to the Hub.
+KEY_LIKE = re.compile(r"[0-9a-f]{6,64}")
 
 
 def open_store(store: Path | None = None) -> Store:
@@ -84,3 +87,23 @@ def resolve_artifact(
         return found
     logger.info("pulling %s into %s", text, local.artifacts)
     return resolve_artifacts_arg(text, local, progress, policy=policy)
+
+
+def artifact_or_checkpoint(ref: str, store: Path | None = None) -> Path | None:
+    """For a command that takes an artifact or a checkpoint (`inspect`): the artifact `ref`
+    names under the one rule, or None when it names none, so it is a checkpoint (a Hub id,
+    or a directory without a manifest). A URL is never pulled here. A bare name is a key of
+    the store first, never a directory of the working directory; one spelled like a key that
+    no artifact has is not found rather than looked up on the Hub."""
+    if is_url(ref):
+        return resolve_artifact(ref, store, fetch=False)
+    if spelled_as_path(ref):
+        path = Path(ref).expanduser().absolute()
+        return path if is_artifact(path) else None
+    try:
+        return open_store(store).find(ref)
+    except NotFoundError as exc:
+        if KEY_LIKE.fullmatch(ref):
+            exc.hint = "a Hub id is ORG/NAME; a directory here is ./" + ref
+            raise
+        return None

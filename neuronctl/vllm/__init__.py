@@ -5,7 +5,8 @@ recompiles (and its default path deletes the directory first). Which flags, vari
 config keys keep it on its reuse path depends on the vLLM *generation* (docs/neuron.md,
 neuronctl/vllm_generations.py), so every launch is planned for one `VllmTarget`:
 
-- A `tnx-fork`: the Transformers NeuronX forks, vLLM 0.3.3 / 0.5.0 / 0.6.x-neuron (tnx only).
+- A `tnx-fork`: the Transformers NeuronX forks, vLLM 0.3.3 / 0.5.0 / 0.6.x-neuron (tnx; nxdi
+  on 0.6.x-neuron, whose NxDI loader takes NEURON_COMPILED_ARTIFACTS as B's does).
 - B `v0`: the V0 in-tree Neuron worker, the AWS 0.7.2 fork and upstream 0.8-0.10.1 (NxDI or TNx).
 - C `plugin`: the vllm-neuron platform plugin 0.1-0.5 on vLLM 0.10.2-0.16 (NxDI only).
 - D `native`: vllm-neuron 0.21+ (torch.compile, no NxDI): refused, see docs/neuron.md.

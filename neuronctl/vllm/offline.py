@@ -9,10 +9,14 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+STDIN = "-"  # --prompts - : JSON lines on standard input (launch.STDIN, a printed launch)
+
 
 def read_prompts(path: Path) -> list[str]:
-    lines = [line for line in path.read_text().splitlines() if line.strip()]
-    if path.suffix != ".jsonl":
+    stdin = str(path) == STDIN
+    text = sys.stdin.read() if stdin else path.read_text()
+    lines = [line for line in text.splitlines() if line.strip()]
+    if path.suffix != ".jsonl" and not stdin:
         return lines
     prompts = []
     for line in lines:

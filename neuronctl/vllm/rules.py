@@ -112,10 +112,20 @@ def _ints(values: Sequence[int]) -> str:
 
 def _plan_a(plan: LaunchPlan, spec: BuildSpec) -> None:
     """TNx forks: TNx through VLLM_NEURON_FRAMEWORK (0.6.x reads it), block_size ==
-    max_model_len, the fork's speculation flags."""
+    max_model_len, the fork's speculation flags. 0.6.x-neuron also loads NxDI artifacts the
+    way B does (support.A_NXDI_ARCHS)."""
     args, v = plan.args, plan.target.vllm
-    plan.env["VLLM_NEURON_FRAMEWORK"] = TNX
     args["device"] = "neuron"  # 0.6.x forces block_size = max_model_len only for "neuron"
+    if plan.framework == NXDI:
+        # Unset, the fork picks TNx whenever it is installed (neuron_worker.py:35-42).
+        plan.env["VLLM_NEURON_FRAMEWORK"] = NXDI
+        plan.notes.append(
+            "no --override-neuron-config: the 0.6.x-neuron fork setattr()s every override "
+            "key raw onto the artifact's loaded neuron config (neuronx_distributed.py:136-138)"
+        )
+        _cap_by_max_model_len(plan)
+        return
+    plan.env["VLLM_NEURON_FRAMEWORK"] = TNX
     if v < (0, 6):
         args["block_size"] = spec.seq_len  # the TNx CB guide: must equal max_model_len
     _tnx_args(plan, spec)

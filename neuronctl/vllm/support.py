@@ -24,6 +24,11 @@ A_ARCHS: dict[tuple[int, ...], set[str]] = {
     (0, 5): {"LlamaForCausalLM", "MistralForCausalLM"},  # the same guide, vLLM 0.5.0
     (0, 6): {"LlamaForCausalLM", "MistralForCausalLM"},  # v0.6.x-neuron loader/neuron.py:36
 }
+# The 0.6.x-neuron fork also loads NxD Inference artifacts (model_loader/neuronx_distributed.py,
+# upstreaming-to-vllm v0.6.x-neuron c097c1891): these architectures (:41-50, Mllama aside) from
+# NEURON_COMPILED_ARTIFACTS (:124-125), picked by VLLM_NEURON_FRAMEWORK (worker :35-40).
+A_NXDI_FROM = (0, 6)
+A_NXDI_ARCHS = {"LlamaForCausalLM", "DbrxForCausalLM", "MixtralForCausalLM"}
 B_ARCHS = {"LlamaForCausalLM", "MistralForCausalLM", "DbrxForCausalLM", "MixtralForCausalLM"}
 B_FORK_EXTRA = {"Qwen2ForCausalLM"}  # neuron-2.24-vllm-v0.7.2 neuronx_distributed.py:70
 # vllm-neuron resolves an architecture through NxDI's utils/constants.py MODEL_TYPES (its
@@ -51,7 +56,7 @@ def refuse(target: VllmTarget, framework: str, spec: BuildSpec, manifest: Manife
     if gen is Generation.NATIVE:
         raise UsageError("vllm-neuron 0.21+ (generation D) is not supported", D_HINT)
     if gen is Generation.TNX_FORK and framework == NXDI:
-        why = "generation A (vLLM < 0.7) is supported for Transformers NeuronX artifacts only"
+        why = _a_nxdi_refusal(target.vllm, spec, arch)
     elif gen is Generation.PLUGIN and framework == TNX:
         why = "the vllm-neuron plugin runs NxD Inference only (TNx ended with SDK 2.26)"
     elif gen is Generation.PLUGIN and spec.draft_model:
@@ -77,6 +82,27 @@ def refuse(target: VllmTarget, framework: str, spec: BuildSpec, manifest: Manife
             f"artifact: {why}",
             "pick another --vllm-target or rebuild for it; see docs/neuron.md",
         )
+
+
+def _a_nxdi_refusal(vllm: tuple[int, ...], spec: BuildSpec, arch: str) -> str | None:
+    if vllm < A_NXDI_FROM:
+        return (
+            f"vLLM {dotted(vllm)} has only the Transformers NeuronX loader (NxD Inference "
+            "comes with the 0.6.x-neuron fork's model_loader/neuronx_distributed.py)"
+        )
+    if arch not in A_NXDI_ARCHS:
+        return f"the 0.6.x-neuron fork's NxDI loader does not serve {arch}"
+    if spec.draft_model:
+        return "the 0.6.x-neuron fork's NxDI speculation path is not launched by neuronctl"
+    if not on_device_sampling(spec, NXDI):
+        # Its NeuronCasualLM reads vLLM's own NeuronConfig (neuronx_distributed.py:120), whose
+        # on_device_sampling_config is always set (:421-437), to decide that the model's
+        # output is sampled token ids (:81, :97); the fork has no variable to say otherwise.
+        return (
+            "the 0.6.x-neuron fork's NxDI loader always takes the model's output for sampled "
+            "token ids, and this artifact was compiled without on-device sampling"
+        )
+    return None
 
 
 def plugin_model_name(arch: str) -> str | None:
