@@ -13,6 +13,7 @@ vllm:e2e_request_latency_seconds, ...).
 
 from __future__ import annotations
 
+import json
 import math
 from collections.abc import Iterator
 from pathlib import Path
@@ -23,6 +24,14 @@ import openai
 import pytest
 import torch
 
+from neuronctl.server.protocol import (
+    NO_EFFECT,
+    UNSUPPORTED,
+    ChatRequest,
+    CompletionRequest,
+    DetokenizeRequest,
+    TokenizeRequest,
+)
 from tests.fake_runner import FakeRunner
 from tests.helpers import wait_until
 from tests.test_server import Server, fake_argv, free_port
@@ -319,24 +328,28 @@ def test_best_of_returns_the_most_likely_of_its_sequences(client: openai.OpenAI)
     assert best[0].logprobs is None  # computed to rank, reported only when asked for
 
 
-def test_n_and_best_of_are_capped_at_the_servers_slots(client: openai.OpenAI) -> None:
-    """One request's sequences per prompt fit the artifact's batch (4 here): more would queue
-    behind each other in the places other clients share. vLLM's only bound is
-    VLLM_MAX_N_SEQUENCES (vllm-project/vllm, vllm/sampling_params.py, _verify_num_sequences:
-    "must be at most {max_n}", default 16384), sized for GPU batches of hundreds."""
-    chat = dict(model="fake", messages=[{"role": "user", "content": "x"}], max_tokens=1)
-    for call, kwargs, param in [
-        (client.completions.create, dict(model="fake", prompt=PROMPT, n=5), "n"),
-        (client.completions.create, dict(model="fake", prompt=PROMPT, best_of=5), "best_of"),
-        (client.completions.create, dict(model="fake", prompt=PROMPT, n=2, best_of=9), "best_of"),
-        (client.chat.completions.create, dict(chat, n=5), "n"),
-    ]:
-        with pytest.raises(openai.BadRequestError) as caught:
-            call(**kwargs)  # type: ignore[operator]
-        error = caught.value.body  # the client unwraps {"error": ...}
-        assert error["param"] == param and "at most 4" in error["message"], error  # type: ignore[index]
-    most = client.completions.create(model="fake", prompt=PROMPT, max_tokens=1, n=4)
-    assert len(most.choices) == 4
+def test_n_beyond_the_batch_queues_its_sequences_as_vllm_does(client: openai.OpenAI) -> None:
+    """n and best_of above the artifact's batch (4 here) run through the queue: vLLM bounds
+    n only by VLLM_MAX_N_SEQUENCES (vllm-project/vllm, vllm/sampling_params.py,
+    _verify_num_sequences), never by max_num_seqs. Choice j is seeded seed + j, so the 6th
+    choice is the one a request with seed + 5 gets alone. What the server can never hold at
+    once (batch 4 + queue 64) is refused by name."""
+    kwargs = completion(max_tokens=5, seed=11, temperature=1.0)
+    many = client.completions.create(**kwargs, n=6, logprobs=0)
+    assert [c.index for c in many.choices] == list(range(6))
+    alone = client.completions.create(**{**kwargs, "seed": 16}, n=1)
+    assert many.choices[5].text == alone.choices[0].text
+    best = client.completions.create(**kwargs, n=1, best_of=6, logprobs=0)
+    scores = [sum(c.logprobs.token_logprobs) for c in many.choices]  # type: ignore[union-attr, arg-type]
+    assert best.choices[0].text == many.choices[scores.index(max(scores))].text
+    chat = client.chat.completions.create(
+        model="fake", messages=[{"role": "user", "content": "x"}], n=5, max_tokens=2, seed=1
+    )
+    assert [c.index for c in chat.choices] == list(range(5))
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.completions.create(model="fake", prompt=PROMPT, max_tokens=1, n=69)
+    error = caught.value.body  # the client unwraps {"error": ...}
+    assert error["param"] == "n" and "at most 68" in error["message"], error  # type: ignore[index]
 
 
 def test_logit_bias_forces_a_token_and_min_tokens_holds_off_eos(
@@ -552,3 +565,193 @@ def test_the_openai_client_sending_nulls_gets_the_defaults(client: openai.OpenAI
         response_format=None, seed=None, stop=None, presence_penalty=None,
     )  # fmt: skip
     assert len(chat.choices) == 1 and chat.choices[0].logprobs is None
+
+
+# -- every vLLM request field: implemented or refused ----------------------------------------
+
+VLLM_FIELDS = json.loads((Path(__file__).parent / "vllm_request_fields.json").read_text())
+OURS = {  # vLLM's request model -> this server's, and the endpoint that reads it
+    "ChatCompletionRequest": (ChatRequest, "/v1/chat/completions"),
+    "CompletionRequest": (CompletionRequest, "/v1/completions"),
+    "TokenizeCompletionRequest": (TokenizeRequest, "/tokenize"),
+    "TokenizeChatRequest": (TokenizeRequest, "/tokenize"),
+    "DetokenizeRequest": (DetokenizeRequest, "/detokenize"),
+}
+BASE = {
+    "/v1/chat/completions": {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1},
+    "/v1/completions": {"prompt": PROMPT, "max_tokens": 1},
+    "/tokenize": {"messages": [{"role": "user", "content": "hi"}]},
+    "/detokenize": {"tokens": [97]},
+}
+# A value other than the field's neutral ones (a typed field needs one of its type).
+NOT_NEUTRAL: dict[str, Any] = {
+    "tools": [{"type": "function", "function": {"name": "f"}}],
+    "tool_choice": "auto",
+    "skip_special_tokens": False,
+    "include_reasoning": False,
+}
+
+
+def vllm_fields() -> list[tuple[str, str]]:
+    return [(model, f) for model, names in VLLM_FIELDS["models"].items() for f in names]
+
+
+def test_the_field_list_is_vllms_own() -> None:
+    """Generated by tests/vllm_request_fields.py from vLLM 0.33.0's source (commit in the
+    file): the models the server mirrors, each with its known fields."""
+    assert VLLM_FIELDS["vllm_version"] == "0.33.0" and VLLM_FIELDS["vllm_commit"]
+    assert set(VLLM_FIELDS["models"]) == set(OURS)
+    chat = VLLM_FIELDS["models"]["ChatCompletionRequest"]
+    assert {"stop_token_ids", "continue_final_message", "echo", "chat_template"} <= set(chat)
+    assert len(chat) > 60 and len(VLLM_FIELDS["models"]["CompletionRequest"]) > 50
+
+
+@pytest.mark.parametrize("model, field", vllm_fields())
+def test_every_vllm_request_field_is_implemented_or_refused(
+    fake_server: Server, model: str, field: str
+) -> None:
+    """A field this server neither implements nor refuses would be accepted and ignored: a
+    200 with the wrong answer. A refused one is a 400 naming it, unless it holds a neutral
+    value (the value that changes nothing)."""
+    ours, endpoint = OURS[model]
+    implemented = field in ours.model_fields or field in NO_EFFECT
+    refused = field in UNSUPPORTED
+    assert implemented or refused, f"{model}.{field} is neither implemented nor refused"
+    if refused:
+        body = {**BASE[endpoint], field: NOT_NEUTRAL.get(field, "x")}
+        r = post(fake_server, endpoint, body)
+        assert r.status_code == 400 and r.json()["error"]["param"] == field, r.text
+
+
+def greedy_ids(client: openai.OpenAI, **fields: Any) -> Any:
+    body = completion(**{"max_tokens": 8, "temperature": 0, **fields})
+    body["extra_body"] = {**body["extra_body"], "return_token_ids": True}
+    return client.completions.create(**body).choices[0]
+
+
+def test_stop_token_ids_end_the_output_and_leave_their_text_out(client: openai.OpenAI) -> None:
+    """vLLM stops at a stop token (finish "stop"), keeps its id in the output, and decodes its
+    text only with include_stop_str_in_output (vllm/v1/engine/detokenizer.py, update:
+    skipped_stop_token_id)."""
+    free = greedy_ids(client)
+    ids = free.token_ids
+    stop = ids[3]
+    first = ids.index(stop)
+    out = greedy_ids(client, extra_body={"ignore_eos": True, "stop_token_ids": [stop]})
+    assert out.finish_reason == "stop" and out.token_ids == ids[: first + 1]
+    assert free.text.startswith(out.text) and len(out.text) < len(free.text)
+    kept = greedy_ids(client, extra_body={"ignore_eos": True, "stop_token_ids": [stop],
+                                          "include_stop_str_in_output": True})  # fmt: skip
+    assert kept.token_ids == out.token_ids and len(kept.text) > len(out.text)
+    assert free.text.startswith(kept.text)
+
+
+def test_include_stop_str_in_output_keeps_the_stop_string(client: openai.OpenAI) -> None:
+    free = greedy_ids(client).text
+    stop = free[2:4]
+    cut = client.completions.create(**completion(max_tokens=8, temperature=0, stop=[stop]))
+    kept = client.completions.create(**completion(
+        max_tokens=8, temperature=0, stop=[stop],
+        extra_body={"ignore_eos": True, "include_stop_str_in_output": True},
+    ))  # fmt: skip
+    at = free.index(stop)
+    assert cut.choices[0].text == free[:at]
+    assert kept.choices[0].text == free[: at + len(stop)]
+
+
+def test_allowed_token_ids_restrict_every_sampled_token(client: openai.OpenAI) -> None:
+    allowed = [40, 41]
+    out = greedy_ids(client, temperature=1.0, seed=3,
+                     extra_body={"ignore_eos": True, "allowed_token_ids": allowed})  # fmt: skip
+    assert out.token_ids and set(out.token_ids) <= set(allowed)
+    with pytest.raises(openai.BadRequestError) as caught:
+        greedy_ids(client, extra_body={"allowed_token_ids": [10**6]})
+    assert caught.value.body["param"] == "allowed_token_ids"  # type: ignore[index]
+
+
+def prompt_ids_raw(server: Server) -> list[int]:
+    body = {"prompt": "abcdef", "add_special_tokens": False}
+    return list(post(server, "/tokenize", body).json()["tokens"])
+
+
+def test_add_special_tokens_and_truncate_prompt_tokens_shape_the_prompt(
+    client: openai.OpenAI, fake_server: Server
+) -> None:
+    """add_special_tokens false drops the BOS; truncate_prompt_tokens keeps the last k tokens
+    (vLLM's default side, "left": vllm/tokenizers/registry.py), "right" the first k."""
+    ids = prompt_ids(fake_server, "abcdef")
+
+    def usage_and_text(**extra: Any) -> tuple[int, str]:
+        out = client.completions.create(model="fake", prompt="abcdef", max_tokens=4,
+                                        temperature=0, extra_body=extra)  # fmt: skip
+        return out.usage.prompt_tokens, out.choices[0].text  # type: ignore[union-attr]
+
+    assert usage_and_text(add_special_tokens=False)[0] == len(prompt_ids_raw(fake_server))
+    last3 = client.completions.create(model="fake", prompt=ids[-3:], max_tokens=4, temperature=0)
+    assert usage_and_text(truncate_prompt_tokens=3) == (3, last3.choices[0].text)
+    first3 = client.completions.create(model="fake", prompt=ids[:3], max_tokens=4, temperature=0)
+    right = usage_and_text(truncate_prompt_tokens=3, truncation_side="right")
+    assert right == (3, first3.choices[0].text)
+
+
+def test_chat_template_fields_as_vllm_reads_them(fake_server: Server, tiny_llama: Path) -> None:
+    """add_generation_prompt, continue_final_message (the last message left open, as
+    transformers' apply_chat_template does it) and add_special_tokens, through /tokenize and
+    against transformers' own rendering of the same template."""
+    from transformers import AutoTokenizer
+
+    hf = AutoTokenizer.from_pretrained(str(tiny_llama))  # the fake server's tokenizer
+    messages = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "The an"}]
+
+    def ours(**fields: Any) -> list[int]:
+        r = post(fake_server, "/tokenize", {"messages": messages, **fields})
+        assert r.status_code == 200, r.text
+        return list(r.json()["tokens"])
+
+    def theirs(**kwargs: Any) -> list[int]:
+        return list(hf.apply_chat_template(messages, tokenize=True, return_dict=False, **kwargs))
+
+    assert ours() == theirs(add_generation_prompt=True)
+    assert ours(add_generation_prompt=False) == theirs(add_generation_prompt=False)
+    continued = ours(add_generation_prompt=False, continue_final_message=True)
+    assert continued == theirs(continue_final_message=True)
+    assert hf.decode(continued).endswith("The an")
+    both = post(fake_server, "/tokenize", {"messages": messages, "continue_final_message": True})
+    assert both.status_code == 400 and both.json()["error"]["param"] == "continue_final_message"
+
+
+def test_chat_continue_final_message_and_echo(client: openai.OpenAI) -> None:
+    """continue_final_message generates on from the assistant's words; echo puts them in
+    front of the answer (vllm/entrypoints/openai/chat_completion/serving.py: the last
+    message's content, when its role is the answer's)."""
+    messages: Any = [{"role": "user", "content": "hi"}, {"role": "assistant", "content": "ab"}]
+    base = dict(model="fake", messages=messages, max_tokens=4, temperature=0)
+    cont = {"add_generation_prompt": False, "continue_final_message": True, "ignore_eos": True}
+    fresh = client.chat.completions.create(**base, extra_body={"ignore_eos": True})
+    continued = client.chat.completions.create(**base, extra_body=cont)
+    assert continued.usage.prompt_tokens < fresh.usage.prompt_tokens  # type: ignore[union-attr]
+    echoed = client.chat.completions.create(**base, extra_body={**cont, "echo": True})
+    assert echoed.choices[0].message.content == "ab" + (continued.choices[0].message.content or "")
+    stream = client.chat.completions.create(**base, stream=True, extra_body={**cont, "echo": True})
+    text = "".join(c.choices[0].delta.content or "" for c in stream if c.choices)
+    assert text == echoed.choices[0].message.content
+    user_last = client.chat.completions.create(
+        model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=3, temperature=0,
+        extra_body={"echo": True, "ignore_eos": True},
+    )  # fmt: skip
+    plain = client.chat.completions.create(
+        model="fake", messages=[{"role": "user", "content": "hi"}], max_tokens=3, temperature=0,
+        extra_body={"ignore_eos": True},
+    )  # fmt: skip
+    assert user_last.choices[0].message.content == plain.choices[0].message.content
+
+
+def test_tools_with_tool_choice_none_are_accepted(client: openai.OpenAI) -> None:
+    """What many clients send by default; any other tool_choice stays refused by name."""
+    tools: Any = [{"type": "function", "function": {"name": "f", "parameters": {}}}]
+    chat = dict(model="fake", messages=[{"role": "user", "content": "x"}], max_tokens=2)
+    out = client.chat.completions.create(**chat, tools=tools, tool_choice="none")
+    assert out.choices[0].finish_reason in ("stop", "length")
+    with pytest.raises(openai.BadRequestError) as caught:
+        client.chat.completions.create(**chat, tools=tools, tool_choice="auto")
+    assert caught.value.body["param"] in ("tools", "tool_choice")  # type: ignore[index]

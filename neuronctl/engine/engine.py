@@ -330,13 +330,19 @@ class Engine:
         return max_tokens
 
     def _check_bias(self, params: SamplingParams) -> None:
-        bad = [t for t, _ in params.logit_bias if not 0 <= t < self.runner.vocab_size]
-        if bad:
-            raise RequestError(
-                f"logit_bias names token id {bad[0]}, outside the vocabulary "
-                f"(0..{self.runner.vocab_size - 1})",
-                param="logit_bias",
-            )
+        named = {
+            "logit_bias": [t for t, _ in params.logit_bias],
+            "allowed_token_ids": list(params.allowed_token_ids or ()),
+            "stop_token_ids": list(params.stop_token_ids),
+        }
+        for name, ids in named.items():
+            bad = [t for t in ids if not 0 <= t < self.runner.vocab_size]
+            if bad:
+                raise RequestError(
+                    f"{name} names token id {bad[0]}, outside the vocabulary "
+                    f"(0..{self.runner.vocab_size - 1})",
+                    param=name,
+                )
 
     # -- the engine thread --------------------------------------------------------------------
 
@@ -456,11 +462,19 @@ class Engine:
         request.output_ids.append(token)
         now = time.perf_counter()
         request.token_times.append(now)
-        # vLLM looks for stop strings only past min_tokens (its detokenizer's check).
-        past_min = len(request.output_ids) > request.params.min_tokens
-        delta, hit_stop = request.text.update(token, check_stop=past_min)
+        params = request.params
+        stop_token = token in params.stop_token_ids or (
+            token in self.eos_ids and not params.ignore_eos
+        )
+        # vLLM looks for stop strings only past min_tokens (its detokenizer's check), and
+        # leaves a stop token's text out unless include_stop_str_in_output (vllm/v1/engine/
+        # detokenizer.py, BaseIncrementalDetokenizer.update: skipped_stop_token_id).
+        past_min = len(request.output_ids) > params.min_tokens
+        delta, hit_stop = "", False
+        if not stop_token or params.include_stop_str_in_output:
+            delta, hit_stop = request.text.update(token, check_stop=past_min)
         reason: FinishReason | None = None
-        if hit_stop or (token in self.eos_ids and not request.params.ignore_eos):
+        if hit_stop or stop_token:
             reason = "stop"
         elif len(request.output_ids) >= request.max_tokens:
             reason = "length"

@@ -127,7 +127,9 @@ class Request:
     def __post_init__(self) -> None:
         assert self.params.seed is not None, "params must be resolved"
         self.generator = make_generator(self.params.seed)
-        self.text = TextStream(self.decoder, self.params.stop)
+        self.text = TextStream(
+            self.decoder, self.params.stop, keep_stop=self.params.include_stop_str_in_output
+        )
 
     @property
     def next_position(self) -> int:

@@ -60,6 +60,9 @@ class SamplingParams:
     logit_bias: tuple[tuple[int, float], ...] = ()  # (token id, added to its logit)
     logprobs: int | None = None  # None: none; k: the sampled token's logprob and the top k
     prompt_logprobs: int | None = None  # None: none; k: each prompt token's and the top k
+    stop_token_ids: tuple[int, ...] = ()  # end the output as EOS does (vLLM's stop_token_ids)
+    allowed_token_ids: tuple[int, ...] | None = None  # None: any token; else only these
+    include_stop_str_in_output: bool = False  # the stop string (or stop token's text) kept
 
     @property
     def greedy(self) -> bool:
@@ -70,7 +73,7 @@ class SamplingParams:
         """Whether the logits change before sampling (a row without this costs nothing)."""
         return bool(
             self.presence_penalty or self.frequency_penalty or self.repetition_penalty != 1
-            or self.min_tokens or self.logit_bias
+            or self.min_tokens or self.logit_bias or self.allowed_token_ids is not None
         )  # fmt: skip
 
     @cached_property  # asked for every row at every step: computed once per request
@@ -159,6 +162,8 @@ def _check_options(params: SamplingParams) -> None:
     for token, bias in params.logit_bias:
         if not math.isfinite(bias):
             raise RequestError(f"logit_bias for token {token} is not finite", "logit_bias")
+    if params.allowed_token_ids is not None and not params.allowed_token_ids:
+        raise RequestError("allowed_token_ids is empty", param="allowed_token_ids")
 
 
 def _check_values(params: SamplingParams) -> None:
@@ -199,6 +204,10 @@ def _check_types(params: SamplingParams) -> None:
         "logprobs": params.logprobs,
         "prompt_logprobs": params.prompt_logprobs,
     }
+    for name in ("stop_token_ids", "allowed_token_ids"):
+        ids = getattr(params, name)
+        if ids is not None and not all(_is_int(t) for t in ids):
+            raise RequestError(f"{name} must be a list of token ids", param=name)
     for name, value in integers.items():
         if value is not None and not _is_int(value):
             raise RequestError(f"{name} must be an integer, not {value!r}", param=name)
@@ -336,15 +345,22 @@ def apply_options(
     output_ids: Sequence[int],
     eos_ids: Collection[int] = (),
 ) -> torch.Tensor:
-    """vLLM's logits processors on one [vocab] row, in its order: logit_bias, min_tokens
-    (EOS masked), then repetition (prompt and output tokens), frequency and presence (output
-    tokens) penalties. Returns a new float32 row."""
+    """vLLM's logits processors on one [vocab] row, in its order: allowed_token_ids (every
+    other token masked), logit_bias, min_tokens (EOS and stop_token_ids masked), then
+    repetition (prompt and output tokens), frequency and presence (output tokens) penalties.
+    Returns a new float32 row."""
     row = row.float().clone()
+    if params.allowed_token_ids is not None:
+        keep = torch.full_like(row, -math.inf)
+        allowed = list(params.allowed_token_ids)
+        keep[allowed] = row[allowed]
+        row = keep
     if params.logit_bias:
         ids, bias = zip(*params.logit_bias, strict=True)
         row[list(ids)] += torch.tensor(bias)
-    if len(output_ids) < params.min_tokens and eos_ids:
-        row[list(eos_ids)] = -math.inf
+    stops = {*eos_ids, *params.stop_token_ids}
+    if len(output_ids) < params.min_tokens and stops:
+        row[sorted(stops)] = -math.inf
     if params.repetition_penalty != 1:
         seen = torch.tensor(sorted({*prompt_ids, *output_ids}), dtype=torch.long)
         values = row[seen]

@@ -49,9 +49,12 @@ class WindowDecoder:
 
 
 class TextStream:
-    def __init__(self, decoder: TokenDecoder, stop: Sequence[str] = ()) -> None:
+    def __init__(
+        self, decoder: TokenDecoder, stop: Sequence[str] = (), keep_stop: bool = False
+    ) -> None:
         self.decoder = decoder
         self.stop = tuple(stop)
+        self.keep_stop = keep_stop  # the stop string stays in the text (include_stop_str...)
         self._final: list[str] = []  # emitted pieces
         self._pending = ""  # decoded but held back (it may start a stop string)
         self.stopped = False
@@ -95,8 +98,13 @@ class TextStream:
         return piece
 
     def _stop_at(self, text: str) -> int | None:
-        hits = [i for i in (text.find(s) for s in self.stop) if i >= 0]
-        return min(hits) if hits else None
+        """Where the text ends at the first stop string: before it, or with keep_stop after
+        it (the earliest-starting one wins, as vLLM's check_stop_strings takes them)."""
+        hits = [(i, len(s)) for s in self.stop if (i := text.find(s)) >= 0]
+        if not hits:
+            return None
+        start, length = min(hits)
+        return start + length if self.keep_stop else start
 
     def _safe_end(self, text: str) -> int:
         end = len(text)

@@ -79,19 +79,35 @@ class EngineTokenizer:
             return WindowDecoder(self.decode)
         return StreamDecoder(self._tok)
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        # The template writes any BOS itself.
-        return self.encode(self.apply_chat_template(messages), add_special_tokens=False)
+    def encode_chat(
+        self, messages: list[dict[str, Any]], add_special_tokens: bool = False, **options: Any
+    ) -> list[int]:
+        """The template writes any BOS itself; add_special_tokens adds the tokenizer's on
+        top (vLLM's chat field of that name, false by default)."""
+        text = self.apply_chat_template(messages, **options)
+        return self.encode(text, add_special_tokens=add_special_tokens)
 
-    def apply_chat_template(self, messages: list[dict[str, Any]]) -> str:
+    def apply_chat_template(
+        self,
+        messages: list[dict[str, Any]],
+        add_generation_prompt: bool = True,
+        continue_final_message: bool = False,
+        tools: list[dict[str, Any]] | None = None,
+    ) -> str:
+        """Render as transformers' apply_chat_template does; with continue_final_message the
+        text ends where the last message's content ends (no end-of-turn after it)."""
         if not self.chat_template:
             raise UsageError(
                 "this model's tokenizer has no chat template",
                 "use plain completions (no --chat, /v1/completions)",
             )
-        return str(
-            self._template.render(messages=messages, add_generation_prompt=True, **self.specials)
-        )
+        if continue_final_message:
+            messages = [*messages[:-1], {**messages[-1], "content": messages[-1]["content"] + _TAG}]
+        text = str(self._template.render(
+            messages=messages, add_generation_prompt=add_generation_prompt, tools=tools,
+            **self.specials,
+        ))  # fmt: skip
+        return _cut_at_tag(text, messages[-1]["content"]) if continue_final_message else text
 
     @cached_property
     def _template(self) -> Any:
@@ -122,13 +138,13 @@ class TokenizedText:
 
     tokenizer: EngineTokenizer
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         if not text:  # a BOS alone is no prompt (docs/runtime.md: empty prompts are refused)
             raise RequestError("the prompt is empty", param="prompt")
-        return self.tokenizer.encode(text)
+        return self.tokenizer.encode(text, add_special_tokens)
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
-        return self.tokenizer.encode_chat(messages)
+    def encode_chat(self, messages: list[dict[str, Any]], **options: Any) -> list[int]:
+        return self.tokenizer.encode_chat(messages, **options)
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return self.tokenizer.encode(text, add_special_tokens) if text else []
@@ -206,6 +222,23 @@ class TransformersTokenizer(EngineTokenizer):
 
     def new_decoder(self) -> TokenDecoder:
         return WindowDecoder(self.decode)
+
+
+# continue_final_message, as transformers does it (utils/chat_template_utils.py,
+# render_jinja_template): tag the last message's content, render, cut the text at the tag.
+_TAG = "CONTINUE_FINAL_MESSAGE_TAG "
+
+
+def _cut_at_tag(text: str, tagged: str) -> str:
+    if tagged[: -len(_TAG)].strip() not in text or _TAG.strip() not in text:
+        raise RequestError(
+            "continue_final_message: the chat template drops part of the last message",
+            param="continue_final_message",
+        )
+    at = text.rindex(_TAG.strip())
+    if text[at : at + len(_TAG)] == _TAG:
+        return text[:at]
+    return text[:at].rstrip()  # the template trimmed the message's trailing space
 
 
 def _token_text(value: Any) -> str | None:

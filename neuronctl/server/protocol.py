@@ -52,7 +52,57 @@ UNSUPPORTED: dict[str, Callable[[Any], bool]] = {
     "modalities": lambda v: v is None or v == ["text"],
     "use_beam_search": _neutral(None, False),
     "prompt_logprobs": _neutral(None),
+    # vLLM's extra fields this server does not implement (docs/runtime.md says why).
+    "bad_words": _neutral(None, []),
+    "skip_special_tokens": _neutral(None, True),
+    "spaces_between_special_tokens": _neutral(None, True),
+    "chat_template": _neutral(None),
+    "chat_template_kwargs": _neutral(None, {}),
+    "documents": _neutral(None, []),
+    "media_io_kwargs": _neutral(None, {}),
+    "mm_processor_kwargs": _neutral(None, {}),
+    "prompt_embeds": _neutral(None),
+    "logprob_token_ids": _neutral(None),
+    "return_tokens_as_token_ids": _neutral(None, False),
+    "return_token_offsets": _neutral(None, False),
+    "return_prompt_text": _neutral(None, False),
+    "return_mm_kwargs": _neutral(None, False),
+    "return_weight_versions": _neutral(None, False),
+    "routed_experts_prompt_start": _neutral(None),
+    "mm_payload": _neutral(None),
+    "reasoning_effort": _neutral(None),
+    "thinking_token_budget": _neutral(None),
+    "include_reasoning": _neutral(None, True),
+    "parallel_tool_calls": _neutral(None, True, False),
+    "watermarking": _neutral(None),
+    "length_penalty": _neutral(None, 1, 1.0),
+    "priority": _neutral(None, 0),
+    "kv_transfer_params": _neutral(None),
+    "ec_transfer_params": _neutral(None),
+    "vllm_xargs": _neutral(None, {}),
+    "repetition_detection": _neutral(None),
+    "stream_interval": _neutral(None, 1),
 }
+
+# vLLM request fields that carry no result here by their own definition: a tag (user,
+# request_id, session_id) or a prefix-cache salt (cache_salt; this server has no prefix cache).
+NO_EFFECT = frozenset({"user", "request_id", "session_id", "cache_salt"})
+
+
+def refuse_fields(body: BaseModel) -> None:
+    """400 naming the first field of UNSUPPORTED that holds a value other than its neutral
+    ones. `tools` is accepted with tool_choice "none" (many clients send both by default):
+    the template sees them, as vLLM's does unless --exclude-tools-when-tool-choice-none."""
+    given = {**(body.model_extra or {}), **{k: getattr(body, k) for k in body.model_fields_set}}
+    if given.get("tool_choice") == "none":
+        given.pop("tools", None)
+    for name, neutral in UNSUPPORTED.items():
+        if name in given and not neutral(given[name]):
+            raise RequestError(
+                f"{name}={given[name]!r} is not supported by this server",
+                param=name,
+                hint=f"leave {name} out; its value would change the result",
+            )
 
 
 # -- bounds: what one request may ask for, so that it costs a bounded share of the server --
@@ -96,6 +146,13 @@ class _Sampling(_Strict):
     repetition_penalty: float | None = None
     min_tokens: int | None = None
     logit_bias: dict[str, float] | None = None
+    # vLLM's extra parameters (vllm/entrypoints/openai/completion/protocol.py)
+    stop_token_ids: list[int] | None = None
+    allowed_token_ids: list[int] | None = None
+    include_stop_str_in_output: bool | None = None
+    add_special_tokens: bool | None = None
+    truncate_prompt_tokens: int | None = Field(None, ge=-1)
+    truncation_side: Literal["left", "right"] | None = None
 
     def sampling(self, max_tokens: int | None) -> SamplingParams:
         """The engine's parameters for one choice (`choice_params` varies the seed)."""
@@ -116,7 +173,32 @@ class _Sampling(_Strict):
             min_tokens=_or(self.min_tokens, 0),
             logit_bias=self._bias(),
             logprobs=self.logprobs_k(),
+            stop_token_ids=tuple(self.stop_token_ids or ()),
+            allowed_token_ids=(
+                None if self.allowed_token_ids is None else tuple(self.allowed_token_ids)
+            ),
+            include_stop_str_in_output=_or(self.include_stop_str_in_output, False),
         )
+
+    def truncate(self, ids: list[int], longest: int) -> list[int]:
+        """truncate_prompt_tokens as vLLM applies it (vllm/renderers/params.py,
+        _truncation_slice): k keeps k tokens, -1 the most the model takes (`longest`); the
+        last ones unless truncation_side is "right" (vLLM loads tokenizers with
+        truncation_side "left": vllm/tokenizers/registry.py)."""
+        k = self.truncate_prompt_tokens
+        if k is None:
+            return ids
+        k = longest if k < 0 else k
+        if k > longest:
+            raise RequestError(
+                f"truncate_prompt_tokens={k} is more than this artifact takes ({longest})",
+                param="truncate_prompt_tokens",
+            )
+        if k >= len(ids):
+            return ids
+        if k == 0:
+            raise RequestError("truncate_prompt_tokens=0: no prompt left", "truncate_prompt_tokens")
+        return ids[:k] if self.truncation_side == "right" else ids[-k:]
 
     def _bias(self) -> tuple[tuple[int, float], ...]:
         """One (token id, bias) per id: "12", " 12" and "0012" name the same token, the last
@@ -156,17 +238,19 @@ class _Sampling(_Strict):
         """How many sequences are generated per prompt: n (completions: best_of)."""
         return self.choices_per_prompt
 
-    def sequences_within(self, slots: int) -> int:
-        """sequences_per_prompt, at most the engine's slots: a request's own sequences never
-        queue behind each other, holding the waiting places other clients share."""
+    def sequences_within(self, prompts: int, capacity: int | None) -> int:
+        """sequences_per_prompt, checked against what the server holds at once (`capacity`:
+        its batch slots and waiting places; None: no bound). vLLM runs a request's n
+        sequences through its queue whatever max_num_seqs is; so does this server: past the
+        batch's slots they wait. A request that could never be held whole is refused."""
         per_prompt = self.sequences_per_prompt
-        if per_prompt > slots:
-            name = "n" if self.choices_per_prompt > slots else "best_of"
+        if capacity is not None and per_prompt * prompts > capacity:
+            name = "n" if self.choices_per_prompt == per_prompt else "best_of"
             raise RequestError(
-                f"{name}={per_prompt}: this server generates at most {slots} sequences per "
-                "prompt (the artifact's batch size)",
+                f"{name}={per_prompt} for {prompts} prompt(s) is {per_prompt * prompts} "
+                f"sequences; this server holds at most {capacity} at once (batch and queue)",
                 param=name,
-                hint="send several requests, or serve an artifact compiled with a larger batch",
+                hint="send several requests, or start the server with a larger --max-queue",
             )
         return per_prompt
 
@@ -175,14 +259,7 @@ class _Sampling(_Strict):
         return bool(self.stream)
 
     def refuse_unsupported(self) -> None:
-        given = {**(self.model_extra or {}), **{k: getattr(self, k) for k in self.model_fields_set}}
-        for name, neutral in UNSUPPORTED.items():
-            if name in given and not neutral(given[name]):
-                raise RequestError(
-                    f"{name}={given[name]!r} is not supported by this server",
-                    param=name,
-                    hint=f"leave {name} out; its value would change the result",
-                )
+        refuse_fields(self)
         if self.stream_options is not None and not self.stream:
             raise RequestError(
                 "stream_options is only allowed with stream=true", param="stream_options"
@@ -269,8 +346,37 @@ class ChatMessage(_Strict):
         return {"role": role, "content": content or ""}
 
 
-class ChatRequest(_Sampling):
+class ChatOptions(_Strict):
+    """How messages become a prompt, as vLLM's chat and /tokenize requests say it
+    (vllm/entrypoints/openai/chat_completion/protocol.py, ChatCompletionRequest)."""
+
+    add_generation_prompt: bool | None = None  # default true
+    continue_final_message: bool | None = None  # default false
+    add_special_tokens: bool | None = None  # default false: the template writes them
+    tools: list[dict[str, Any]] | None = None  # only with tool_choice "none" (refuse_fields)
+    tool_choice: Any = None
+
+    def template_options(self) -> dict[str, Any]:
+        add_prompt = _or(self.add_generation_prompt, True)
+        final = _or(self.continue_final_message, False)
+        if add_prompt and final:
+            raise RequestError(
+                "continue_final_message and add_generation_prompt cannot both be true",
+                param="continue_final_message",
+                hint="send add_generation_prompt: false with continue_final_message: true",
+            )
+        return {
+            "add_generation_prompt": add_prompt,
+            "continue_final_message": final,
+            "add_special_tokens": _or(self.add_special_tokens, False),
+            "tools": self.tools or None,
+        }
+
+
+class ChatRequest(ChatOptions, _Sampling):  # type: ignore[misc]
     messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_MESSAGES)
+    echo: bool | None = None  # the last message's content opens the answer, if its role is
+    # the answer's (assistant), as vLLM's serving_chat does
     max_completion_tokens: int | None = Field(None, ge=1)
     logprobs: bool | None = None
     top_logprobs: int | None = None
@@ -300,13 +406,13 @@ class ChatRequest(_Sampling):
         return template_chars([m.as_template_message() for m in self.messages])
 
 
-class TokenizeRequest(_Strict):
-    """vLLM's /tokenize: a `prompt`, or chat `messages` through the template."""
+class TokenizeRequest(ChatOptions):
+    """vLLM's /tokenize: a `prompt` (TokenizeCompletionRequest: add_special_tokens defaults
+    to true), or chat `messages` through the template (TokenizeChatRequest: false)."""
 
     model: str | None = None
     prompt: str | None = None
     messages: list[ChatMessage] | None = Field(None, max_length=MAX_MESSAGES)
-    add_special_tokens: bool | None = None
     return_token_strs: bool | None = None
 
 

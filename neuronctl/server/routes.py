@@ -7,6 +7,7 @@ from __future__ import annotations
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
+from functools import partial
 from typing import Any, Protocol
 
 from fastapi import APIRouter, FastAPI, Request
@@ -28,6 +29,7 @@ from neuronctl.server.protocol import (
     ModelList,
     TokenizeRequest,
     TokenizeResponse,
+    refuse_fields,
     template_chars,
 )
 from neuronctl.server.streams import CompletionStream, Run, sse
@@ -36,9 +38,9 @@ from neuronctl.server.streams import CompletionStream, Run, sse
 class TextModel(Protocol):
     """What the API needs from a loaded artifact (engine.loader.LoadedArtifact)."""
 
-    def encode(self, text: str) -> list[int]: ...
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]: ...
+    def encode_chat(self, messages: list[dict[str, Any]], **options: Any) -> list[int]: ...
 
     def tokenize(self, text: str, add_special_tokens: bool = True) -> list[int]: ...
 
@@ -89,6 +91,15 @@ def add_routes(
                 hint="send the prompts in several smaller requests",
             )
 
+    def capacity() -> int | None:
+        """How many sequences the engine holds at once: its slots and waiting places."""
+        queue = engine.scheduler.max_queue
+        return None if queue is None else engine.runner.batch_size + queue
+
+    def longest() -> int:
+        """The longest prompt truncate_prompt_tokens=-1 keeps: one position left to generate."""
+        return min(engine.max_prompt, engine.runner.seq_len - 1)
+
     v1 = APIRouter(prefix="/v1")
 
     @v1.get("/models")
@@ -104,11 +115,14 @@ def add_routes(
     async def completions(body: CompletionRequest, request: Request) -> Response:
         check_model(body.model)
         params = body.sampling(body.max_new_tokens)
-        per_prompt = body.sequences_within(engine.runner.batch_size)
         texts = body.prompts()
+        per_prompt = body.sequences_within(len(texts), capacity())
         check_sequences(len(texts) * per_prompt)
         check_chars(body.prompt_chars(), "prompt")
-        prompts = [await _encode(model.encode, p) if isinstance(p, str) else p for p in texts]
+        special = body.add_special_tokens is not False
+        encode = partial(model.encode, add_special_tokens=special)
+        prompts = [await _encode(encode, p) if isinstance(p, str) else p for p in texts]
+        prompts = [body.truncate(p, longest()) for p in prompts]
         if per_prompt > body.choices_per_prompt and params.logprobs is None:
             params = replace(params, logprobs=0)  # best_of ranks by cumulative logprob
         run = Run(engine, jobs(prompts, params, per_prompt), metrics, prompts,
@@ -124,13 +138,15 @@ def add_routes(
         check_model(body.model)
         body.check_messages()
         params = body.sampling(body.max_new_tokens())
-        per_prompt = body.sequences_within(engine.runner.batch_size)
+        per_prompt = body.sequences_within(1, capacity())
         check_chars(body.prompt_chars(), "messages")
         messages = [m.as_template_message() for m in body.messages]
-        prompt = await run_in_threadpool(model.encode_chat, messages)
+        options = body.template_options()
+        prompt = await run_in_threadpool(partial(model.encode_chat, messages, **options))
+        prompt = body.truncate(prompt, longest())
         run = Run(engine, jobs([prompt], params, per_prompt), metrics, [prompt],
                   stream=body.streaming, client=client_of(request))  # fmt: skip
-        stream = CompletionStream(run, served_model_name, body, model)
+        stream = CompletionStream(run, served_model_name, body, model, chat_echo(body, messages))
         if body.streaming:
             return sse(stream.chunks())
         return typed(await stream.whole(request))
@@ -178,10 +194,12 @@ def add_vllm_routes(
         check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise RequestError("send either prompt or messages", param="prompt")
+        refuse_fields(body)
         if body.messages is not None:
             messages = [m.as_template_message() for m in body.messages]
             check_chars(template_chars(messages), "messages")
-            ids = await run_in_threadpool(model.encode_chat, messages)
+            options = body.template_options()
+            ids = await run_in_threadpool(partial(model.encode_chat, messages, **options))
         else:
             check_chars(len(body.prompt or ""), "prompt")
             special = body.add_special_tokens is not False
@@ -207,6 +225,16 @@ def add_vllm_routes(
 def client_of(request: Request) -> str | None:
     """Who a request is from, for its share of the queue: the peer's address."""
     return request.client.host if request.client is not None else None
+
+
+def chat_echo(body: ChatRequest, messages: list[dict[str, Any]]) -> list[str] | None:
+    """Chat echo: the last message's content opens each answer when that message is the
+    answer's own role, assistant (vllm/entrypoints/openai/chat_completion/serving.py: "echo
+    the input portion of the last message"); else nothing is echoed."""
+    if not body.echo:
+        return None
+    last = messages[-1]
+    return [last["content"] if last["role"] == "assistant" else ""]
 
 
 def jobs(

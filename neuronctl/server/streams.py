@@ -230,7 +230,7 @@ class CompletionStream:
         logprobs = ChatLogprobs(content=self._chat_entries(out.logprobs or [])) if (
             self.logprobs) else None  # fmt: skip
         return ChatChoice(
-            index=index, message=AssistantMessage(content=out.text),
+            index=index, message=AssistantMessage(content=self._echoed(index) + out.text),
             finish_reason=out.finish_reason, token_ids=self._ids(out.token_ids),
             logprobs=logprobs,
         )  # fmt: skip
@@ -298,6 +298,11 @@ class CompletionStream:
             first = self._first(i)
             if first is not None:
                 yield self._chunk([first]).model_dump_json()
+            if self.chat and self._echoed(i):  # chat echo: the last message, after the role
+                opening = ChatChunkChoice(
+                    index=i, delta=Delta(content=self._echoed(i)), finish_reason=None
+                )
+                yield self._chunk([opening]).model_dump_json()
         completion = 0
         async for index, event in self.run.events():
             echoed = self._echo_with_logprobs(index, event)
@@ -326,7 +331,7 @@ class CompletionStream:
     def _echo_with_logprobs(self, index: int, event: Event) -> CompletionChoice | None:
         """An echo with logprobs opens with the prompt once its logprobs are known: on the
         choice's first event (its first token, or its end with max_tokens 0)."""
-        if self.echo is None or not self.logprobs or index in self.offsets:
+        if self.chat or self.echo is None or not self.logprobs or index in self.offsets:
             return None
         scored = event.prompt_logprobs
         if scored is None and event.output is not None:
