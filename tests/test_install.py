@@ -108,14 +108,16 @@ def test_a_record_others_could_write_names_no_key(
     tmp_path: Path, compiled_artifact: Path, monkeypatch: pytest.MonkeyPatch
 ) -> None:
     """Anyone who can write DEST_DIR could plant a record naming their own key: such a record
-    is not used (fails without record_place_problem)."""
+    is not used. The load rule refuses such a directory before the record is read, so the
+    refusal names the directory."""
     dest = tmp_path / "models"
     assert run_install(pushed(compiled_artifact, tmp_path / "remote"), str(dest)).returncode == 0
     monkeypatch.setenv(TRUSTED_KEYS_ENV, "")
     assert cli_in_process("validate", str(dest)).returncode == 0
     os.chmod(dest, 0o777)
     shared = cli_in_process("validate", str(dest), "--json")
-    assert shared.returncode == 1 and "not trusted here" in trust_reason(shared.stdout)
+    assert shared.returncode == 1
+    assert "writable by other users" in trust_reason(shared.stdout)
 
 
 def test_install_is_atomic_and_resumes_after_a_kill(
