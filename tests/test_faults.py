@@ -42,10 +42,10 @@ DEADLINE = 30  # seconds: a wait that passes this is the hang under test
 class ByteModel:
     """The TextModel the app needs: one token per Latin-1 byte."""
 
-    def encode(self, text: str) -> list[int]:
+    def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
         return list(text.encode("latin-1", "replace"))
 
-    def encode_chat(self, messages: list[dict[str, Any]]) -> list[int]:
+    def encode_chat(self, messages: list[dict[str, Any]], **options: Any) -> list[int]:
         return self.encode("".join(str(m.get("content", "")) for m in messages))
 
 

@@ -264,3 +264,14 @@ def test_serve_loads_an_installed_artifact_with_no_flag(
     finally:
         server.stop()
     assert f"key {SIGNER.key_id}, trusted when it was pulled" in server.log()
+
+
+def test_an_oci_source_is_refused_by_name_before_anything_is_fetched(tmp_path: Path) -> None:
+    """install reads a remote's objects by path (Transport); an OCI registry holds layers, so
+    an oci:// source is a one-line usage error naming what to do, not a traceback. The
+    registry is never contacted (nothing listens on port 9)."""
+    dest = tmp_path / "models"
+    result = run_install("oci://127.0.0.1:9/models/llama:" + "0" * 20, str(dest))
+    assert result.returncode == 2, result.stderr
+    assert "does not read OCI registries yet" in result.stderr + result.stdout
+    assert "Traceback" not in result.stderr and not dest.exists()

@@ -37,6 +37,7 @@ from neuronctl.checks import Check
 from neuronctl.errors import NeuronctlError, UsageError
 from neuronctl.store.manifest import HASH_CHUNK, MANIFEST, FileEntry, Manifest, sha256_file
 from neuronctl.store.remote.errors import RemoteArtifactError, on_this_host, remote_errors
+from neuronctl.store.remote.oci_ref import is_oci
 from neuronctl.store.remote.pull import checked_manifest
 from neuronctl.store.remote.transport import Transport, run_all
 from neuronctl.store.remote.urls import remote_artifact
@@ -98,7 +99,14 @@ def install(
 
     `host_checks` judges this host from the manifest (validate's versions and capacity
     checks); any failure stops the install before a byte is downloaded."""
+    if is_oci(source):  # a registry holds layers, not objects by path (Transport)
+        raise UsageError(
+            f"install does not read OCI registries yet: {source}",
+            "pull it into a store on the node (`neuronctl artifacts pull URL --store DIR`), "
+            "or install from s3:// or a shared mount",
+        )
     remote, dirname, key = remote_artifact(source)
+    assert isinstance(remote, Transport)  # every remote but a registry is one
     return _install(remote, dirname, key, dest, policy, host_checks, log)
 
 
