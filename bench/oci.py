@@ -30,56 +30,18 @@ import tempfile
 import time
 from pathlib import Path
 
-from cryptography.hazmat.primitives.asymmetric.ed25519 import Ed25519PrivateKey
-
 ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT))
+sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
+
+from remote import MB, SIGNER, TRUST, layout, make_artifact  # noqa: E402  (bench/remote.py)
 
 from neuronctl.store.local import Store  # noqa: E402
-from neuronctl.store.manifest import Manifest, Source  # noqa: E402
 from neuronctl.store.remote.oci import BLOB_CACHE, OciStore  # noqa: E402
-from neuronctl.store.signing import Signer, TrustedKey, TrustPolicy, key_id  # noqa: E402
 from tests.ociregistry import OciRegistry, registry_binary  # noqa: E402
 
-_KEY = Ed25519PrivateKey.generate()
-SIGNER = Signer(_KEY, key_id(_KEY.public_key()))
-TRUST = TrustPolicy((TrustedKey(_KEY.public_key(), SIGNER.key_id, "bench"),))
-MB = 1024 * 1024
 PEER_NOTE = ("peer: oras-py Registry.pull (the oras Go CLI is not installed here: no Debian "
              "or PyPI package, and building it from the Go module proxy needs a Go toolchain "
              "this host lacks)")
-
-
-def layout(size_mb: int) -> dict[str, int]:
-    """Roughly an artifact's shape: a few big weight shards, graphs, small json files."""
-    shards, graphs = 4, 2
-    graph_mb = max(1, size_mb // 10)
-    shard_mb = max(1, (size_mb - graphs * graph_mb) // shards)
-    files = {f"weights/tp{r}_sharded_checkpoint.safetensors": shard_mb * MB for r in range(shards)}
-    files.update({f"graphs/bucket_{i}.pt2": graph_mb * MB for i in range(graphs)})
-    files.update({"config.json": 700, "tokenizer.json": 2 * MB})
-    return files
-
-
-def make_artifact(root: Path, files: dict[str, int]) -> Path:
-    manifest = Manifest(
-        backend="torch",
-        backend_versions={"torch": "bench"},
-        spec={},
-        keys={"graph_key": "g" * 64, "weights_key": "w" * 64, "artifact_key": "c" * 64},
-        source=Source(digest="d" * 64),
-        architecture={},
-    )
-
-    def build(staging: Path) -> Manifest:
-        for rel, size in files.items():
-            (staging / rel).parent.mkdir(parents=True, exist_ok=True)
-            with open(staging / rel, "wb") as f:
-                for start in range(0, size, 16 * MB):
-                    f.write(os.urandom(min(16 * MB, size - start)))
-        return manifest
-
-    return Store(root).publish("c" * 20, build).path
 
 
 def oras_pull(target: str, dest: Path) -> float:
@@ -179,7 +141,7 @@ def run(work: Path, registry: OciRegistry, size_mb: int, repeat: int) -> dict[st
 def write_public_key(path: Path) -> Path:
     from cryptography.hazmat.primitives import serialization
 
-    path.write_bytes(_KEY.public_key().public_bytes(
+    path.write_bytes(SIGNER.key.public_key().public_bytes(
         serialization.Encoding.PEM, serialization.PublicFormat.SubjectPublicKeyInfo))
     return path
 
