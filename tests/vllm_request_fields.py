@@ -4,9 +4,10 @@ tests/test_request_fields.py walks.
 
 Regenerate from a vLLM release (the wheel holds the source; `--no-deps` fetches nothing else):
 
-    pip download vllm==0.33.0 --no-deps -d /tmp/vllm
-    unzip -q /tmp/vllm/vllm-*.whl 'vllm/*' -d /tmp/vllm
-    python -m tests.vllm_request_fields /tmp/vllm > tests/vllm_request_fields.json
+    d=$(mktemp -d)
+    pip download vllm==0.33.0 --no-deps -d "$d"
+    unzip -q "$d"/vllm-*.whl 'vllm/*' -d "$d"
+    python -m tests.vllm_request_fields "$d" > tests/vllm_request_fields.json
 """
 
 from __future__ import annotations
