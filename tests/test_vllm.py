@@ -1015,6 +1015,18 @@ def test_vllm_names_the_model_as_the_builtin_server_does(tmp_path: Path) -> None
     assert flags(named.argv)["served-model-name"] == "mine"
 
 
+def test_launch_of_an_unvalidated_manifest_names_the_model_by_its_folder(tmp_path: Path) -> None:
+    """The real-source harness builds its manifest with `Manifest.model_construct`, the
+    source a plain mapping; the launch must still be written (named by the artifact's folder)
+    so that the harness can run it through vLLM's own argument parser."""
+    real = make_manifest()
+    fields = {name: getattr(real, name) for name in Manifest.model_fields}
+    loose = Manifest.model_construct(**{**fields, "source": {"digest": "d"}})
+    launch = serve_launch(tmp_path, loose, target=B9)
+    assert flags(launch.argv)["served-model-name"] == tmp_path.resolve().name
+    assert launch.argv[:-2] == serve_launch(tmp_path, real, target=B9).argv[:-2]
+
+
 def test_log_level_reaches_uvicorn_where_vllm_has_the_flag(tmp_path: Path) -> None:
     """--uvicorn-log-level is in cli_args.py from the 0.6 fork on (v0.6.x-neuron :82)."""
     launch = serve_launch(tmp_path, make_manifest(), log_level="debug", target=B9)

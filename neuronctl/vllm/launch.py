@@ -11,7 +11,7 @@ from pathlib import Path
 from typing import Any
 
 from neuronctl.errors import NeuronctlError, UsageError
-from neuronctl.store.manifest import Manifest, served_name
+from neuronctl.store.manifest import Manifest, Source, served_name
 from neuronctl.vllm.artifact import artifact_spec, framework_for
 from neuronctl.vllm.detect import VllmTarget, dotted, require_target
 from neuronctl.vllm.rules import plan_launch
@@ -84,6 +84,16 @@ def _flags(args: Mapping[str, Any]) -> list[str]:
     return argv
 
 
+def _hub_name(manifest: Manifest) -> str | None:
+    """The name the built-in server gives the model. A manifest made without validation
+    (`Manifest.model_construct`, as the real-source harness builds one) may hold its source
+    as a plain mapping, or none: then the artifact's folder names the model."""
+    source = manifest.source
+    if not isinstance(source, Source):
+        return None
+    return served_name(source.model, source.revision)
+
+
 def serve_launch(
     artifact: Path,
     manifest: Manifest,
@@ -115,7 +125,7 @@ def serve_launch(
             )
     argv = [sys.executable, "-m", "vllm.entrypoints.openai.api_server", *_flags(args)]
     argv += ["--host", host, "--port", str(port)]
-    name = served_model_name or served_name(manifest.source.model, manifest.source.revision)
+    name = served_model_name or _hub_name(manifest)
     argv += ["--served-model-name", name or artifact.resolve().name]
     if log_level is not None:
         if plan.target.vllm < UVICORN_LOG_LEVEL_FROM:
