@@ -19,7 +19,7 @@ import re
 import shutil
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from pathlib import Path
 from typing import Any
 
@@ -444,7 +444,7 @@ class OciStore:
         return result
 
 
-def blob_chunks(registry: Registry, blob: Blob, rel: str, start: int = 0) -> Iterator[bytes]:
+def blob_chunks(registry: Registry, blob: Blob, rel: str, start: int = 0) -> Generator[bytes]:
     """A layer's bytes from `start` on, never more than its descriptor's size (a seam: tests
     slow it down). A registry that ignores the Range sends it all: the head is skipped."""
     response = registry.open_blob(blob.digest, start)
