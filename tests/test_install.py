@@ -437,3 +437,28 @@ def test_install_from_a_registry_refuses_unsigned_before_any_layer_is_read(
                    lambda line: None)
     assert done.trusted == "allow-unsigned" and done.key_id is None
     assert read_manifest(tmp_path / "models").artifact_key == read_manifest(artifact).artifact_key
+
+
+@needs_registry
+def test_a_partial_download_that_is_not_the_files_head_is_downloaded_again(
+    tmp_path: Path, repo: str, registry: OciRegistry  # noqa: F811
+) -> None:
+    """What a killed run left is hashed with the rest, never trusted: a part whose bytes are
+    not the file's costs one more download of that file, not a failed install."""
+    import hashlib
+
+    from neuronctl.store.install import install
+
+    artifact = make_artifact(tmp_path / "a", sample_files(big=200_000))
+    open_remote(repo).push(artifact, signer=SIGNER)
+    dest = tmp_path / "models"
+    rel = "graphs/ctx_128.pt2"
+    (dest / WORK_DIR).mkdir(parents=True)
+    part = dest / WORK_DIR / (hashlib.sha256(rel.encode()).hexdigest()[:24] + ".part")
+    part.write_bytes(os.urandom(5000))
+    lines: list[str] = []
+    done = install(f"{repo}:{artifact.name}", dest, TrustPolicy.load(), lambda m: [],
+                   lines.append)
+    assert (dest / rel).read_bytes() == (artifact / rel).read_bytes()
+    assert f"resuming {rel} at 0.0 MiB" in "\n".join(lines)
+    assert done.downloaded_bytes == read_manifest(artifact).total_size() + 200_000 - 5000
