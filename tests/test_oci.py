@@ -837,3 +837,70 @@ def test_a_legacy_manifest_sig_is_not_pushed_to_a_registry(tmp_path: Path, repo:
         open_remote(repo).push(artifact)
     assert "--sign-key" in (info.value.hint or "")
     assert not open_remote(repo).has(artifact.name)
+
+
+def test_no_tag_index_is_kept_where_the_registry_indexes_subjects_itself(
+    tmp_path: Path, repo: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A registry with the referrers API answers the PUT of a manifest with a `subject` with
+    an `OCI-Subject` header (spec lines 544-546; oras-go checkOCISubjectHeader): the client
+    keeps no `sha256-<hex>` index then. distribution 2.8 never sends it, so here it is
+    added to its answer."""
+    from neuronctl.store.remote.oci_registry import Registry
+
+    plain = Registry.put_manifest
+
+    def indexing(self: Registry, data: bytes, reference: str, *args: str) -> bool:
+        plain(self, data, reference, *args)
+        return b'"subject"' in data
+
+    monkeypatch.setattr(Registry, "put_manifest", indexing)
+    artifact = make_artifact(tmp_path / "a", sample_files(big=1000))
+    remote = open_remote(repo)
+    assert isinstance(remote, OciStore)
+    remote.push(artifact, signer=SIGNER)
+    held = remote.fetch(artifact.name)
+    assert held is not None
+    assert remote.registry.get_manifest(referrers_tag(held.digest),
+                                        accept="application/vnd.oci.image.index.v1+json") is None
+
+
+def test_the_referrers_query_over_http() -> None:
+    """What goes over the wire to a registry with the referrers API: `GET
+    /v2/<repo>/referrers/<digest>?artifactType=<type, URL-encoded>` accepting an image index
+    (spec lines 617, 676-683); its answer read capped; a 404 means no API."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from neuronctl.store.remote.oci_registry import Registry
+
+    seen: list[tuple[str, str]] = []
+    body = b'{"schemaVersion": 2, "manifests": []}'
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            seen.append((self.path, self.headers.get("Accept", "")))
+            found = self.path == "/v2/" or "/api/" in self.path
+            self.send_response(200 if found else 404)
+            self.send_header("Content-Length", str(len(body) if found else 0))
+            self.end_headers()
+            if found:
+                self.wfile.write(body)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        host = f"127.0.0.1:{server.server_address[1]}"
+        digest = "sha256:" + "a" * 64
+        with_api = Registry(parse_oci_url(f"oci://{host}/with/api"))
+        assert with_api.referrers(digest, SIGNATURE_ARTIFACT_TYPE) == body
+        assert seen[-1] == (
+            f"/v2/with/api/referrers/{digest}?artifactType="
+            "application%2Fvnd.dev.sigstore.bundle.v0.3%2Bjson",
+            "application/vnd.oci.image.index.v1+json")
+        assert Registry(parse_oci_url(f"oci://{host}/none")).referrers(digest, "x") is None
+    finally:
+        server.shutdown()
