@@ -396,9 +396,10 @@ class _Fetcher:
         self.source.check_size(rel, entry)
         part = self.work / (hashlib.sha256(rel.encode()).hexdigest()[:24] + ".part")
         have = part.stat().st_size if part.exists() else 0
-        got = self._download(rel, entry, part, have if have <= entry.size else 0)
-        if got != entry.sha256 and have:  # the head a killed run left was not this file's
-            self.count(kept=-have)
+        start = have if have <= entry.size else 0
+        got = self._download(rel, entry, part, start)
+        if got != entry.sha256 and start:  # the head a killed run left was not this file's
+            self.count(kept=-start)
             got = self._download(rel, entry, part, 0)
         if got != entry.sha256:
             part.unlink(missing_ok=True)
