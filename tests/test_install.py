@@ -305,6 +305,29 @@ def test_a_shared_dest_dir_is_made_writable_by_its_owner_only(
         assert checked.returncode == 0, trust_reason(checked.stdout)
 
 
+def test_a_shared_dest_dir_this_user_cannot_change_is_refused_before_any_download(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not its owner (nor root): the mode cannot be changed, and a load would refuse the
+    directory; the install says so, one line, before a byte is downloaded."""
+    import neuronctl.store.install as installing
+    from neuronctl.store.install import InstallError, install
+
+    artifact = make_artifact(tmp_path / "a", sample_files(big=1000))
+    url = pushed(artifact, tmp_path / "remote")
+    shared = tmp_path / "emptydir"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+
+    def not_owner(path: object, mode: int) -> None:
+        raise PermissionError(1, "Operation not permitted", str(path))
+
+    monkeypatch.setattr(installing.os, "chmod", not_owner)
+    with pytest.raises(InstallError, match="writable by other users and this user cannot"):
+        install(url, shared, TrustPolicy.load(), lambda m: [], lambda line: None)
+    assert list(shared.iterdir()) == []
+
+
 # -- from an OCI registry ------------------------------------------------------------------
 
 needs_registry = pytest.mark.skipif(registry_binary() is None,
