@@ -1,8 +1,9 @@
 """OciStore: an OCI registry repository as a remote store (`oci://REGISTRY/REPO`), with the
 same methods commands use on the others (has, resolve, push, pull, check_trusted) and the
-same rules: push uploads every file before the one thing that makes the artifact complete
-(here the tagged manifest), pull checks the signature before anything is staged and every
-byte against the signed sha256s before the artifact is visible.
+same rules: push uploads every file, and the signature (a referrer of the artifact's
+manifest: oci_referrers.py), before the one thing that makes the artifact complete (here the
+tagged manifest); pull checks the signature before anything is staged and every byte against
+the signed sha256s before the artifact is visible.
 
 A pull keeps each layer it verified in `<store>/neuron-compiled-artifacts/.oci-blobs/`
 until the artifact is published, and the part of a layer it had written: a pull killed
