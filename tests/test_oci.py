@@ -755,7 +755,7 @@ def test_a_listed_referrer_of_another_manifest_vouches_for_nothing(
 def test_the_referrers_api_answer_is_used_and_checked_like_the_tag(
     tmp_path: Path, repo: str, monkeypatch: pytest.MonkeyPatch
 ) -> None:
-    """A registry with the referrers API (Harbor, zot, ECR) answers the GET: its list is used
+    """A registry with the referrers API answers the GET: its list is used
     instead of the tag's, and is as much a claim. distribution 2.8 has no such API, so its
     answer is played here: first a list naming a manifest that does not exist, then the
     real one. The query names the signature's artifactType (spec lines 676-683)."""
