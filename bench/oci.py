@@ -10,7 +10,9 @@ signed, to a registry with filesystem storage. Then, alternating, each repeat ti
         PyPI package, and building it needs a Go toolchain this host lacks: oras-py is the
         peer, same registry, same run);
   pull: `neuronctl artifacts pull` (OciStore.pull): signature check, every layer hashed
-        against the signed sha256s, fsync, atomic publish.
+        against the signed sha256s, fsync, atomic publish;
+  install: `neuronctl install oci://... DEST` (store.install.install; host checks skipped:
+        the artifact is synthetic): the signature referrer, every layer hashed into DEST.
 The ratio is oras-py time / neuronctl time of the best repeats (>= 1 means neuronctl is as
 fast). Then a `neuronctl artifacts pull` subprocess is SIGKILLed once half of the artifact's
 bytes are on disk, and the re-run's re-downloaded bytes are counted by neuronctl and, from
@@ -35,6 +37,7 @@ sys.path[:0] = [str(ROOT), str(Path(__file__).resolve().parent)]
 
 from remote import MB, SIGNER, TRUST, layout, make_artifact  # noqa: E402  (bench/remote.py)
 
+from neuronctl.store.install import install  # noqa: E402
 from neuronctl.store.local import Store  # noqa: E402
 from neuronctl.store.remote.oci import BLOB_CACHE, OciStore  # noqa: E402
 from tests.ociregistry import OciRegistry, registry_binary  # noqa: E402
@@ -59,6 +62,12 @@ def neuronctl_pull(url: str, dirname: str, dest: Path) -> float:
     elapsed = time.perf_counter() - started
     assert not published.cache_hit
     return elapsed
+
+
+def neuronctl_install(url: str, dest: Path) -> float:
+    started = time.perf_counter()
+    install(url, dest, TRUST, lambda manifest: [], lambda line: None)
+    return time.perf_counter() - started
 
 
 def on_disk(cache: Path) -> int:
@@ -115,13 +124,15 @@ def run(work: Path, registry: OciRegistry, size_mb: int, repeat: int) -> dict[st
     assert OciStore(url).push(artifact, signer=SIGNER).noop
     repush_s = time.perf_counter() - started
 
-    oras_times, pull_times = [], []
+    oras_times, pull_times, install_times = [], [], []
     for i in range(repeat):
         oras_times.append(oras_pull(f"{registry.host}/bench/model:{artifact.name}",
                                     work / f"oras{i}"))
         shutil.rmtree(work / f"oras{i}")
         pull_times.append(neuronctl_pull(url, artifact.name, work / f"pull{i}"))
         shutil.rmtree(work / f"pull{i}")
+        install_times.append(neuronctl_install(f"{url}:{artifact.name}", work / f"dest{i}"))
+        shutil.rmtree(work / f"dest{i}")
     oras_best, pull_best = min(oras_times), min(pull_times)
     return {
         "artifact_mb": round(total / MB, 1),
@@ -133,6 +144,8 @@ def run(work: Path, registry: OciRegistry, size_mb: int, repeat: int) -> dict[st
         "oras_py_mb_s": round(total / MB / oras_best, 1),
         "neuronctl_mb_s": round(total / MB / pull_best, 1),
         "ratio_oras_py_to_neuronctl_time": round(oras_best / pull_best, 3),
+        "neuronctl_install_s": [round(t, 2) for t in install_times],
+        "neuronctl_install_mb_s": round(total / MB / min(install_times), 1),
         **killed_at_half(url, artifact.name, total, registry, work),
         "note": PEER_NOTE,
     }

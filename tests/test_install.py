@@ -23,6 +23,7 @@ from neuronctl.store.install import WORK_DIR
 from neuronctl.store.local import Store
 from neuronctl.store.manifest import MANIFEST, read_manifest, record_files, write_manifest
 from neuronctl.store.remote.client import open_remote
+from neuronctl.store.remote.errors import RemoteArtifactError
 from neuronctl.store.signing import (
     PROVENANCE,
     REVOKED_KEYS_ENV,
@@ -30,6 +31,8 @@ from neuronctl.store.signing import (
     TrustPolicy,
 )
 from tests.helpers import cli_in_process, run_in_process
+from tests.ociregistry import OciRegistry, registry_binary
+from tests.test_oci import registry, repo  # noqa: F401  (fixtures)
 from tests.test_remote import (  # noqa: F401  (fixtures)
     SIGNER,
     bucket,
@@ -266,12 +269,219 @@ def test_serve_loads_an_installed_artifact_with_no_flag(
     assert f"key {SIGNER.key_id}, trusted when it was pulled" in server.log()
 
 
-def test_an_oci_source_is_refused_by_name_before_anything_is_fetched(tmp_path: Path) -> None:
-    """install reads a remote's objects by path (Transport); an OCI registry holds layers, so
-    an oci:// source is a one-line usage error naming what to do, not a traceback. The
-    registry is never contacted (nothing listens on port 9)."""
+def test_an_unknown_scheme_is_a_usage_error_naming_the_known_ones(tmp_path: Path) -> None:
     dest = tmp_path / "models"
-    result = run_install("oci://127.0.0.1:9/models/llama:" + "0" * 20, str(dest))
-    assert result.returncode == 2, result.stderr
-    assert "does not read OCI registries yet" in result.stderr + result.stdout
-    assert "Traceback" not in result.stderr and not dest.exists()
+    for source in ("nosuch://x", "nosuch://bucket/prefix/KEY"):
+        result = run_install(source, str(dest))
+        assert result.returncode == 2, result.stderr
+        assert "unknown URI scheme nosuch://" in result.stderr
+        assert "s3://" in result.stderr and "oci://" in result.stderr
+        assert "Traceback" not in result.stderr and not dest.exists()
+
+
+def test_a_shared_dest_dir_is_made_writable_by_its_owner_only(
+    tmp_path: Path, compiled_artifact: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """KServe's /mnt/models is an emptyDir, mode 0777: install takes it 0755, so that the
+    load after it (which trusts no directory another user can write, nor either directory
+    above it) accepts it with no flag. Directories it makes are 0755 whatever the umask."""
+    from neuronctl.store.install import install
+
+    url = pushed(compiled_artifact, tmp_path / "remote")
+    shared = tmp_path / "emptydir"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+    install(url, shared, TrustPolicy.load(), lambda m: [], lambda line: None)
+    old = os.umask(0)
+    try:
+        nested = tmp_path / "made" / "by" / "install"
+        install(url, nested, TrustPolicy.load(), lambda m: [], lambda line: None)
+    finally:
+        os.umask(old)
+    monkeypatch.setenv(TRUSTED_KEYS_ENV, "")
+    for dest in (shared, nested):
+        assert all(p.stat().st_mode & 0o022 == 0 for p in (dest, dest.parent, dest.parent.parent))
+        checked = cli_in_process("validate", str(dest), "--json")
+        assert checked.returncode == 0, trust_reason(checked.stdout)
+
+
+def test_a_shared_dest_dir_this_user_cannot_change_is_refused_before_any_download(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Not its owner (nor root): the mode cannot be changed, and a load would refuse the
+    directory; the install says so, one line, before a byte is downloaded."""
+    import neuronctl.store.install as installing
+    from neuronctl.store.install import InstallError, install
+
+    artifact = make_artifact(tmp_path / "a", sample_files(big=1000))
+    url = pushed(artifact, tmp_path / "remote")
+    shared = tmp_path / "emptydir"
+    shared.mkdir()
+    os.chmod(shared, 0o777)
+
+    def not_owner(path: object, mode: int) -> None:
+        raise PermissionError(1, "Operation not permitted", str(path))
+
+    monkeypatch.setattr(installing.os, "chmod", not_owner)
+    with pytest.raises(InstallError, match="writable by other users and this user cannot"):
+        install(url, shared, TrustPolicy.load(), lambda m: [], lambda line: None)
+    assert list(shared.iterdir()) == []
+
+
+# -- from an OCI registry ------------------------------------------------------------------
+
+needs_registry = pytest.mark.skipif(registry_binary() is None,
+                                    reason="docker-registry is not installed")
+
+SLOW_INSTALL = """
+import sys, time
+import neuronctl.store.remote.oci as oci
+from neuronctl.cli.main import main
+
+plain = oci.blob_chunks
+
+def slow(registry, blob, rel, start=0):
+    for chunk in plain(registry, blob, rel, start):
+        if blob.size > 20_000_000:
+            time.sleep(0.05)
+        yield chunk
+
+oci.blob_chunks = slow
+sys.argv = ["neuronctl", *sys.argv[1:]]
+main()
+"""
+
+
+def big_artifact(tmp_path: Path, compiled_artifact: Path, big: int) -> Path:
+    artifact = Store(tmp_path / "build").root / "neuron-compiled-artifacts" / compiled_artifact.name
+    shutil.copytree(compiled_artifact, artifact)
+    (artifact / "weights" / "extra.bin").write_bytes(os.urandom(big))
+    write_manifest(artifact, record_files(artifact, read_manifest(artifact)))
+    return artifact
+
+
+@needs_registry
+def test_install_from_a_registry_resumes_after_a_kill_and_loads_with_no_flag(
+    tmp_path: Path, compiled_artifact: Path, repo: str, registry: OciRegistry,  # noqa: F811
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """`install oci://REGISTRY/REPO:KEY DEST` (what KServe passes for an oci:// storageUri),
+    SIGKILLed while the big layer downloads (slowed to ~20 MiB/s): nothing looks installed;
+    the rerun asks the registry for the rest of that layer only (a Range request, as the
+    registry's access log counts) and for none of the layers already in place; a third run
+    downloads nothing; the serving side loads it trusting no key of its own."""
+    big = 24 * 2**20
+    artifact = big_artifact(tmp_path, compiled_artifact, big)
+    open_remote(repo).push(artifact, signer=SIGNER)
+    url = f"{repo}:{artifact.name}"
+    dest = tmp_path / "models"
+    child = subprocess.Popen([sys.executable, "-c", SLOW_INSTALL, "install", url, str(dest)],
+                             stderr=subprocess.PIPE, text=True, cwd=ROOT)
+    assert child.stderr is not None
+    for line in child.stderr:
+        if "downloading weights/extra.bin: " in line:  # mid-layer progress
+            child.send_signal(signal.SIGKILL)
+            break
+    child.wait(timeout=60)
+    assert child.returncode == -signal.SIGKILL
+    assert not (dest / MANIFEST).exists()
+    assert cli_in_process("validate", str(dest)).returncode == 1
+    (part,) = [p for p in (dest / WORK_DIR).glob("*.part") if p.stat().st_size]
+    head = part.stat().st_size
+    assert 0 < head < big
+
+    extra = read_manifest(artifact).files["weights/extra.bin"]
+    before = registry.served_blob_bytes()
+    rerun = run_install(url, str(dest), "--json")
+    assert rerun.returncode == 0, rerun.stderr
+    assert "resuming weights/extra.bin" in rerun.stderr and "Traceback" not in rerun.stderr
+    served = registry.served_blob_bytes()
+    layers = {f"sha256:{e.sha256}" for e in read_manifest(artifact).files.values()}
+    again = {d: served[d] - before.get(d, 0) for d in layers if served[d] != before.get(d, 0)}
+    assert again == {f"sha256:{extra.sha256}": big - head}  # (and the signed metadata)
+    result = json.loads(rerun.stdout)
+    assert result["downloaded_bytes"] == big - head
+    assert result["kept_bytes"] == read_manifest(dest).total_size() - (big - head)
+    assert result["url"].startswith(f"{repo}@sha256:") and result["trusted"] == "signature"
+    assert not (dest / WORK_DIR).exists() and (dest / "model.sig").exists()
+
+    third = run_install(url, str(dest), "--json")
+    assert third.returncode == 0 and json.loads(third.stdout)["downloaded_bytes"] == 0
+
+    monkeypatch.setenv(TRUSTED_KEYS_ENV, "")
+    checked = cli_in_process("validate", str(dest), "--json")
+    assert checked.returncode == 0, checked.stdout
+    assert f"key {SIGNER.key_id}, trusted when it was pulled ({repo}@sha256:" in trust_reason(
+        checked.stdout)
+
+
+@needs_registry
+def test_install_from_a_registry_refuses_a_tampered_layer(
+    tmp_path: Path, repo: str, registry: OciRegistry  # noqa: F811
+) -> None:
+    from neuronctl.store.install import install
+
+    artifact = make_artifact(tmp_path / "a", sample_files(big=200_000))
+    open_remote(repo).push(artifact, signer=SIGNER)
+    entry = read_manifest(artifact).files["graphs/ctx_128.pt2"]
+    blob = registry.blob_path(f"sha256:{entry.sha256}")
+    data = bytearray(blob.read_bytes())
+    data[100] ^= 1  # same size: only the hash can tell
+    blob.write_bytes(bytes(data))
+    dest = tmp_path / "models"
+    with pytest.raises(RemoteArtifactError, match="ctx_128.pt2 is corrupted"):
+        install(f"{repo}:{artifact.name}", dest, TrustPolicy.load(), lambda m: [],
+                lambda line: None)
+    assert not (dest / MANIFEST).exists() and not (dest / "graphs" / "ctx_128.pt2").exists()
+    assert not list((dest / WORK_DIR).glob("*.part"))
+
+
+@needs_registry
+def test_install_from_a_registry_refuses_unsigned_before_any_layer_is_read(
+    tmp_path: Path, repo: str, registry: OciRegistry  # noqa: F811
+) -> None:
+    """Unsigned: exit 1 with the one-line refusal, no layer asked for; --allow-unsigned
+    installs it, recorded as unsigned."""
+    artifact = make_artifact(tmp_path / "a", sample_files(big=100_000))
+    open_remote(repo).push(artifact)  # no signer
+    url = f"{repo}:{artifact.name}"
+    before = registry.served_blob_bytes()
+    refused = run_install(url, str(tmp_path / "models"))
+    assert refused.returncode == 1 and "is not signed" in refused.stderr
+    assert "--allow-unsigned" in refused.stderr and "Traceback" not in refused.stderr
+    layers = {f"sha256:{e.sha256}" for e in read_manifest(artifact).files.values()}
+    served = registry.served_blob_bytes()
+    assert all(served.get(d, 0) == before.get(d, 0) for d in layers)
+    assert not (tmp_path / "models" / MANIFEST).exists()
+
+    from neuronctl.store.install import install
+
+    done = install(url, tmp_path / "models", TrustPolicy(allow_unsigned=True), lambda m: [],
+                   lambda line: None)
+    assert done.trusted == "allow-unsigned" and done.key_id is None
+    assert read_manifest(tmp_path / "models").artifact_key == read_manifest(artifact).artifact_key
+
+
+@needs_registry
+def test_a_partial_download_that_is_not_the_files_head_is_downloaded_again(
+    tmp_path: Path, repo: str, registry: OciRegistry  # noqa: F811
+) -> None:
+    """What a killed run left is hashed with the rest, never trusted: a part whose bytes are
+    not the file's costs one more download of that file, not a failed install."""
+    import hashlib
+
+    from neuronctl.store.install import install
+
+    artifact = make_artifact(tmp_path / "a", sample_files(big=200_000))
+    open_remote(repo).push(artifact, signer=SIGNER)
+    dest = tmp_path / "models"
+    rel = "graphs/ctx_128.pt2"
+    (dest / WORK_DIR).mkdir(parents=True)
+    part = dest / WORK_DIR / (hashlib.sha256(rel.encode()).hexdigest()[:24] + ".part")
+    part.write_bytes(os.urandom(5000))
+    lines: list[str] = []
+    done = install(f"{repo}:{artifact.name}", dest, TrustPolicy.load(), lambda m: [],
+                   lines.append)
+    assert (dest / rel).read_bytes() == (artifact / rel).read_bytes()
+    assert f"resuming {rel} at 0.0 MiB" in "\n".join(lines)
+    assert done.downloaded_bytes == read_manifest(artifact).total_size() + 200_000 - 5000

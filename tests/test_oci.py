@@ -5,6 +5,7 @@ dedup, resume after SIGKILL, damage refused, credentials from a docker config.""
 from __future__ import annotations
 
 import base64
+import hashlib
 import json
 import os
 import signal
@@ -29,10 +30,17 @@ from neuronctl.store.remote.oci_layout import (
     CONFIG_TYPE,
     FILE_TYPE,
     KEY_ANNOTATION,
-    SIGNATURE_TYPE,
+    OLD_SIGNATURE_TYPE,
     TITLE,
+    Blob,
 )
 from neuronctl.store.remote.oci_ref import PLAIN_HTTP_ENV, parse_oci_url
+from neuronctl.store.remote.oci_referrers import (
+    SIGNATURE_ARTIFACT_TYPE,
+    attach,
+    referrers_tag,
+    signatures,
+)
 from neuronctl.store.remote.urls import resolve_artifacts_arg, split_artifact_url
 from neuronctl.store.signing import SIGNATURE, SignatureError, TrustPolicy
 from tests.helpers import cli, cli_in_process, make_checkpoint
@@ -73,6 +81,12 @@ def manifest_of(store: OciStore, reference: str) -> dict:
     return json.loads(found[0])
 
 
+def referred_signatures(store: OciStore, reference: str) -> list[bytes]:
+    artifact = store.fetch(reference)
+    assert artifact is not None
+    return signatures(store.registry, Blob(artifact.digest, artifact.size), "test")
+
+
 def test_push_pull_round_trip_is_bit_for_bit(tmp_path: Path, repo: str) -> None:
     artifact = make_artifact(tmp_path / "a", sample_files())
     pushed = open_remote(repo).push(artifact, signer=SIGNER)
@@ -90,7 +104,8 @@ def test_one_layer_per_file_config_is_the_manifest_and_annotations(
     tmp_path: Path, repo: str
 ) -> None:
     """The registry holds an image-spec 1.1 artifact: config = manifest.json's bytes, each file
-    a titled layer whose digest is the manifest's sha256, the signature as its own layer."""
+    a titled layer whose digest is the manifest's sha256; the signature is not a layer of it
+    (it is a referrer: test_the_signature_is_a_referrer_listed_under_the_tag_schema)."""
     artifact = make_artifact(tmp_path / "a", sample_files())
     remote = open_remote(repo)
     assert isinstance(remote, OciStore)
@@ -106,7 +121,7 @@ def test_one_layer_per_file_config_is_the_manifest_and_annotations(
              if layer["mediaType"] == FILE_TYPE}
     assert {rel: (f["digest"], f["size"]) for rel, f in files.items()} == {
         rel: (f"sha256:{e.sha256}", e.size) for rel, e in local.files.items()}
-    assert [layer["mediaType"] for layer in document["layers"]].count(SIGNATURE_TYPE) == 1
+    assert {layer["mediaType"] for layer in document["layers"]} == {FILE_TYPE}
     notes = document["annotations"]
     assert notes[KEY_ANNOTATION] == local.artifact_key
     assert notes["dev.neuronctl.backend"] == "torch"
@@ -458,7 +473,12 @@ def test_a_manifest_whose_layers_differ_from_the_signed_list_is_refused_unread(
     small = next(x for x in layers if x["annotations"][TITLE] == "config.json")
     target = next(x for x in layers if x["annotations"][TITLE] == "graphs/ctx_128.pt2")
     target.update(digest=small["digest"], size=small["size"])
-    remote.registry.put_manifest(json.dumps(document).encode(), artifact.name)
+    (signature,) = referred_signatures(remote, artifact.name)
+    forged = json.dumps(document).encode()
+    remote.registry.put_manifest(forged, artifact.name)
+    # the genuine signature, attached to the forged manifest as anyone with push rights could
+    attach(remote.registry, Blob(f"sha256:{hashlib.sha256(forged).hexdigest()}", len(forged)),
+           signature)
     before = registry.served_blob_bytes()
     with pytest.raises(RemoteArtifactError, match="ctx_128.pt2 is .* the signed manifest says"):
         open_remote(repo).pull(artifact.name, Store(tmp_path / "b"))
@@ -609,3 +629,278 @@ def test_an_interrupted_push_is_invisible_and_resumes_with_the_layers_sent(
     assert len(result.skipped) == 2
     assert len(result.uploaded) == len(files) - 2 + 2  # the rest, manifest.sig, manifest.json
     assert open_remote(repo).has(artifact.name)
+
+
+# -- the signature as a referrer -------------------------------------------------------------
+# distribution-spec (opencontainers/distribution-spec spec.md at 967efdc0): "Pushing Manifests
+# with Subject" (lines 544-557: without an OCI-Subject header on the PUT, the client appends a
+# descriptor, artifactType and annotations copied, to the index at the referrers tag),
+# "Listing Referrers" (lines 617-632, 676-710: a registry with the API never answers 404; on a
+# 404 the client reads the tag), "Referrers Tag Schema" (lines 787-805: `sha256-<hex>`). The
+# same steps in oras-go (oras-project/oras-go registry/remote/repository.go at 19db72b1:
+# pushWithIndexing line 1526, indexReferrersForPush 1562, updateReferrersIndex 1619;
+# referrers.go buildReferrersTag line 107), which `oras attach` and `oras discover` run.
+
+
+def referrers_index(store: OciStore, reference: str) -> dict:
+    artifact = store.fetch(reference)
+    assert artifact is not None
+    found = store.registry.get_manifest(referrers_tag(artifact.digest),
+                                        accept="application/vnd.oci.image.index.v1+json")
+    assert found is not None
+    return json.loads(found[0])
+
+
+def test_the_signature_is_a_referrer_listed_under_the_tag_schema(
+    tmp_path: Path, repo: str
+) -> None:
+    """distribution 2.8 has no referrers API (it answers 404): the push keeps the
+    `sha256-<hex>` index, whose entry names a manifest with `subject` = the artifact's
+    manifest, artifactType the sigstore bundle type, and model.sig as its one layer."""
+    import requests
+
+    artifact = make_artifact(tmp_path / "a", sample_files(big=1000))
+    remote = open_remote(repo)
+    assert isinstance(remote, OciStore)
+    remote.push(artifact, signer=SIGNER)
+    held = remote.fetch(artifact.name)
+    assert held is not None
+    api = f"http://{remote.ref.registry}/v2/{remote.ref.repository}/referrers/{held.digest}"
+    assert requests.get(api, timeout=10).status_code == 404
+    index = referrers_index(remote, artifact.name)
+    assert index["mediaType"] == "application/vnd.oci.image.index.v1+json"
+    (entry,) = index["manifests"]
+    assert entry["artifactType"] == SIGNATURE_ARTIFACT_TYPE
+    assert entry["annotations"]["dev.neuronctl.signature.key"] == SIGNER.key_id[:16]
+    found = remote.registry.get_manifest(entry["digest"])
+    assert found is not None and len(found[0]) == entry["size"]
+    document = json.loads(found[0])
+    assert document["subject"] == {"mediaType": "application/vnd.oci.image.manifest.v1+json",
+                                   "digest": held.digest, "size": held.size}
+    assert document["config"]["mediaType"] == "application/vnd.oci.empty.v1+json"
+    (layer,) = document["layers"]
+    assert layer["annotations"][TITLE] == SIGNATURE
+    bundle = remote.registry.read_blob(layer["digest"], layer["size"], "sig")
+    assert json.loads(bundle)["mediaType"] == SIGNATURE_ARTIFACT_TYPE
+    assert referred_signatures(remote, artifact.name) == [bundle]
+    published = remote.pull(artifact.name, Store(tmp_path / "b"))
+    record = json.loads((published.path / "provenance.json").read_text())
+    assert record["signature"] == bundle.decode() and "verified_with" in record
+
+
+def test_a_second_signature_is_added_and_the_one_a_trusted_key_made_is_used(
+    tmp_path: Path, repo: str
+) -> None:
+    """Re-signed by another key: both referrers stay listed (newest last); a pull uses the
+    first, newest first, that a key trusted there made, and says how many failed when none
+    did. A signature that does not match the manifest is never the one used."""
+    from neuronctl.store.signing import TrustedKey, public_pem, sign
+    from tests.test_remote import TRUST
+    from tests.test_signing import STRANGER, STRANGER_KEY
+
+    artifact = make_artifact(tmp_path / "a", sample_files(big=1000))
+    remote = open_remote(repo)
+    assert isinstance(remote, OciStore)
+    remote.push(artifact, signer=SIGNER)
+    again = open_remote(repo).push(artifact, signer=STRANGER)
+    assert again.uploaded == [SIGNATURE] and again.signed_by == STRANGER.key_id
+    assert open_remote(repo).push(artifact, signer=STRANGER).uploaded == []  # already there
+    index = referrers_index(remote, artifact.name)
+    assert [e["annotations"]["dev.neuronctl.signature.key"] for e in index["manifests"]] == [
+        SIGNER.key_id[:16], STRANGER.key_id[:16]]
+    stranger = TrustPolicy((TrustedKey(STRANGER_KEY.public_key(), STRANGER.key_id, "t"),))
+    for n, (policy, signer) in enumerate([(TRUST, SIGNER), (stranger, STRANGER)]):
+        published = open_remote(repo).pull(artifact.name, Store(tmp_path / f"s{n}"),
+                                           policy=policy)
+        record = json.loads((published.path / "provenance.json").read_text())
+        assert record["verified_with"] == public_pem(signer.key.public_key())
+    with pytest.raises(SignatureError, match="and 1 more signatures, none by a trusted key"):
+        open_remote(repo).pull(artifact.name, Store(tmp_path / "none"), policy=TrustPolicy())
+    # the newest signature vouches for other bytes (another build's): the older one is used
+    other = make_artifact(tmp_path / "o", sample_files(big=1000), seed="other")
+    held = remote.fetch(artifact.name)
+    assert held is not None
+    attach(remote.registry, Blob(held.digest, held.size),
+           sign((other / "manifest.json").read_bytes(), SIGNER))
+    assert len(referred_signatures(remote, artifact.name)) == 3
+    published = open_remote(repo).pull(artifact.name, Store(tmp_path / "t"), policy=TRUST)
+    assert tree_bytes(published.path) == tree_bytes(artifact)
+
+
+def test_a_listed_referrer_of_another_manifest_vouches_for_nothing(
+    tmp_path: Path, repo: str
+) -> None:
+    """The referrers list is the registry's (or any pusher's) claim: a listed signature whose
+    `subject` is another manifest is not this manifest's signature, even when it covers the
+    same manifest.json. Here a copy of the artifact's manifest (one annotation more, so
+    another digest) lists the original's signature under its own referrers tag."""
+    artifact = make_artifact(tmp_path / "a", sample_files(big=1000))
+    remote = open_remote(repo)
+    assert isinstance(remote, OciStore)
+    remote.push(artifact, signer=SIGNER)
+    document = manifest_of(remote, artifact.name)
+    document["annotations"]["org.example.copy"] = "1"
+    copy = json.dumps(document).encode()
+    remote.registry.put_manifest(copy, "copy")
+    copy_digest = f"sha256:{hashlib.sha256(copy).hexdigest()}"
+    index = referrers_index(remote, artifact.name)
+    remote.registry.put_manifest(json.dumps(index).encode(), referrers_tag(copy_digest),
+                                 "application/vnd.oci.image.index.v1+json")
+    with pytest.raises(SignatureError, match="is not signed"):
+        resolve_artifacts_arg(f"{repo}:copy", Store(tmp_path / "b"))
+    assert tree_bytes(resolve_artifacts_arg(f"{repo}:{artifact.name}", Store(tmp_path / "c"))) \
+        == tree_bytes(artifact)
+
+
+def test_the_referrers_api_answer_is_used_and_checked_like_the_tag(
+    tmp_path: Path, repo: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A registry with the referrers API answers the GET: its list is used
+    instead of the tag's, and is as much a claim. distribution 2.8 has no such API, so its
+    answer is played here: first a list naming a manifest that does not exist, then the
+    real one. The query names the signature's artifactType (spec lines 676-683)."""
+    from neuronctl.store.remote.oci_registry import Registry
+
+    artifact = make_artifact(tmp_path / "a", sample_files(big=1000))
+    remote = open_remote(repo)
+    assert isinstance(remote, OciStore)
+    remote.push(artifact, signer=SIGNER)
+    real = json.dumps(referrers_index(remote, artifact.name)).encode()
+    asked: list[tuple[str, str]] = []
+    bogus = {"schemaVersion": 2, "manifests": [{
+        "mediaType": "application/vnd.oci.image.manifest.v1+json", "size": 10,
+        "digest": "sha256:" + "e" * 64, "artifactType": SIGNATURE_ARTIFACT_TYPE}]}
+    answer = [json.dumps(bogus).encode()]
+
+    def api(self: Registry, digest: str, artifact_type: str) -> bytes:
+        asked.append((digest, artifact_type))
+        return answer[0]
+
+    monkeypatch.setattr(Registry, "referrers", api)
+    with pytest.raises(SignatureError, match="is not signed"):
+        open_remote(repo).pull(artifact.name, Store(tmp_path / "b"))
+    held = remote.fetch(artifact.name)
+    assert held is not None and asked[0] == (held.digest, SIGNATURE_ARTIFACT_TYPE)
+    answer[0] = real
+    published = open_remote(repo).pull(artifact.name, Store(tmp_path / "c"))
+    assert tree_bytes(published.path) == tree_bytes(artifact)
+
+
+def test_a_signature_over_its_size_limit_is_refused_unread(
+    tmp_path: Path, repo: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import neuronctl.store.remote.oci_referrers as referrers
+
+    artifact = make_artifact(tmp_path / "a", sample_files(big=1000))
+    open_remote(repo).push(artifact, signer=SIGNER)
+    monkeypatch.setattr(referrers, "MAX_SIGNATURE_BYTES", 100)
+    with pytest.raises(RemoteArtifactError, match="model.sig is over the size limit"):
+        open_remote(repo).pull(artifact.name, Store(tmp_path / "b"))
+
+
+def test_an_artifact_signed_the_earlier_way_is_refused_until_signed_again(
+    tmp_path: Path, repo: str
+) -> None:
+    """Earlier releases pushed the signature as a layer of the artifact's manifest; it is not
+    read: the refusal says how to sign it as a referrer, and that push does it."""
+    artifact = make_artifact(tmp_path / "a", sample_files(big=1000))
+    remote = open_remote(repo)
+    assert isinstance(remote, OciStore)
+    remote.push(artifact)  # unsigned
+    document = manifest_of(remote, artifact.name)
+    from neuronctl.store.signing import sign
+
+    old = sign((artifact / "manifest.json").read_bytes(), SIGNER)
+    document["layers"].append({"mediaType": OLD_SIGNATURE_TYPE, "size": len(old),
+                               "digest": remote.registry.put_bytes(old),
+                               "annotations": {TITLE: SIGNATURE}})
+    remote.registry.put_manifest(json.dumps(document).encode(), artifact.name)
+    with pytest.raises(RemoteArtifactError, match="inside its manifest") as info:
+        open_remote(repo).pull(artifact.name, Store(tmp_path / "b"))
+    assert "--sign-key" in (info.value.hint or "")
+    assert open_remote(repo).push(artifact, signer=SIGNER).uploaded == [SIGNATURE]
+    published = open_remote(repo).pull(artifact.name, Store(tmp_path / "c"))
+    assert tree_bytes(published.path) == tree_bytes(artifact)
+
+
+def test_a_legacy_manifest_sig_is_not_pushed_to_a_registry(tmp_path: Path, repo: str) -> None:
+    """An artifact pulled with an earlier release's ed25519 manifest.sig is pushed with that
+    signature elsewhere; a registry carries only model-signing bundles: refused before any
+    upload, with the way to sign it."""
+    from neuronctl.store.signing import Provenance
+
+    artifact = make_artifact(tmp_path / "a", sample_files(big=1000))
+    legacy = json.dumps({"format": "neuronctl-signature/1", "signature": "AA=="}).encode()
+    record = Provenance("s3://b/p", (artifact / "manifest.json").read_bytes(), legacy)
+    (artifact / "provenance.json").write_text(record.to_json())
+    with pytest.raises(RemoteArtifactError, match="earlier release's format") as info:
+        open_remote(repo).push(artifact)
+    assert "--sign-key" in (info.value.hint or "")
+    assert not open_remote(repo).has(artifact.name)
+
+
+def test_no_tag_index_is_kept_where_the_registry_indexes_subjects_itself(
+    tmp_path: Path, repo: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A registry with the referrers API answers the PUT of a manifest with a `subject` with
+    an `OCI-Subject` header (spec lines 544-546; oras-go checkOCISubjectHeader): the client
+    keeps no `sha256-<hex>` index then. distribution 2.8 never sends it, so here it is
+    added to its answer."""
+    from neuronctl.store.remote.oci_registry import Registry
+
+    plain = Registry.put_manifest
+
+    def indexing(self: Registry, data: bytes, reference: str, *args: str) -> bool:
+        plain(self, data, reference, *args)
+        return b'"subject"' in data
+
+    monkeypatch.setattr(Registry, "put_manifest", indexing)
+    artifact = make_artifact(tmp_path / "a", sample_files(big=1000))
+    remote = open_remote(repo)
+    assert isinstance(remote, OciStore)
+    remote.push(artifact, signer=SIGNER)
+    held = remote.fetch(artifact.name)
+    assert held is not None
+    assert remote.registry.get_manifest(referrers_tag(held.digest),
+                                        accept="application/vnd.oci.image.index.v1+json") is None
+
+
+def test_the_referrers_query_over_http() -> None:
+    """What goes over the wire to a registry with the referrers API: `GET
+    /v2/<repo>/referrers/<digest>?artifactType=<type, URL-encoded>` accepting an image index
+    (spec lines 617, 676-683); its answer read capped; a 404 means no API."""
+    import threading
+    from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
+
+    from neuronctl.store.remote.oci_registry import Registry
+
+    seen: list[tuple[str, str]] = []
+    body = b'{"schemaVersion": 2, "manifests": []}'
+
+    class Handler(BaseHTTPRequestHandler):
+        def log_message(self, *args: object) -> None:
+            pass
+
+        def do_GET(self) -> None:  # noqa: N802 - http.server's name
+            seen.append((self.path, self.headers.get("Accept", "")))
+            found = self.path == "/v2/" or "/api/" in self.path
+            self.send_response(200 if found else 404)
+            self.send_header("Content-Length", str(len(body) if found else 0))
+            self.end_headers()
+            if found:
+                self.wfile.write(body)
+
+    server = ThreadingHTTPServer(("127.0.0.1", 0), Handler)
+    threading.Thread(target=server.serve_forever, daemon=True).start()
+    try:
+        host = f"127.0.0.1:{server.server_address[1]}"
+        digest = "sha256:" + "a" * 64
+        with_api = Registry(parse_oci_url(f"oci://{host}/with/api"))
+        assert with_api.referrers(digest, SIGNATURE_ARTIFACT_TYPE) == body
+        assert seen[-1] == (
+            f"/v2/with/api/referrers/{digest}?artifactType="
+            "application%2Fvnd.dev.sigstore.bundle.v0.3%2Bjson",
+            "application/vnd.oci.image.index.v1+json")
+        assert Registry(parse_oci_url(f"oci://{host}/none")).referrers(digest, "x") is None
+    finally:
+        server.shutdown()

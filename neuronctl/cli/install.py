@@ -23,8 +23,9 @@ def install_command(
         list[str],
         typer.Argument(
             metavar="SOURCE_URI DEST_DIR",
-            help="A remote artifact (URL/KEY, as `artifacts pull` takes it) and the directory "
-            "to install it into; several pairs as KServe's storage initializer passes them.",
+            help="A remote artifact (URL/KEY as `artifacts pull` takes it, or an OCI registry's "
+            "oci://REGISTRY/REPO:KEY or @sha256:DIGEST) and the directory to install it into; "
+            "several pairs as KServe's storage initializer passes them.",
             show_default=False,
         ),
     ],
@@ -41,14 +42,18 @@ def install_command(
     loads it with no further flag: the record in DEST_DIR/provenance.json names the key that
     verified it, and a load refuses it once that key is revoked.
 
-    A killed run leaves nothing that looks installed; a rerun keeps every file it verified and
-    resumes a partial download. Progress goes to stderr as plain lines.
+    From a registry the signature is a referrer of the artifact's manifest (`oras discover`
+    lists it) and each file a layer. A killed run leaves nothing that looks installed; a rerun
+    keeps every file it verified and resumes a partial download (from a registry, by an HTTP
+    Range request). Progress goes to stderr as plain lines.
 
     Examples:
 
       neuronctl install s3://my-bucket/neuron/3f9c2a /mnt/models --trust-key ci.pub
 
       NEURONCTL_TRUSTED_KEYS=/keys/ci.pub neuronctl install file:///mnt/shared/3f9c2a ./model
+
+      neuronctl install oci://ghcr.io/my-org/neuron:3f9c2a /mnt/models --json
 
     Exit codes: 0 installed (and loadable here), 1 not found, untrusted, corrupted, or this
     host cannot load it, 2 usage.

@@ -8,20 +8,27 @@ DEST_DIR is the artifact itself afterwards (`serve DEST_DIR` loads it):
   DEST_DIR/model.sig        the signature, as the remote holds it (`model_signing verify` reads it)
   DEST_DIR/provenance.json  the record: URL, signed manifest, signature, the key that verified
   DEST_DIR/manifest.json    the signed bytes, written last: the artifact is installed from here
-  DEST_DIR/.neuronctl-install/  only while in progress: partial downloads, by sha256
+  DEST_DIR/.neuronctl-install/  only while in progress: partial downloads, named by the
+                            sha256 of their path (two files of one content never share one)
 
 Order, so that a run killed anywhere leaves nothing that looks installed and a rerun
 downloads nothing it already verified: the signature is checked and this host's checks run
 before any download; an earlier install of another artifact loses its manifest.json first;
-each file is downloaded into .neuronctl-install/<sha256>.part (a rerun resumes it from where
-it stopped), hashed, and renamed into place; a file already in place is kept when its sha256
-is the signed one; then the signature, the record and manifest.json go in by rename.
+each file is downloaded into .neuronctl-install/<name>.part (a rerun resumes it from where
+it stopped, and starts it again when the whole does not hash out), hashed, and renamed into
+place; a file already in place is kept when its sha256 is the signed one; then the
+signature, the record and manifest.json go in by rename.
+
+One sequence for every source (`_Source`): a Transport's objects (s3://, file://, hf://...,
+resumed by seeking) or an OCI registry's layers (oci://, resumed by an HTTP Range request;
+the signature a referrer of the artifact's manifest, OciStore.checked).
 """
 
 from __future__ import annotations
 
 import contextlib
 import fcntl
+import functools
 import hashlib
 import json
 import os
@@ -31,13 +38,16 @@ import threading
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Protocol
 
 from neuronctl.checks import Check
 from neuronctl.errors import NeuronctlError, UsageError
 from neuronctl.store.manifest import HASH_CHUNK, MANIFEST, FileEntry, Manifest, sha256_file
+from neuronctl.store.remote import oci
 from neuronctl.store.remote.errors import RemoteArtifactError, on_this_host, remote_errors
-from neuronctl.store.remote.oci_ref import is_oci
+from neuronctl.store.remote.oci import OciStore
+from neuronctl.store.remote.oci_layout import Blob
+from neuronctl.store.remote.oci_ref import SCHEME as OCI_SCHEME
 from neuronctl.store.remote.pull import checked_manifest
 from neuronctl.store.remote.transport import Transport, run_all
 from neuronctl.store.remote.urls import remote_artifact
@@ -58,6 +68,7 @@ LOG_EVERY = 16 * 2**20  # a progress line per this many bytes of one file
 
 Log = Callable[[str], None]
 HostChecks = Callable[[Manifest], list[Check]]
+Chunks = tuple[int, Iterator[bytes]]  # where the bytes start, and the bytes
 
 
 class InstallError(NeuronctlError):
@@ -95,33 +106,137 @@ def install(
     host_checks: HostChecks,
     log: Log,
 ) -> Installed:
-    """Install the artifact at `source` (URL/KEY of any remote neuronctl reads) into `dest`.
+    """Install the artifact at `source` (URL/KEY of any remote neuronctl reads, or an OCI
+    registry's oci://REGISTRY/REPO:TAG or @sha256:DIGEST) into `dest`.
 
     `host_checks` judges this host from the manifest (validate's versions and capacity
     checks); any failure stops the install before a byte is downloaded."""
-    if is_oci(source):  # a registry holds layers, not objects by path (Transport)
-        raise UsageError(
-            f"install does not read OCI registries yet: {source}",
-            "pull it into a store on the node (`neuronctl artifacts pull URL --store DIR`), "
-            "or install from s3:// or a shared mount",
-        )
+    _check_scheme(source)
     remote, dirname, key = remote_artifact(source)
-    assert isinstance(remote, Transport)  # every remote but a registry is one
-    return _install(remote, dirname, key, dest, policy, host_checks, log)
+    if isinstance(remote, OciStore):
+        return _run(remote, _RegistrySource(remote, dirname, key), dest, policy, host_checks, log)
+    return _run(remote, _TransportSource(remote, dirname, key), dest, policy, host_checks, log)
+
+
+def _check_scheme(source: str) -> None:
+    """An unknown scheme is a usage error that names the known ones, before any lookup."""
+    scheme, found, _ = source.partition("://")
+    if not found:
+        return  # a plain path: a shared mount
+    import fsspec
+
+    if scheme.lower() != OCI_SCHEME and scheme.lower() not in fsspec.available_protocols():
+        raise UsageError(
+            f"unknown URI scheme {scheme}:// in {source!r}",
+            "install reads s3://, gs://, hf://, file:// (or a plain path) and oci:// "
+            "(an OCI registry), e.g. s3://my-bucket/neuron/KEY",
+        )
+
+
+class _Source(Protocol):
+    """Where an install reads one artifact from: a Transport's objects, or a registry's
+    layers. Both give the signed manifest only after its signature checked out, and each
+    file's bytes from an offset on."""
+
+    url: str
+
+    def checked(self, policy: TrustPolicy) -> tuple[Manifest, Provenance]: ...
+
+    def check_size(self, rel: str, entry: FileEntry) -> None: ...
+
+    def chunks(
+        self, rel: str, entry: FileEntry, start: int
+    ) -> contextlib.AbstractContextManager[Chunks]: ...
+
+
+class _TransportSource:
+    def __init__(self, remote: Transport, dirname: str, key: str) -> None:
+        self.remote, self.dirname, self.key = remote, dirname, key
+        self.url = remote.artifact_url(dirname)
+        self.sizes: dict[str, int] | None = None
+
+    def checked(self, policy: TrustPolicy) -> tuple[Manifest, Provenance]:
+        return checked_manifest(self.remote, self.dirname, policy, self.key)
+
+    def check_size(self, rel: str, entry: FileEntry) -> None:
+        if self.sizes is None:
+            self.sizes = self.remote.sizes(self.dirname)
+        if self.sizes.get(rel) != entry.size:
+            found = "missing" if rel not in self.sizes else f"{self.sizes[rel]} bytes"
+            raise RemoteArtifactError(
+                f"{self.url}/{rel}: expected {entry.size} bytes, found {found}",
+                "the remote artifact is damaged; push it again with --force",
+            )
+
+    @contextlib.contextmanager
+    def chunks(self, rel: str, entry: FileEntry, start: int) -> Iterator[Chunks]:
+        """The object from `start` on, or from 0 when it cannot seek."""
+        with self.remote.open_object(self.dirname, rel) as src:
+            if start:
+                try:
+                    src.seek(start)
+                except (OSError, ValueError, AttributeError):
+                    start = 0
+            yield start, _read(src, entry.size - start)
+
+
+def _read(src: Any, left: int) -> Iterator[bytes]:
+    while left > 0 and (chunk := src.read(min(HASH_CHUNK, left))):
+        left -= len(chunk)
+        yield chunk
+
+
+class _RegistrySource:
+    """An OCI registry: the signature a referrer of the manifest, each file a layer whose
+    descriptor the signed manifest was checked against (OciStore.checked)."""
+
+    def __init__(self, store: OciStore, dirname: str, key: str) -> None:
+        self.store, self.dirname, self.key = store, dirname, key
+        self.url = store.artifact_url(dirname)
+
+    def checked(self, policy: TrustPolicy) -> tuple[Manifest, Provenance]:
+        _artifact, manifest, record = self.store.checked(self.dirname, policy, self.key)
+        return manifest, record
+
+    def check_size(self, rel: str, entry: FileEntry) -> None:
+        """Nothing to ask: every layer's descriptor is the signed sha256 and size."""
+
+    @contextlib.contextmanager
+    def chunks(self, rel: str, entry: FileEntry, start: int) -> Iterator[Chunks]:
+        """The layer from `start` on: an HTTP Range request; a registry that ignores it
+        sends the whole layer, whose head is skipped."""
+        if start >= entry.size:
+            yield start, iter(())
+            return
+        blob = Blob(f"sha256:{entry.sha256}", entry.size)
+        chunks = oci.blob_chunks(self.store.registry, blob, rel, start)
+        try:
+            yield start, chunks
+        finally:
+            chunks.close()
 
 
 @remote_errors  # the remote's failures (credentials, network) as one-line errors
-def _install(
-    remote: Transport,
-    dirname: str,
-    key: str,
+def _run(
+    remote: Any,
+    source: _Source,
     dest: Path,
     policy: TrustPolicy,
     host_checks: HostChecks,
     log: Log,
 ) -> Installed:
-    manifest, record = checked_manifest(remote, dirname, policy, key)
-    url = remote.artifact_url(dirname)
+    return _install(source, dest, policy, host_checks, log)
+
+
+def _install(
+    source: _Source,
+    dest: Path,
+    policy: TrustPolicy,
+    host_checks: HostChecks,
+    log: Log,
+) -> Installed:
+    manifest, record = source.checked(policy)
+    url = source.url
     key_id = _key_id(record)
     log(f"verified {url}: " + (f"signed by trusted key {key_id}" if key_id else
                                "NOT signed, accepted with --allow-unsigned"))  # fmt: skip
@@ -138,7 +253,7 @@ def _install(
     with _locked(_prepare(dest)) as work:
         if _installed_bytes(dest) != record.manifest_bytes:
             _unmark(dest, work)
-        fetch = _Fetcher(remote, dirname, dest, work, log, result)
+        fetch = _Fetcher(source, dest, work, log, result)
         run_all(lambda rel: fetch.ensure(rel, manifest.files[rel]), sorted(manifest.files))
         _remove_previous(dest, work, manifest)
         _mark(dest, record)
@@ -168,7 +283,11 @@ def _prepare(dest: Path) -> Path:
 
 
 def _made(dest: Path) -> Path:
-    dest.mkdir(parents=True, exist_ok=True)
+    """DEST_DIR, made or taken; the directories it makes 0755 whatever the umask (a load
+    refuses an artifact whose directory, or either above it, others can write)."""
+    for path in reversed([p for p in (dest, *dest.parents) if not p.exists()]):
+        path.mkdir(exist_ok=True)
+        os.chmod(path, 0o755)
     info = dest.stat()
     if info.st_mode & 0o022:
         try:  # an emptyDir volume is mode 0777: the record would not be trusted there
@@ -254,16 +373,13 @@ class _Fetcher:
     """Puts one verified file in place: kept if it is there already, else downloaded (a
     partial download resumed) and hashed."""
 
-    def __init__(
-        self, remote: Transport, dirname: str, dest: Path, work: Path, log: Log, result: Installed
-    ) -> None:
-        self.remote = remote
-        self.dirname = dirname
+    def __init__(self, source: _Source, dest: Path, work: Path, log: Log,
+                 result: Installed) -> None:
+        self.source = source
         self.dest = dest
         self.work = work
         self.log = log
         self.result = result
-        self.sizes = remote.sizes(dirname)
         self.lock = threading.Lock()
 
     def count(self, downloaded: int = 0, kept: int = 0) -> None:
@@ -277,52 +393,52 @@ class _Fetcher:
             self.log(f"kept {rel} ({_mib(entry.size)}, sha256 verified)")
             self.count(kept=entry.size)
             return
-        if self.sizes.get(rel) != entry.size:
-            found = "missing" if rel not in self.sizes else f"{self.sizes[rel]} bytes"
-            raise RemoteArtifactError(
-                f"{self.remote.artifact_url(self.dirname)}/{rel}: expected {entry.size} bytes, "
-                f"found {found}",
-                "the remote artifact is damaged; push it again with --force",
-            )
+        self.source.check_size(rel, entry)
         part = self.work / (hashlib.sha256(rel.encode()).hexdigest()[:24] + ".part")
-        got = self._download(rel, entry.size, part)
+        have = part.stat().st_size if part.exists() else 0
+        start = have if have <= entry.size else 0
+        got = self._download(rel, entry, part, start)
+        if got != entry.sha256 and start:  # the head a killed run left was not this file's
+            self.count(kept=-start)
+            got = self._download(rel, entry, part, 0)
         if got != entry.sha256:
             part.unlink(missing_ok=True)
             raise RemoteArtifactError(
-                f"{self.remote.artifact_url(self.dirname)}/{rel} is corrupted: expected sha256 "
+                f"{self.source.url}/{rel} is corrupted: expected sha256 "
                 f"{entry.sha256[:12]}…, got {got[:12]}…",
                 "the remote artifact is damaged; push it again with --force",
             )
         _place(part, target, self.dest)
         self.log(f"verified {rel} ({_mib(entry.size)})")
 
-    def _download(self, rel: str, size: int, part: Path) -> str:
-        """Fetch into `part` up to `size` bytes, resuming what an earlier run left; the sha256
-        of the whole file."""
+    def _download(self, rel: str, entry: FileEntry, part: Path, have: int) -> str:
+        """Fetch into `part` up to the file's size, going on after the `have` bytes an
+        earlier run left when the source can; the sha256 of the whole file."""
         digest = hashlib.sha256()
-        have = part.stat().st_size if part.exists() else 0
-        with self.remote.open_object(self.dirname, rel) as src:
-            have = _resume(src, part, have if have <= size else 0, digest)
-            if have:
-                self.log(f"resuming {rel} at {_mib(have)} of {_mib(size)}")
-                self.count(kept=have)
+        size = entry.size
+        with self.source.chunks(rel, entry, have) as (start, chunks):
+            if start:
+                _hash_head(part, start, digest)
+                self.log(f"resuming {rel} at {_mib(start)} of {_mib(size)}")
+                self.count(kept=start)
             else:
+                part.write_bytes(b"")
                 self.log(f"downloading {rel} ({_mib(size)})")
-            done = self._copy(src, part, have, size, digest, rel)
+            done = self._copy(chunks, part, start, size, digest, rel)
         if done != size:
             raise RemoteArtifactError(
-                f"{self.remote.artifact_url(self.dirname)}/{rel} ended at {done} bytes "
-                f"(signed: {size})",
+                f"{self.source.url}/{rel} ended at {done} bytes (signed: {size})",
                 "the remote artifact is being rewritten; install again",
             )
         return digest.hexdigest()
 
-    def _copy(self, src: Any, part: Path, done: int, size: int, digest: Any, rel: str) -> int:
+    def _copy(self, chunks: Iterator[bytes], part: Path, done: int, size: int, digest: Any,
+              rel: str) -> int:
         logged = done
         with open(part, "ab") as out:
-            while done < size and (chunk := src.read(min(HASH_CHUNK, size - done))):
+            for chunk in chunks:
                 digest.update(chunk)
-                on_this_host(lambda: out.write(chunk), part)
+                on_this_host(functools.partial(out.write, chunk), part)
                 done += len(chunk)
                 self.count(downloaded=len(chunk))
                 if done - logged >= LOG_EVERY:
@@ -332,23 +448,13 @@ class _Fetcher:
         return done
 
 
-def _resume(src: Any, part: Path, have: int, digest: Any) -> int:
-    """Where to go on from: the bytes of `part` a killed run left (hashed into `digest`, the
-    remote object moved past them), or 0 with `part` emptied when the object cannot seek."""
-    if have:
-        try:
-            src.seek(have)
-        except (OSError, ValueError, AttributeError):
-            have = 0
-    if not have:
-        part.write_bytes(b"")
-        return 0
+def _hash_head(part: Path, have: int, digest: Any) -> None:
+    """Hash the `have` bytes a killed run left in `part`: verified with the rest."""
     with open(part, "rb") as f:
         left = have
         while left and (chunk := f.read(min(HASH_CHUNK, left))):
             digest.update(chunk)
             left -= len(chunk)
-    return have
 
 
 def _same_file(path: Path, entry: FileEntry) -> bool:

@@ -398,6 +398,31 @@ def verify(
 ALLOW = "or pass --allow-unsigned to use it unverified"
 
 
+def verify_any(
+    manifest_bytes: bytes, signatures: list[bytes], policy: TrustPolicy, url: str
+) -> tuple[bytes | None, Vouch]:
+    """The signature that vouches for a remote manifest among several (a registry may hold
+    one per signing: re-signed with a new key, or by a second publisher) and its Vouch: the
+    first, in the order given, that a trusted, unrevoked key made for exactly these bytes.
+    None verifies: the first one's refusal (how many others failed too), unless the policy
+    allows unsigned."""
+    refusals: list[SignatureError] = []
+    for signature in signatures:
+        try:
+            return signature, _verify(manifest_bytes, signature, policy, url)
+        except SignatureError as exc:
+            refusals.append(exc)
+    if policy.allow_unsigned:
+        return (signatures[0] if signatures else None), Vouch(UNSIGNED, url=url)
+    if not refusals:
+        raise SignatureError(f"{url} is not signed", f"ask its publisher to sign it, {ALLOW}")
+    first = refusals[0]
+    if len(refusals) > 1:
+        raise SignatureError(f"{first.message} (and {len(refusals) - 1} more signatures, none "
+                             "by a trusted key)", first.hint)  # fmt: skip
+    raise first
+
+
 def _verify(
     manifest_bytes: bytes, signature: bytes | None, policy: TrustPolicy, url: str
 ) -> Vouch:

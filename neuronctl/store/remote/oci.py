@@ -1,8 +1,9 @@
 """OciStore: an OCI registry repository as a remote store (`oci://REGISTRY/REPO`), with the
 same methods commands use on the others (has, resolve, push, pull, check_trusted) and the
-same rules: push uploads every file before the one thing that makes the artifact complete
-(here the tagged manifest), pull checks the signature before anything is staged and every
-byte against the signed sha256s before the artifact is visible.
+same rules: push uploads every file, and the signature (a referrer of the artifact's
+manifest: oci_referrers.py), before the one thing that makes the artifact complete (here the
+tagged manifest); pull checks the signature before anything is staged and every byte against
+the signed sha256s before the artifact is visible.
 
 A pull keeps each layer it verified in `<store>/neuron-compiled-artifacts/.oci-blobs/`
 until the artifact is published, and the part of a layer it had written: a pull killed
@@ -19,7 +20,7 @@ import re
 import shutil
 import threading
 import uuid
-from collections.abc import Callable, Iterator
+from collections.abc import Callable, Generator
 from pathlib import Path
 from typing import Any
 
@@ -36,6 +37,7 @@ from neuronctl.store.manifest import (
     read_manifest,
 )
 from neuronctl.store.manifest import sha256_file as file_sha256
+from neuronctl.store.remote import oci_referrers
 from neuronctl.store.remote.errors import (
     RemoteArtifactError,
     local_disk_error,
@@ -54,7 +56,6 @@ from neuronctl.store.remote.oci_registry import Registry
 from neuronctl.store.remote.push import PushResult, PushSource
 from neuronctl.store.remote.transport import DIRNAME_RE, run_all
 from neuronctl.store.signing import (
-    MAX_SIGNATURE_BYTES,
     PROVENANCE,
     SIGNATURE,
     Provenance,
@@ -63,8 +64,10 @@ from neuronctl.store.signing import (
     check_origin,
     differs_from,
     sign,
+    signature_file,
     signed_by,
-    verify,
+    verified_record,
+    verify_any,
 )
 
 BLOB_CACHE = ".oci-blobs"
@@ -144,13 +147,17 @@ class OciStore:
             raise RemoteArtifactError(f"{where}: its {MANIFEST} is over the size limit")
         return self.registry.read_blob(artifact.config.digest, artifact.config.size, MANIFEST)
 
-    def _signature(self, artifact: OciArtifact, where: str) -> bytes | None:
-        if artifact.signature is None:
-            return None
-        if artifact.signature.size > MAX_SIGNATURE_BYTES:
-            raise RemoteArtifactError(f"{where}: its {SIGNATURE} is over the size limit")
-        return self.registry.read_blob(artifact.signature.digest, artifact.signature.size,
-                                       SIGNATURE)
+    def _signatures(self, artifact: OciArtifact, where: str) -> list[bytes]:
+        """The signatures that refer to the artifact's manifest, newest first."""
+        found = oci_referrers.signatures(self.registry, Blob(artifact.digest, artifact.size),
+                                         where)
+        if not found and artifact.old_signature:
+            raise RemoteArtifactError(
+                f"{where} carries its signature inside its manifest, as earlier releases "
+                "pushed it; a signature is a referrer of the manifest now",
+                f"sign it again: `neuronctl artifacts push KEY {self.url} --sign-key KEY.key`",
+            )
+        return found
 
     # -- trust -------------------------------------------------------------------------------
 
@@ -162,8 +169,8 @@ class OciStore:
         artifact = self._artifact(dirname)
         where = self.artifact_url(dirname)
         raw = self._config(artifact, where)
-        signature = self._signature(artifact, where)
-        verify(raw, signature, policy, where)  # raises unless trusted (or allowed unsigned)
+        # raises unless a trusted key signed it (or unsigned is allowed)
+        signature, vouch = verify_any(raw, self._signatures(artifact, where), policy, where)
         try:
             manifest = Manifest.model_validate_json(raw)
         except ValueError as exc:
@@ -174,7 +181,7 @@ class OciStore:
                 f"{where} is for artifact {manifest.artifact_key[:KEY_LENGTH]}, not {dirname}")
         _check_key(manifest.artifact_key, key, where)
         check_layers(artifact, manifest, where)
-        return artifact, manifest, Provenance(where, raw, signature)
+        return artifact, manifest, verified_record(where, raw, signature, vouch, policy)
 
     @remote_errors
     def check_trusted(self, dirname: str, policy: TrustPolicy | None = None,
@@ -339,6 +346,13 @@ class OciStore:
         dirname = local.artifact_key[:KEY_LENGTH]
         result = PushResult(f"{self.url}:{dirname}", dirname, local.artifact_key)
         signature = sign(source.manifest_bytes, signer) if signer else source.signature
+        if signature is not None and signature_file(signature) != SIGNATURE:
+            raise RemoteArtifactError(
+                f"{artifact} is signed in an earlier release's format (manifest.sig), which a "
+                "registry does not carry",
+                f"sign it again as you push it: `neuronctl artifacts push KEY {self.url} "
+                "--sign-key KEY.key`",
+            )
         held = self.fetch(dirname)
         if held is not None and held.key != local.artifact_key:
             raise RemoteArtifactError(
@@ -385,11 +399,14 @@ class OciStore:
         advance(entry.size)
 
     def _put_manifest(self, source: PushSource, signature: bytes | None, dirname: str) -> None:
+        """The manifest by digest, its signature as a referrer, then the tags: a tag (what
+        `has` and a pull look for) never names an artifact whose signature is not there yet."""
         config = self.registry.put_bytes(source.manifest_bytes)
-        sig_blob = None
+        document = oci_manifest(source.manifest, source.manifest_bytes, config)
+        subject = Blob("sha256:" + hashlib.sha256(document).hexdigest(), len(document))
+        self.registry.put_manifest(document, subject.digest)
         if signature is not None:
-            sig_blob = Blob(self.registry.put_bytes(signature), len(signature))
-        document = oci_manifest(source.manifest, source.manifest_bytes, config, sig_blob)
+            oci_referrers.attach(self.registry, subject, signature)
         self.registry.put_manifest(document, dirname)
         if self.ref.tag and self.ref.tag != dirname:
             self.registry.put_manifest(document, self.ref.tag)
@@ -409,7 +426,10 @@ class OciStore:
                 self.registry.put_manifest(found[0], self.ref.tag)
         if signer is None:
             return result
-        if signed_by(remote_bytes, self._signature(held, where), signer.key.public_key()):
+        public = signer.key.public_key()
+        held_signatures = oci_referrers.signatures(self.registry, Blob(held.digest, held.size),
+                                                   where)
+        if any(signed_by(remote_bytes, sig, public) for sig in held_signatures):
             result.signed_by = signer.key_id
             return result
         if remote_bytes != source.manifest_bytes:
@@ -418,13 +438,14 @@ class OciStore:
                 f"{signer.key_id}; signing it would vouch for bytes this host did not build",
                 "replace it with this build, signed: `neuronctl artifacts push --force`",
             )
-        self._put_manifest(source, signature, result.dirname)
+        assert signature is not None  # signed here
+        oci_referrers.attach(self.registry, Blob(held.digest, held.size), signature)
         result.uploaded = [SIGNATURE]
         result.signed_by = signer.key_id
         return result
 
 
-def blob_chunks(registry: Registry, blob: Blob, rel: str, start: int = 0) -> Iterator[bytes]:
+def blob_chunks(registry: Registry, blob: Blob, rel: str, start: int = 0) -> Generator[bytes]:
     """A layer's bytes from `start` on, never more than its descriptor's size (a seam: tests
     slow it down). A registry that ignores the Range sends it all: the head is skipped."""
     response = registry.open_blob(blob.digest, start)

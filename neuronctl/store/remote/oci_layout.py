@@ -5,7 +5,7 @@
 - one layer per file (`application/vnd.neuronctl.file.v1`), titled with its relative path
   (`org.opencontainers.image.title`), its digest the sha256 the manifest records: a registry
   keeps one copy of a file shared by two artifacts, and a pull resumes layer by layer;
-- manifest.sig, when signed, as a layer of `application/vnd.neuronctl.signature.v1`;
+- no signature: that is a manifest of its own that refers to this one (oci_referrers.py);
 - annotations: the artifact key, the backend, each backend version, the target vLLM
   generation when the manifest names one, and the creation time;
 - tagged with the artifact's directory name (the first 20 hex digits of its key).
@@ -26,12 +26,11 @@ from neuronctl.store.remote.errors import RemoteArtifactError
 from neuronctl.store.remote.oci_ref import DIGEST
 from neuronctl.store.remote.oci_registry import OCI_MANIFEST
 from neuronctl.store.remote.transport import entry_problem
-from neuronctl.store.signing import SIGNATURE
 
 ARTIFACT_TYPE = "application/vnd.neuronctl.artifact.v1"
 CONFIG_TYPE = "application/vnd.neuronctl.manifest.v1+json"
 FILE_TYPE = "application/vnd.neuronctl.file.v1"
-SIGNATURE_TYPE = "application/vnd.neuronctl.signature.v1"
+OLD_SIGNATURE_TYPE = "application/vnd.neuronctl.signature.v1"  # a layer, before referrers
 TITLE = "org.opencontainers.image.title"
 CREATED = "org.opencontainers.image.created"
 ANNOTATION_PREFIX = "dev.neuronctl."
@@ -50,9 +49,10 @@ class OciArtifact:
     """A neuronctl artifact's OCI manifest as read from a registry, checked."""
 
     digest: str  # of the OCI manifest
+    size: int  # of the OCI manifest: with the digest, the `subject` of its signature
     config: Blob
     files: dict[str, Blob] = field(default_factory=dict)  # by relative path
-    signature: Blob | None = None
+    old_signature: bool = False  # signed the way earlier releases pushed it (a layer)
     annotations: dict[str, str] = field(default_factory=dict)
 
     @property
@@ -76,8 +76,7 @@ def oci_annotations(manifest: Manifest) -> dict[str, str]:
     return found
 
 
-def oci_manifest(manifest: Manifest, manifest_bytes: bytes, config_digest: str,
-                 signature: Blob | None) -> bytes:
+def oci_manifest(manifest: Manifest, manifest_bytes: bytes, config_digest: str) -> bytes:
     """The OCI manifest of an artifact, as the exact bytes pushed (its digest is theirs)."""
     layers: list[dict[str, Any]] = [
         {
@@ -88,9 +87,6 @@ def oci_manifest(manifest: Manifest, manifest_bytes: bytes, config_digest: str,
         }
         for rel, entry in sorted(manifest.files.items())
     ]
-    if signature is not None:
-        layers.append({"mediaType": SIGNATURE_TYPE, "digest": signature.digest,
-                       "size": signature.size, "annotations": {TITLE: SIGNATURE}})
     document = {
         "schemaVersion": 2,
         "mediaType": OCI_MANIFEST,
@@ -120,6 +116,7 @@ def parse_oci_manifest(data: bytes, digest: str, where: str) -> OciArtifact:
     notes = document.get("annotations") or {}
     artifact = OciArtifact(
         digest=digest,
+        size=len(data),
         config=_blob(config, where),
         annotations={str(k): str(v) for k, v in notes.items()} if isinstance(notes, dict) else {},
     )
@@ -136,8 +133,8 @@ def _add_layer(artifact: OciArtifact, layer: Any, where: str) -> None:
         raise RemoteArtifactError(f"{where}: a layer is not an object")
     blob = _blob(layer, where)
     title = (layer.get("annotations") or {}).get(TITLE)
-    if layer.get("mediaType") == SIGNATURE_TYPE:
-        artifact.signature = blob
+    if layer.get("mediaType") == OLD_SIGNATURE_TYPE:
+        artifact.old_signature = True
         return
     if layer.get("mediaType") != FILE_TYPE:
         return  # another tool's layer: neuronctl never reads it

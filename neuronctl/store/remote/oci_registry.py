@@ -15,6 +15,7 @@ import hashlib
 import os
 import tempfile
 import threading
+import urllib.parse
 from collections.abc import Iterator
 from functools import cached_property
 from http.cookiejar import DefaultCookiePolicy
@@ -28,6 +29,7 @@ from neuronctl.store.remote.errors import RemoteArtifactError, RemoteUnreachable
 from neuronctl.store.remote.oci_ref import PLAIN_HTTP_ENV, OciRef
 
 OCI_MANIFEST = "application/vnd.oci.image.manifest.v1+json"
+OCI_INDEX = "application/vnd.oci.image.index.v1+json"
 MAX_OCI_MANIFEST_BYTES = 4 * 1024 * 1024  # the limit registries apply to a manifest
 CONNECT_TIMEOUT = 15.0
 READ_TIMEOUT = 120.0  # seconds without a byte from the registry
@@ -192,11 +194,11 @@ class Registry:
 
     # -- manifests ---------------------------------------------------------------------------
 
-    def get_manifest(self, reference: str) -> tuple[bytes, str] | None:
+    def get_manifest(self, reference: str, accept: str = OCI_MANIFEST) -> tuple[bytes, str] | None:
         """The manifest bytes at a tag or digest and their digest, None when there is none.
         Read no further than the registries' own limit; a digest reference is checked."""
         response = self.request(
-            "GET", f"manifests/{reference}", headers={"Accept": OCI_MANIFEST}, stream=True
+            "GET", f"manifests/{reference}", headers={"Accept": accept}, stream=True
         )
         if response.status_code == 404:
             response.close()
@@ -213,13 +215,32 @@ class Registry:
             )
         return data, digest
 
-    def put_manifest(self, data: bytes, reference: str) -> None:
+    def put_manifest(self, data: bytes, reference: str, media_type: str = OCI_MANIFEST) -> bool:
+        """Put a manifest (or an index) at a tag or digest. True when the registry says it
+        indexed the manifest's `subject` itself (the `OCI-Subject` header of a registry with
+        the referrers API: distribution-spec "Pushing Manifests with Subject")."""
         response = self.request(
-            "PUT", f"manifests/{reference}", data=data, headers={"Content-Type": OCI_MANIFEST}
+            "PUT", f"manifests/{reference}", data=data, headers={"Content-Type": media_type}
         )
         if response.status_code not in (200, 201):
             raise self._fail(response, f"push manifest {reference}")
         response.close()
+        return bool(response.headers.get("OCI-Subject"))
+
+    def referrers(self, digest: str, artifact_type: str) -> bytes | None:
+        """The registry's list of the manifests whose `subject` is `digest` (an image index),
+        None when it has no referrers API (a 404: distribution-spec "Listing Referrers"). Only
+        the first page: a registry pages a list of hundreds, and neuronctl reads a few."""
+        query = urllib.parse.quote(artifact_type, safe="")
+        response = self.request("GET", f"referrers/{digest}?artifactType={query}",
+                                headers={"Accept": OCI_INDEX}, stream=True)
+        if response.status_code == 404:
+            response.close()
+            return None
+        if response.status_code != 200:
+            raise self._fail(response, f"referrers of {digest[:19]}")
+        return b"".join(self.read_capped(response, MAX_OCI_MANIFEST_BYTES,
+                                         f"referrers of {digest[:19]}"))
 
     def tags(self) -> list[str]:
         try:
