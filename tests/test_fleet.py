@@ -199,11 +199,37 @@ def test_kserve_storage_container_takes_only_neuronctl_uris(shop) -> None:
     for other in ("s3://bucket/models/llama", "oci://registry/models/llama:v1",
                   "gs://bucket/neuron-compiled-artifacts/x"):  # fmt: skip
         assert not any(re.search(r, other) for r in regexes)
-    assert any(re.search(r, "oci://reg.local/neuron:" + manifest.keys.dirname) for r in regexes)
+    assert not any(re.search(r, "oci://reg.local/neuron:" + manifest.keys.dirname) for r in regexes)
     container = isvc["spec"]["predictor"]["containers"][0]
     assert container["name"] == "kserve-container"
     assert {"name": "STORAGE_URI", "value": uri} in container["env"]
     assert storage["spec"]["container"]["command"] == ["neuronctl", "install"]
+
+
+def test_kserve_installs_a_registry_artifact_in_its_own_init_container(shop) -> None:
+    """KServe serves any oci:// STORAGE_URI with its own OCI support, on by default, and never
+    calls a storage container for it (kserve/kserve pkg/webhook/admission/pod/
+    storage_initializer_injector.go, CommonStorageInitialization: the `ParseOciScheme` branch
+    returns before the ClusterStorageContainer lookup; config/configmap/inferenceservice.yaml
+    "enableModelcar": true). A registry artifact therefore goes through the predictor's own
+    init container, with no storage URI for the webhook to act on."""
+    import dataclasses
+
+    _store, remote, manifest = shop
+    w = plan_workload(manifest, remote, options(keys_secret="fleet-keys"))
+    uri = f"oci://reg.local/neuron:{manifest.keys.dirname}"
+    documents = TARGETS["kserve"](dataclasses.replace(w, source_uri=uri))
+    assert [d["kind"] for d in documents] == ["InferenceService"]
+    check_documents(documents, K8S)
+    predictor = documents[0]["spec"]["predictor"]
+    init = predictor["initContainers"][0]
+    assert init["command"] + init["args"] == ["neuronctl", "install", uri, MOUNT]
+    server = predictor["containers"][0]
+    assert server["name"] == "kserve-container"
+    assert all(e["name"] != "STORAGE_URI" for e in server["env"])
+    assert server["volumeMounts"][0] == {"name": "artifact", "mountPath": MOUNT, "readOnly": True}
+    assert {v["name"] for v in predictor["volumes"]} == {"artifact", "trusted-keys"}
+    assert "storageUri" not in json.dumps(documents)
 
 
 def test_production_stack_leaves_the_charts_own_flags_to_it(shop) -> None:

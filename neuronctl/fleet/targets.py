@@ -18,14 +18,11 @@ from neuronctl.fleet.workload import KEYS_MOUNT, MOUNT, PORT, PORT_NAME, VOLUME,
 # it add the storage initializer to a custom container (pkg/constants/constants.go).
 KSERVE_CONTAINER = "kserve-container"
 KSERVE_STORAGE_URI = "STORAGE_URI"
-# The URIs neuronctl's install takes: a remote store's artifact directory, or a registry
-# tag named by the artifact's directory name (or pinned by digest). Only these, so the
-# ClusterStorageContainer never takes another model's s3:// or oci:// URI from KServe's own.
-INSTALL_URI_REGEXES = (
-    r"^(s3|s3a|hf|file|gs|az)://.+/neuron-compiled-artifacts/[0-9a-f]{20}$",
-    r"^oci://[^@]+:[0-9a-f]{20}$",
-    r"^oci://[^@]+@sha256:[0-9a-f]{64}$",
-)
+# The URIs neuronctl's install takes from KServe: a remote store's artifact directory. Only
+# these, so the ClusterStorageContainer never takes another model's s3:// URI from KServe's
+# own initializer; oci:// never reaches a storage container (kserve_oci).
+INSTALL_URI_REGEXES = (r"^(s3|s3a|hf|file|gs|az)://.+/neuron-compiled-artifacts/[0-9a-f]{20}$",)
+OCI_PREFIX = "oci://"
 RAY_VERSION = "2.49.0"
 RAY_NEURON_RESOURCE = "neuron_cores"  # what Ray calls a NeuronCore (aws-neuron-core type)
 RAY_APP_IMPORT = "neuronctl.fleet.rayserve:app"
@@ -72,7 +69,9 @@ def kserve(w: Workload) -> list[dict[str, Any]]:
     """A ClusterStorageContainer that runs `neuronctl install URI /mnt/models` for neuronctl's
     URIs (KServe appends the URI and the directory as arguments), and an InferenceService whose
     custom container names the artifact in STORAGE_URI. Raw deployment: Knative refuses
-    startup probes."""
+    startup probes. A registry artifact goes by an init container instead (kserve_oci)."""
+    if w.source_uri.startswith(OCI_PREFIX):
+        return [kserve_oci(w)]
     install = w.install_container(with_args=False)
     install["name"] = "storage-initializer"
     del install["volumeMounts"]  # KServe mounts /mnt/models itself
@@ -104,15 +103,36 @@ def kserve(w: Workload) -> list[dict[str, Any]]:
         "terminationGracePeriodSeconds": w.grace_seconds(),
         **w.scheduling(),
     }
+    return [storage, inference_service(w, predictor)]
+
+
+def kserve_oci(w: Workload) -> dict[str, Any]:
+    """KServe takes every oci:// URI in STORAGE_URI or storageUri for its own OCI support
+    (a modelcar, an image volume or its fetch; on by default) and never hands it to a
+    storage container, and a neuronctl artifact is not a model image. So the predictor's pod
+    carries the install as its own init container into an emptyDir, as the k8s target does,
+    and names no storage URI: KServe's webhook then injects nothing."""
+    container = w.server_container(KSERVE_CONTAINER)
+    predictor: dict[str, Any] = {
+        "minReplicas": w.replicas,
+        "initContainers": [w.install_container()],
+        "containers": [container],
+        "volumes": w.volumes(),
+        "terminationGracePeriodSeconds": w.grace_seconds(),
+        **w.scheduling(),
+    }
+    return inference_service(w, predictor)
+
+
+def inference_service(w: Workload, predictor: dict[str, Any]) -> dict[str, Any]:
     meta = w.metadata()
     meta["annotations"]["serving.kserve.io/deploymentMode"] = "RawDeployment"
-    isvc = {
+    return {
         "apiVersion": "serving.kserve.io/v1beta1",
         "kind": "InferenceService",
         "metadata": meta,
         "spec": {"predictor": predictor},
     }
-    return [storage, isvc]
 
 
 def production_stack(w: Workload) -> list[dict[str, Any]]:
