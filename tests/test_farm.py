@@ -160,6 +160,36 @@ def test_two_overlapping_plans_run_at_once_build_the_shared_entry_once(
     assert not list((tmp_path / "remote" / "neuron-compiled-artifacts" / ".claims").iterdir())
 
 
+class PublishedMeanwhile:
+    """A remote whose artifact appears between the farm's first look and its claim: the
+    other builder published and let go of its claim in between."""
+
+    def __init__(self, remote: Any) -> None:
+        self.remote, self.looks = remote, 0
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.remote, name)
+
+    def has(self, dirname: str) -> bool:
+        self.looks += 1
+        return self.looks > 1
+
+
+def test_an_entry_published_between_the_first_look_and_the_claim_is_not_built(
+    local_ray: Any, models: Path, tmp_path: Path
+) -> None:
+    plan = write_plan(tmp_path, models, "builds.toml", ("a", 1))
+    remote = open_remote(str(tmp_path / "remote"))
+    farm = Farm(jobs_for(plan, remote.url), remote, FarmOptions(tmp_path / "logs"), fake_compile)
+    farm.remote = PublishedMeanwhile(remote)
+
+    results = farm.run()
+
+    assert [(r.status, r.reason) for r in results] == [("skipped", "already published")]
+    assert built_keys(tmp_path) == []
+    assert live_holder(remote, results[0].key) is None  # the claim taken to look is let go
+
+
 def test_a_build_no_node_can_hold_fails_at_once_and_the_others_run(
     local_ray: Any, models: Path, tmp_path: Path
 ) -> None:
