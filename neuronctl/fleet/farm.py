@@ -396,8 +396,8 @@ def connect(address: str) -> tuple[Any, bool]:
     if ray.is_initialized():
         return ray, False
     kwargs: dict[str, Any] = {"log_to_driver": False, "configure_logging": False}
-    if address == "local":
-        kwargs["include_dashboard"] = False
+    if address == "local":  # on this host only: nothing of it listens beyond loopback
+        kwargs.update(include_dashboard=False, _node_ip_address="127.0.0.1")
     try:
         ray.init(address=address, **kwargs)
     except ConnectionError as exc:
