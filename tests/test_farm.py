@@ -160,6 +160,27 @@ def test_two_overlapping_plans_run_at_once_build_the_shared_entry_once(
     assert not list((tmp_path / "remote" / "neuron-compiled-artifacts" / ".claims").iterdir())
 
 
+def crashing_compile(job: FarmJob) -> dict[str, Any]:
+    if job.name.startswith("crash"):
+        raise RuntimeError("the worker ran out of disk")
+    return fake_compile(job)
+
+
+def test_a_task_that_raises_is_that_entry_failed_and_the_others_go_on(
+    local_ray: Any, models: Path, tmp_path: Path
+) -> None:
+    plan = write_plan(tmp_path, models, "builds.toml", ("crash", 1), ("fine", 2))
+    remote = open_remote(str(tmp_path / "remote"))
+    jobs = jobs_for(plan, remote.url)
+
+    results = Farm(jobs, remote, FarmOptions(tmp_path / "logs", poll_s=0.2),
+                   crashing_compile).run()  # fmt: skip
+
+    assert [r.status for r in results] == ["failed", "published"]
+    assert "the worker ran out of disk" in results[0].reason
+    assert live_holder(remote, jobs[0].key) is None  # its claim let go
+
+
 class PublishedMeanwhile:
     """A remote whose artifact appears between the farm's first look and its claim: the
     other builder published and let go of its claim in between."""
@@ -270,6 +291,10 @@ def test_a_worker_that_computes_another_key_is_a_failure() -> None:
     assert outcome(job, same, remote=True) == ("skipped", "published by another build meanwhile")
     local = {**other, "stdout": json.dumps({"artifact_key": "0" * 64, "cache_hit": False})}
     assert outcome(job, local, remote=False) == ("built", "")
+    killed = {**other, "returncode": -9}
+    assert outcome(job, killed, remote=True) == (
+        "failed", "compile killed by signal 9 (out of memory?)"
+    )
 
 
 # -- claims (store/remote/claim.py) -------------------------------------------------------------

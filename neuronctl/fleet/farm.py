@@ -175,6 +175,9 @@ def compile_task(job: FarmJob) -> dict[str, Any]:
 def outcome(job: FarmJob, output: dict[str, Any], remote: bool) -> tuple[str, str]:
     """(status, reason) of a finished task."""
     code = output["returncode"]
+    if code < 0:  # a signal: the kernel's OOM killer sends 9
+        hint = " (out of memory?)" if code == -9 else ""
+        return "failed", f"compile killed by signal {-code}{hint}"
     if code != 0:
         return "failed", _error_line(output["log"]) or f"compile exited with {code}"
     try:
@@ -343,7 +346,7 @@ class Farm:
         try:
             output = self.ray.get(ref)
         except Exception as exc:  # the worker died, Ray killed it (memory), a task error
-            output = {"returncode": -1, "stdout": "", "log": f"error: {exc}", "seconds": 0.0,
+            output = {"returncode": 1, "stdout": "", "log": f"error: {exc}", "seconds": 0.0,
                       "node": ""}  # fmt: skip
         finally:
             if running.claim is not None:
