@@ -22,6 +22,7 @@ from neuronctl.store.remote.claim import live_holder, try_claim
 from neuronctl.store.remote.client import open_remote
 from tests.conftest import SMALLEST_SPEC
 from tests.helpers import cli, cli_in_process, make_checkpoint
+from tests.test_remote import bucket, s3server  # noqa: F401  (fixtures)
 
 pytest.importorskip("ray", reason="pip install 'neuronctl[ray]'")
 
@@ -319,6 +320,21 @@ def test_a_claim_is_held_once_until_released_or_expired(tmp_path: Path) -> None:
     short.release()  # and its release leaves the new holder's claim alone
     assert live_holder(remote, key) == "taker"
     assert taker.refresh() is True
+
+
+def test_a_claim_on_s3_is_a_conditional_put(bucket: str) -> None:
+    """s3fs's exclusive mode sends `If-None-Match: *` (fsspec/s3fs 2026.9.0, s3fs/core.py
+    line 2800, S3File.commit) and maps the 412 answer to FileExistsError (s3fs/errors.py lines
+    146-149, translate_boto_error): the second claimer is refused by the server, not by a
+    look before the write."""
+    remote = open_remote(f"s3://{bucket}/neuron")
+    key = "ef" * 10
+    first = try_claim(remote, key, ttl_s=60, owner="ci-1")
+    assert first is not None
+    assert try_claim(remote, key, ttl_s=60, owner="ci-2") is None
+    assert live_holder(remote, key) == "ci-1"
+    first.release()
+    assert try_claim(remote, key, ttl_s=60, owner="ci-2") is not None
 
 
 def test_a_claim_is_never_written_through_a_planted_link(tmp_path: Path) -> None:

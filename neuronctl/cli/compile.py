@@ -38,7 +38,11 @@ def compile_command(
     config: ConfigOpt = None,
     store: StoreOpt = None,
     jobs: int | None = typer.Option(
-        None, "--jobs", "-j", help="Parallel compile workers (default: all cores)."
+        None,
+        "--jobs",
+        "-j",
+        help="Parallel compile workers (default: all cores); with --ray, the CPUs of each "
+        "task (default: one per bucket).",
     ),
     rehash: bool = typer.Option(
         False, "--rehash", help="Re-read every weight file for the digest."
@@ -62,7 +66,8 @@ def compile_command(
     plan: Path | None = typer.Option(
         None,
         "--plan",
-        help="Build one entry of a plan file (see `neuronctl plan`).",
+        help="Build one entry of a plan file (--entry), or every entry (--ray); see "
+        "`neuronctl plan`.",
         show_default=False,
     ),
     entry: int | None = typer.Option(None, "--entry", help="With --plan: the entry number."),
