@@ -148,7 +148,7 @@ def _say(result: Any) -> None:
 
 def _print_summary(results: list[Any]) -> None:
     rows = [
-        [r.entry, r.name, r.key, r.status, f"{r.seconds:.1f}", r.log or "-"] for r in results
+        [r.entry, r.name, r.key or "-", r.status, f"{r.seconds:.1f}", r.log or "-"] for r in results
     ]
     print_table(None, ["entry", "name", "key", "status", "seconds", "log"], rows)
     for r in results:

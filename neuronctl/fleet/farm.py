@@ -27,7 +27,7 @@ import sys
 import tempfile
 import time
 from collections.abc import Callable
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -58,6 +58,7 @@ class FarmJob:
     args: tuple[str, ...]  # after `neuronctl`
     cpus: int
     memory: int  # bytes
+    problem: str = ""  # why its keys could not be computed here: failed without a task
 
 
 @dataclass
@@ -101,7 +102,9 @@ def farm_jobs(
     cpus: int | None = None,
     extra_args: tuple[str, ...] = (),
 ) -> list[FarmJob]:
-    """One job per entry of the plan: its key (the plan's own resolution) and its needs."""
+    """One job per entry of the plan: its key (the plan's own resolution) and its needs. An
+    entry whose checkpoint cannot be read is a job that fails without a task (the others
+    still build); an invalid plan (a usage error) stops everything, as `plan` does."""
     from neuronctl.build import resolve_build
 
     plan_path = Path(plan_path).resolve()
@@ -111,9 +114,13 @@ def farm_jobs(
             build = resolve_build(
                 entry.model, entry.spec_flags, revision=entry.revision, store_dir=store_dir
             )
-        except NeuronctlError as exc:
+        except UsageError as exc:
             exc.message = f"{plan_path} entry {entry.index} ({entry.name}): {exc.message}"
             raise
+        except NeuronctlError as exc:
+            problem = f"error: {exc.message}" + (f" ({exc.hint})" if exc.hint else "")
+            jobs.append(FarmJob(entry.index, entry.name, "", "", (), 0, 0, problem))
+            continue
         want_cpus, memory = needs(build.spec, build.checkpoint)
         jobs.append(
             FarmJob(
@@ -197,6 +204,19 @@ def outcome(job: FarmJob, output: dict[str, Any], remote: bool) -> tuple[str, st
             "built", ""
         )
     return "published", ""
+
+
+ANSI = re.compile(r"\x1b\[[0-9;]*m")
+
+
+def _task_error(exc: BaseException) -> str:
+    """What a failed Ray task raised (a RayTaskError carries it as `cause`), else what Ray
+    says happened (a lost worker, the memory monitor's kill), on one line."""
+    cause = getattr(exc, "cause", None)
+    if isinstance(cause, BaseException):
+        return f"the task raised {type(cause).__name__}: {cause}"
+    lines = [line for line in ANSI.sub("", str(exc)).splitlines() if line.strip()]
+    return f"{type(exc).__name__}: {lines[0].strip() if lines else ''}"
 
 
 def _error_line(log: str) -> str:
@@ -290,10 +310,15 @@ class Farm:
             self._refresh_claims()
 
     def _refuse_infeasible(self) -> None:
-        """A task no node can hold would wait forever: fail it now, and say why."""
+        """A job without keys, or a task no node can hold (it would wait forever), fails
+        now, and says why."""
         cpus, memory = largest_node(self.ray)
         for job in list(self.waiting):
-            if memory and job.memory > memory:
+            if job.problem:
+                self.waiting.remove(job)
+                self._record(FarmResult(job.entry, job.name, job.key, "failed",
+                                        reason=job.problem, tail=[job.problem]))  # fmt: skip
+            elif memory and job.memory > memory:
                 self.waiting.remove(job)
                 self._record(FarmResult(job.entry, job.name, job.key, "failed", reason=(
                     f"needs {job.memory / GIB:.1f} GiB of memory; the largest Ray node "
@@ -346,8 +371,9 @@ class Farm:
         try:
             output = self.ray.get(ref)
         except Exception as exc:  # the worker died, Ray killed it (memory), a task error
-            output = {"returncode": 1, "stdout": "", "log": f"error: {exc}", "seconds": 0.0,
-                      "node": ""}  # fmt: skip
+            text = ANSI.sub("", str(exc))
+            output = {"returncode": 1, "stdout": "", "log": f"{text}\nerror: {_task_error(exc)}",
+                      "seconds": 0.0, "node": ""}  # fmt: skip
         finally:
             if running.claim is not None:
                 running.claim.release()
@@ -383,7 +409,7 @@ def _with_cpus(job: FarmJob, cpus: int) -> FarmJob:
     args = list(job.args)
     if "--jobs" in args:
         args[args.index("--jobs") + 1] = str(cpus)
-    return FarmJob(job.entry, job.name, job.key, job.artifact_key, tuple(args), cpus, job.memory)
+    return replace(job, args=tuple(args), cpus=cpus)
 
 
 def exit_code(results: list[FarmResult]) -> int:
