@@ -279,6 +279,8 @@ def test_the_cli_summary_lists_every_entry_and_exits_1_when_one_failed(
         (["--plan", "builds.toml", "--entry", "0", "--ray", "local"], "--entry builds one"),
         (["--plan", "builds.toml", "--ray", "local", "--seq-len", "64"], "--seq-len: --ray"),
         (["--plan", "builds.toml", "--logs", "x"], "--logs goes with --ray"),
+        (["--plan", "builds.toml", "--ray", "nonsense"], "--ray nonsense: not an address"),
+        (["--plan", "builds.toml", "--ray", "127.0.0.1:1"], "no Ray cluster answers there"),
     ],
 )
 def test_usage_mistakes_are_one_line_and_exit_2(

@@ -83,9 +83,17 @@ def check_request(request: FarmRequest) -> Path:
 
 
 def run_farm_command(request: FarmRequest) -> None:
-    from neuronctl.fleet.farm import Farm, FarmOptions, connect, exit_code, farm_jobs
+    from neuronctl.fleet.farm import (
+        Farm,
+        FarmOptions,
+        check_address,
+        connect,
+        exit_code,
+        farm_jobs,
+    )
 
     plan = check_request(request)
+    check_address(request.address)  # before the keys: a wrong address fails in a second
     if request.sign_key:
         from neuronctl.store.signing import load_signer
 

@@ -280,6 +280,11 @@ class Farm:
         self.remote = remote
         self.options = options
         self.claims = remote is not None and supports_claims(remote)
+        if remote is not None and not self.claims:
+            logger.warning(
+                "%s cannot create a claim only where none exists: a plan run beside this one "
+                "may build the same entry (the remote keeps the first push)", remote.url
+            )
         self.task = self.ray.remote(task or compile_task)
         self.waiting = list(jobs)
         self.running: dict[Any, _Running] = {}
@@ -417,6 +422,25 @@ def exit_code(results: list[FarmResult]) -> int:
     return 1 if any(r.status == "failed" for r in results) else 0
 
 
+def check_address(address: str) -> None:
+    """Ray retries an address that does not answer for minutes: one TCP connect says it."""
+    if address in ("local", "auto"):
+        return
+    host, _, port = address.removeprefix("ray://").rpartition(":")
+    if not host or not port.isdigit():
+        raise UsageError(
+            f"--ray {address}: not an address", "use local, auto, HOST:PORT or ray://HOST:PORT"
+        )
+    try:
+        socket.create_connection((host.strip("[]"), int(port)), timeout=10).close()
+    except OSError as exc:
+        raise UsageError(
+            f"--ray {address}: no Ray cluster answers there ({exc.strerror or exc})",
+            "start one with `ray start --head`, or use --ray local for a cluster in this "
+            "process",
+        ) from None
+
+
 def connect(address: str) -> tuple[Any, bool]:
     """Ray, connected: `local` starts a cluster in this process (stopped at the end), `auto`
     joins the one on this host or $RAY_ADDRESS, HOST:PORT or ray://HOST:PORT a given one.
@@ -424,6 +448,7 @@ def connect(address: str) -> tuple[Any, bool]:
     ray = import_ray()
     if ray.is_initialized():
         return ray, False
+    check_address(address)
     kwargs: dict[str, Any] = {"log_to_driver": False, "configure_logging": False}
     if address == "local":  # on this host only: nothing of it listens beyond loopback
         kwargs.update(include_dashboard=False, _node_ip_address="127.0.0.1")
