@@ -9,6 +9,7 @@ from __future__ import annotations
 import json
 import os
 import shutil
+import subprocess
 import sys
 import threading
 import time
@@ -320,6 +321,33 @@ def test_a_worker_that_computes_another_key_is_a_failure() -> None:
     assert outcome(job, killed, remote=True) == (
         "failed", "compile killed by signal 9 (out of memory?)"
     )
+
+
+def test_a_compile_dies_with_the_worker_that_started_it(tmp_path: Path) -> None:
+    """A Ray worker killed (a cancelled task, a lost node) takes its compile with it: the
+    task's child stands in for the compile and records its pid; its parent is SIGKILLed."""
+    import psutil
+
+    pid_file = tmp_path / "compile.pid"
+    sleeper = "import os, sys, time; open(sys.argv[1], 'w').write(str(os.getpid())); time.sleep(60)"
+    worker_code = (
+        f"import sys; sys.path.insert(0, {str(REPO)!r})\n"
+        "import neuronctl.fleet.farm as farm\n"
+        f"farm.NEURONCTL_MAIN = ('-c', {sleeper!r})\n"
+        f"farm.compile_task(farm.FarmJob(0, 'a', '0' * 20, '0' * 64, ({str(pid_file)!r},), 1, 1))\n"
+    )
+    worker = subprocess.Popen([sys.executable, "-c", worker_code])
+    deadline = time.monotonic() + 30
+    while not (pid_file.exists() and pid_file.read_text()) and time.monotonic() < deadline:
+        time.sleep(0.05)
+    child = psutil.Process(int(pid_file.read_text()))
+    worker.kill()
+    worker.wait()
+    try:
+        child.wait(timeout=10)  # gone (reaped by whoever adopted it), not left compiling
+    except psutil.TimeoutExpired:
+        child.kill()
+        pytest.fail("the compile outlived the worker that started it")
 
 
 # -- claims (store/remote/claim.py) -------------------------------------------------------------

@@ -17,10 +17,12 @@ Ray is imported only where a farm runs: `pip install 'neuronctl[ray]'`.
 
 from __future__ import annotations
 
+import ctypes
 import json
 import logging
 import os
 import re
+import signal
 import socket
 import subprocess
 import sys
@@ -33,6 +35,7 @@ from typing import Any
 
 from neuronctl.errors import NeuronctlError, UsageError
 from neuronctl.plan import load_plan
+from neuronctl.workers import PR_SET_PDEATHSIG
 
 logger = logging.getLogger(__name__)
 
@@ -166,6 +169,7 @@ def compile_task(job: FarmJob) -> dict[str, Any]:
             stdout=subprocess.PIPE,
             stderr=log,
             check=False,
+            preexec_fn=_die_with_worker if sys.platform.startswith("linux") else None,
         )
         size = log.seek(0, os.SEEK_END)
         log.seek(max(0, size - LOG_CAP))
@@ -177,6 +181,16 @@ def compile_task(job: FarmJob) -> dict[str, Any]:
         "seconds": time.monotonic() - started,
         "node": socket.gethostname(),
     }
+
+
+def _die_with_worker() -> None:
+    """In the compile's process before it runs: SIGTERM when the Ray worker that started it
+    dies (a cancelled task, a lost node), so no compile runs on orphaned. The compile's own
+    graph workers die with it (workers.py)."""
+    try:
+        ctypes.CDLL(None).prctl(PR_SET_PDEATHSIG, signal.SIGTERM, 0, 0, 0)
+    except (OSError, AttributeError):
+        pass
 
 
 def outcome(job: FarmJob, output: dict[str, Any], remote: bool) -> tuple[str, str]:
