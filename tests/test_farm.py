@@ -276,6 +276,13 @@ def test_the_cli_summary_lists_every_entry_and_exits_1_when_one_failed(
     assert "  hint: copy them" in table.stdout and "full log: " in table.stdout
     assert "1 skipped, 1 failed" in table.stdout
 
+    # A plan whose entries are all published now or before: exit 0, the gate passes.
+    write_plan(tmp_path, models, "done.toml", ("a", 1))
+    passed = cli_in_process("compile", "--plan", "done.toml", *base[3:], "--json", cwd=tmp_path)
+    assert passed.returncode == 0, passed.stderr
+    assert json.loads(passed.stdout)["ok"] is True
+    assert json.loads(passed.stdout)["counts"]["skipped"] == 1
+
 
 @pytest.mark.parametrize(
     ("extra", "message"),
