@@ -38,7 +38,11 @@ def compile_command(
     config: ConfigOpt = None,
     store: StoreOpt = None,
     jobs: int | None = typer.Option(
-        None, "--jobs", "-j", help="Parallel compile workers (default: all cores)."
+        None,
+        "--jobs",
+        "-j",
+        help="Parallel compile workers (default: all cores); with --ray, the CPUs of each "
+        "task (default: one per bucket).",
     ),
     rehash: bool = typer.Option(
         False, "--rehash", help="Re-read every weight file for the digest."
@@ -62,10 +66,22 @@ def compile_command(
     plan: Path | None = typer.Option(
         None,
         "--plan",
-        help="Build one entry of a plan file (see `neuronctl plan`).",
+        help="Build one entry of a plan file (--entry), or every entry (--ray); see "
+        "`neuronctl plan`.",
         show_default=False,
     ),
     entry: int | None = typer.Option(None, "--entry", help="With --plan: the entry number."),
+    ray: str | None = typer.Option(
+        None,
+        "--ray",
+        help="With --plan: build every entry on a Ray cluster, one task each: local (one "
+        "in this process), auto, HOST:PORT or ray://HOST:PORT (docs/fleet-orchestrators.md).",
+        show_default=False,
+    ),
+    logs: Path | None = typer.Option(
+        None, "--logs", help="With --ray: where each build's log is written (./farm-logs).",
+        show_default=False,
+    ),
     sign_key: SignKeyOpt = None,
     trust_key: TrustKeyOpt = None,
     allow_unsigned: AllowUnsignedOpt = False,
@@ -80,12 +96,27 @@ def compile_command(
       neuronctl compile meta-llama/Llama-3.2-1B -c neuronctl.toml --json
 
       neuronctl compile --plan builds.toml --entry 0 --remote s3://bucket/artifacts
+
+      neuronctl compile --plan builds.toml --ray auto --remote s3://bucket/artifacts --json
+
+    With --ray: exit 0 when every entry is built or already published, 1 when any failed.
     """
     if check_accuracy is not None and check_accuracy not in ACCURACY_MODES:
         raise UsageError(
             f"--check-accuracy: unknown mode {check_accuracy!r}",
             "use " + " or ".join(ACCURACY_MODES),
         )
+    if logs is not None and ray is None:
+        raise UsageError("--logs goes with --ray", "e.g. --plan builds.toml --ray auto --logs DIR")
+    if ray is not None:
+        from neuronctl.cli._farm import FarmRequest, run_farm_command, worker_args
+
+        args = worker_args(rehash=rehash, allow_pickle=allow_pickle,
+                           check_accuracy=check_accuracy, trust_key=trust_key,
+                           allow_unsigned=allow_unsigned, sign_key=sign_key)  # fmt: skip
+        run_farm_command(FarmRequest(ray, plan, entry, model or revision, config, spec_flags,
+                                     remote, store, jobs, logs, args, sign_key, json_out))
+        return
     if plan is not None or entry is not None:
         model, revision, spec_flags = _from_plan(plan, entry, model, config, spec_flags, revision)
     build = resolve_build(

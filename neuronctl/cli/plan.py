@@ -58,6 +58,8 @@ def plan_command(
 
       neuronctl plan -c builds.toml --format gitlab > compile-pipeline.yml
 
+    To build them on a Ray cluster instead: neuronctl compile --plan builds.toml --ray auto.
+
     Exit codes: 0 ok, 1 a model or the remote could not be read, 2 invalid builds file.
     """
     fmt = "json" if json_out else output_format

@@ -11,4 +11,6 @@ LeaderWorkerSet, KubeRay), written from a compiled artifact and the remote that 
                   objects, the vendored CRD schemas (schemas/) for the rest
   rayserve.py     the RayService's Ray Serve application: each replica installs, serves and
                   reports the server's health (imports Ray: the `ray` extra)
+  farm.py         `compile --plan FILE --ray`: a build plan compiled on a Ray cluster, one
+                  task per entry, claims on the remote, a status and log per entry
 """

@@ -11,6 +11,7 @@ manifest.json last and pull trusts nothing the manifest does not vouch for.
   push.py       upload an artifact; skip what the remote already holds, manifest.json last
   pull.py       signature first, then every byte against the signed sizes and sha256s
   urls.py       `URL/KEY` of a remote artifact: split, pull into the local store, trust check
+  claim.py      one builder per key: a claim created only where none exists (shared mount, S3)
   oci.py        OciStore: an oci://REGISTRY/REPO with the same methods; pull resumes per layer
   oci_layout.py an artifact as an OCI manifest (config, a layer per file, annotations), checked
   oci_registry.py  the registry API through oras-py: auth, timeouts, capped reads, uploads
