@@ -387,7 +387,7 @@ def test_generate_bench_and_serve_refuse_a_reference_alike(
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """All three decide their artifact in target.artifact_to_run. generate and bench used to
+    """All three decide their artifact in runnable.artifact_to_run. generate and bench used to
     resolve it on their own: a missing path was "artifact directory ... does not exist" there
     and "cannot be used as-is" in serve, a file "does not exist" in them only, and no
     artifact at all had another hint."""

@@ -162,7 +162,7 @@ def test_token_generation_picks_its_matmul_by_rows_and_numerics(
     config = read_config(make_checkpoint(tmp_path / "ckpt", "llama"))
     layout = "packed" if kernel == "packed_linear" else "plain"
     numerics = Numerics(DTYPES[dtype], DTYPES[compute or dtype], quantized)
-    target = opchoice.Target(args_from_config(config), numerics, "inductor", batch, (batch,),
+    target = opchoice.ChoiceInputs(args_from_config(config), numerics, "inductor", batch, (batch,),
                              kernel=False, onednn=layout == "packed")
     job = GraphJob(TOKEN_GEN, 64, config, batch, 128, dtype, "inductor", str(tmp_path),
                    compute=compute, quantized=quantized, layout=layout,

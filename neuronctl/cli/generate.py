@@ -160,7 +160,7 @@ def _generate_builtin(
     named: Named, prompts: list[Prompt], params: SamplingParams, stream: bool, json_out: bool
 ) -> None:
     from neuronctl.engine.loader import running
-    from neuronctl.target import open_artifact_to_run
+    from neuronctl.runnable import open_artifact_to_run
 
     loaded = open_artifact_to_run(named.ref, store=named.store, policy=named.policy)
     say_vouch(loaded.vouch)
@@ -242,8 +242,8 @@ def _generate_vllm(
 ) -> None:
     from neuronctl.cli.serve import named_target, print_launch, print_plan
     from neuronctl.engine.loader import vouch_for
+    from neuronctl.runnable import artifact_to_run
     from neuronctl.store.manifest import read_manifest
-    from neuronctl.target import artifact_to_run
     from neuronctl.vllm.launch import cli_target, generate_launch
 
     if any(p.messages is not None for p in prompts):

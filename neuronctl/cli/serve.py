@@ -142,8 +142,8 @@ def serve_command(
         raise UsageError("--vllm-target only applies to --engine vllm")
     if engine == "vllm":
         refuse_builtin_only(ctx)
+    from neuronctl.runnable import artifact_to_run
     from neuronctl.store.signing import TrustPolicy
-    from neuronctl.target import artifact_to_run
 
     launch_for, serving_host = named_target(vllm_target, dry_run)
     policy = TrustPolicy.load(trust_key, allow_unsigned)

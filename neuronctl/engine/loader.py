@@ -53,7 +53,7 @@ class LoadedArtifact(TokenizedText):
 def open_artifact(
     path: Path, validate: bool = True, policy: TrustPolicy | None = None
 ) -> LoadedArtifact:
-    """Load the artifact directory `path` (what a reference names is target.py's to say).
+    """Load the artifact directory `path` (what a reference names is runnable.py's to say).
 
     One identity throughout: the directory `path` resolves to now is what is leased, judged
     by the load rule and loaded, so a link to an artifact is leased as the artifact (and

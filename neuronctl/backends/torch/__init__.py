@@ -141,7 +141,7 @@ def check_tensors(checkpoint: Checkpoint, args: ModelArgs) -> None:
             )
 
 
-def op_target(spec: BuildSpec, config: dict[str, Any]) -> opchoice.Target:
+def op_inputs(spec: BuildSpec, config: dict[str, Any]) -> opchoice.ChoiceInputs:
     from neuronctl.backends.torch import opchoice
     from neuronctl.backends.torch.config import Numerics, args_from_config
     from neuronctl.backends.torch.graphs import DTYPES, context_rows, graph_rows
@@ -152,14 +152,14 @@ def op_target(spec: BuildSpec, config: dict[str, Any]) -> opchoice.Target:
     rows = graph_rows(spec.context_buckets, spec.batch_size)
     args = args_from_config(config)
     contexts = context_rows(spec.context_buckets, spec.batch_size)
-    return opchoice.target_for(spec, args, numerics, rows, host.cpu_flags(), contexts)
+    return opchoice.inputs_for(spec, args, numerics, rows, host.cpu_flags(), contexts)
 
 
 def choose_ops(spec: BuildSpec, config: dict[str, Any]) -> OpChoice:
     """The matmul paths of a fresh build (opchoice: measured here, or by the rules)."""
     from neuronctl.backends.torch import opchoice
 
-    return opchoice.choose(op_target(spec, config))
+    return opchoice.choose(op_inputs(spec, config))
 
 
 def donor_choice(donor: Path, spec: BuildSpec, config: dict[str, Any]) -> OpChoice:
@@ -172,7 +172,7 @@ def donor_choice(donor: Path, spec: BuildSpec, config: dict[str, Any]) -> OpChoi
     if recorded is not None:
         return recorded
     layout = opchoice.legacy_layout(neuron_config.read(donor))
-    return opchoice.by_rules(op_target(spec, config), layout)
+    return opchoice.by_rules(op_inputs(spec, config), layout)
 
 
 def graph_jobs(

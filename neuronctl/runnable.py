@@ -24,7 +24,7 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class Target:
+class ArtifactToRun:
     path: Path | None  # None only for a dry run that would pull or compile first
     action: str  # "use" | "pull" | "compile"
     reason: str = ""  # why a pull or compile is (or would be) needed
@@ -45,7 +45,7 @@ def artifact_to_run(
     dry_run: bool = False,
     policy: TrustPolicy | None = None,
     serving_host: bool = True,
-) -> Target:
+) -> ArtifactToRun:
     """The artifact to load. With a requested spec (flags or -c) it must match it too.
     `serving_host` False: this host only prints a launch for another one, so the checks of
     the host that loads it are skipped (validate.check_reusable)."""
@@ -57,12 +57,12 @@ def artifact_to_run(
     try:
         path = _existing(resolve_artifact(artifacts, store, fetch=not dry_run, policy=policy))
         check_reusable(path, spec, sources, serving_host)
-        return Target(path, "use")
+        return ArtifactToRun(path, "use")
     except NotPulledError as exc:  # only a dry run leaves a remote artifact unpulled
         missing: NeuronctlError = exc
         if not compile_if_missing:
             where = open_store(store).artifacts
-            return Target(None, "pull", f"{artifacts} would be pulled into {where}")
+            return ArtifactToRun(None, "pull", f"{artifacts} would be pulled into {where}")
     except NeuronctlError as exc:
         missing = exc
     if not compile_if_missing:
@@ -98,14 +98,14 @@ def _compile(
     store: Path | None,
     dry_run: bool,
     why: str,
-) -> Target:
+) -> ArtifactToRun:
     from neuronctl.build import compile_model, resolve_build
 
     build = resolve_build(model, spec_flags, config, store_dir=store)
     if dry_run and is_intact(build.path):
-        return Target(build.path, "use", f"{model} is already compiled: {build.path}")
+        return ArtifactToRun(build.path, "use", f"{model} is already compiled: {build.path}")
     if dry_run:
         logger.info("dry run: would compile %s into %s", model, build.path)
-        return Target(None, "compile", f"would compile {model} into {build.path}: {why}")
+        return ArtifactToRun(None, "compile", f"would compile {model} into {build.path}: {why}")
     logger.warning("compiling %s: %s", model, why)
-    return Target(compile_model(build).path, "compile", why)
+    return ArtifactToRun(compile_model(build).path, "compile", why)
