@@ -54,7 +54,7 @@ NEURON_PACKAGES = {
     "neuronx-distributed-inference": ("neuronx_distributed_inference", ("nxdi",)),
     "transformers-neuronx": ("transformers_neuronx", ("tnx",)),
 }
-BACKENDS = ("torch", "nxdi", "tnx")
+
 
 
 @dataclass

@@ -6,8 +6,9 @@ import typer
 from rich.markup import escape
 
 from neuronctl.cli._common import JsonOpt, StoreOpt, console, print_json, print_table
-from neuronctl.doctor import BACKENDS, DoctorReport, diagnose
+from neuronctl.doctor import DoctorReport, diagnose
 from neuronctl.errors import EXIT_FAILED, EXIT_OK, UsageError
+from neuronctl.spec import BACKENDS
 
 ORDER = 90
 

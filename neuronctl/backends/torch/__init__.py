@@ -70,7 +70,7 @@ class TorchBackend:
 
     def build(self, request: BuildRequest) -> BuildResult:
         from neuronctl.backends.torch import kernel, neuron_config
-        from neuronctl.backends.torch.graphs import DTYPES, build_graphs, graph_timeout
+        from neuronctl.backends.torch.graphs import TORCH_DTYPES, build_graphs, graph_timeout
         from neuronctl.backends.torch.opchoice import BLOCKED
         from neuronctl.backends.torch.weights import GRAPH_WEIGHTS, write_graph_weights
 
@@ -100,7 +100,8 @@ class TorchBackend:
 
             checkpoint = QuantizedCheckpoint.wrap(checkpoint, spec)
         write_graph_weights(
-            checkpoint, args_from_config(config), DTYPES[str(spec.dtype)], bool(spec.quantized),
+            checkpoint, args_from_config(config), TORCH_DTYPES[str(spec.dtype)],
+            bool(spec.quantized),
             ops.layout == BLOCKED, staging / "weights" / GRAPH_WEIGHTS,
             request.progress,
         )
@@ -144,11 +145,11 @@ def check_tensors(checkpoint: Checkpoint, args: ModelArgs) -> None:
 def op_inputs(spec: BuildSpec, config: dict[str, Any]) -> opchoice.ChoiceInputs:
     from neuronctl.backends.torch import opchoice
     from neuronctl.backends.torch.config import Numerics, args_from_config
-    from neuronctl.backends.torch.graphs import DTYPES, context_rows, graph_rows
+    from neuronctl.backends.torch.graphs import TORCH_DTYPES, context_rows, graph_rows
 
     assert isinstance(spec.context_buckets, list)
     compute = host.compute_dtype(str(spec.dtype), spec.quantized, host.half_units())
-    numerics = Numerics(DTYPES[str(spec.dtype)], DTYPES[compute], spec.quantized)
+    numerics = Numerics(TORCH_DTYPES[str(spec.dtype)], TORCH_DTYPES[compute], spec.quantized)
     rows = graph_rows(spec.context_buckets, spec.batch_size)
     args = args_from_config(config)
     contexts = context_rows(spec.context_buckets, spec.batch_size)

@@ -74,7 +74,7 @@ READS: dict[MatmulPath, tuple[WeightLayout, ...]] = {
     KERNEL: (BLOCKED, PLAIN), ONEDNN: (PACKED,), ATEN: (PLAIN,), GEMV: (PLAIN,)}
 # How a candidate's name spells its compute dtype, and the dtype the record names.
 SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-DTYPE_NAMES: dict[torch.dtype, ComputeDtype] = {
+COMPUTE_DTYPE_NAMES: dict[torch.dtype, ComputeDtype] = {
     torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # The GEMV's batch range (rules): measured on a 2-core AVX-512 host, it streams weights at
 # full bandwidth up to 4 rows, aten's GEMM wins beyond (docs/torch-backend.md). Weights
@@ -231,7 +231,7 @@ def rule_path(target: ChoiceInputs, layout: str, rows: int) -> MatmulPath:
 def by_rules(target: ChoiceInputs, layout: WeightLayout | None = None) -> OpChoice:
     """The rules: the compute dtype the CPU's units allow (host.compute_dtype) everywhere."""
     layout = layout or rule_layout(target)
-    compute = DTYPE_NAMES[target.numerics.compute]
+    compute = COMPUTE_DTYPE_NAMES[target.numerics.compute]
     rows = [RowChoice(rows=r, path=rule_path(target, layout, r), compute=compute)
             for r in target.rows]
     return OpChoice(layout=layout, rows=rows, chosen_by=RULES)
@@ -288,7 +288,7 @@ def measured(target: ChoiceInputs, timer: Timer) -> OpChoice:
     for r in target.rows:
         preferred = candidate(rule_path(target, layout, r), layout, compute)
         path, _, dtype = split(_fastest(ms[r], readers[layout], preferred))
-        rows.append(RowChoice(rows=r, path=path, compute=DTYPE_NAMES[dtype],
+        rows.append(RowChoice(rows=r, path=path, compute=COMPUTE_DTYPE_NAMES[dtype],
                               timed_rows=timed_rows[r], ms=_rounded(ms[r])))
     return OpChoice(layout=layout, rows=rows, chosen_by=MEASURE)
 

@@ -36,13 +36,14 @@ from neuronctl.backends.torch.layout import (
     is_matrix,
 )
 from neuronctl.checkpoints.safetensors_format import (
-    DTYPE_NAMES,
+    SAFETENSORS_CODES,
     TensorInfo,
     read_header,
     write_tensor_bytes,
 )
 from neuronctl.errors import CheckpointError
 from neuronctl.progress import NullProgress, Progress
+from neuronctl.sharding import SHARD_NAME
 
 if TYPE_CHECKING:
     from neuronctl.checkpoints import Checkpoint
@@ -159,7 +160,7 @@ def _header(layout: Layout, metadata: dict[str, str]) -> tuple[bytes, dict[str, 
                                      "data_offsets": [offset, offset + gap]}
             pads, offset = pads + 1, offset + gap
         nbytes = _nbytes(shape, dtype)
-        table[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape),
+        table[name] = {"dtype": SAFETENSORS_CODES[dtype], "shape": list(shape),
                        "data_offsets": [offset, offset + nbytes]}
         starts[name], offset = offset, offset + nbytes
     text = json.dumps(table, separators=(",", ":")).encode()
@@ -179,7 +180,7 @@ def load_graph_weights(
     """
     path = weights_dir / GRAPH_WEIGHTS
     if not path.is_file():
-        older = any(weights_dir.glob("tp*_sharded_checkpoint.safetensors"))
+        older = any(weights_dir.glob(SHARD_NAME.format(rank="*")))
         raise CheckpointError(
             f"{weights_dir} has no {GRAPH_WEIGHTS}"
             + (" (its tp shards are an older neuronctl's torch format)" if older else ""),
