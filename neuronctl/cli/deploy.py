@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from neuronctl.cli._common import JsonOpt, StoreOpt, err_console, print_json
+from neuronctl.cli._common import REMOTE_ENV, JsonOpt, StoreOpt, err_console, print_json
 from neuronctl.errors import UsageError
 from neuronctl.vllm.detect import TARGET_HELP as VLLM_TARGET_HELP
 
@@ -18,7 +18,6 @@ if TYPE_CHECKING:
     from neuronctl.store.manifest import Manifest
 
 ORDER = 43
-REMOTE_ENV = "NEURONCTL_REMOTE"
 TARGET_NAMES = ("k8s", "kserve", "production-stack", "lws", "rayservice")
 
 

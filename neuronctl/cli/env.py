@@ -44,7 +44,7 @@ def fish_quote(value: str) -> str:
     return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
-def render(env: dict[str, str], shell: Shell) -> str:
+def exports_text(env: dict[str, str], shell: Shell) -> str:
     if shell is Shell.fish:
         return "".join(f"set -gx {k} {fish_quote(v)}\n" for k, v in env.items())
     return "".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items())
@@ -80,7 +80,7 @@ def env_command(
     if json_out or shell is Shell.json:
         print_json(env)
     else:
-        typer.echo(render(env, shell), nl=False)
+        typer.echo(exports_text(env, shell), nl=False)
 
 
 def register(app: typer.Typer) -> None:

@@ -14,6 +14,7 @@ from typing import TYPE_CHECKING
 import typer
 
 from neuronctl.cli._common import (
+    ENGINES,
     AllowUnsignedOpt,
     ArtifactArg,
     ArtifactsOpt,
@@ -37,7 +38,6 @@ if TYPE_CHECKING:  # the engine imports torch: keep it off every command's start
     from neuronctl.vllm.launch import VllmLaunch
 
 ORDER = 35
-ENGINES = ("builtin", "vllm")
 
 
 def generate_command(

@@ -11,6 +11,7 @@ import typer
 from typer._click.core import ParameterSource
 
 from neuronctl.cli._common import (
+    ENGINES,
     AllowUnsignedOpt,
     ArtifactArg,
     ArtifactsOpt,
@@ -33,7 +34,6 @@ if TYPE_CHECKING:
     from neuronctl.vllm.launch import VllmLaunch
 
 ORDER = 40
-ENGINES = ("builtin", "vllm")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
 
 

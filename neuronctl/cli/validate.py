@@ -93,11 +93,11 @@ def validate_command(
     if json_out:
         print_json(report.as_dict())
     else:
-        render(report)
+        print_report(report)
     raise typer.Exit(EXIT_OK if report.reusable else EXIT_FAILED)
 
 
-def render(report: Report) -> None:
+def print_report(report: Report) -> None:
     rows = [[_mark(c.ok, c.kind), c.name, c.reason] for c in report.checks]
     print_table(str(report.path), ["", "check", "reason"], rows)
     if report.reusable:
