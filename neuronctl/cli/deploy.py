@@ -18,11 +18,11 @@ if TYPE_CHECKING:
     from neuronctl.store.manifest import Manifest
 
 ORDER = 43
-TARGET_NAMES = ("k8s", "kserve", "production-stack", "lws", "rayservice")
+ORCHESTRATORS = ("k8s", "kserve", "production-stack", "lws", "rayservice")
 
 
 def deploy_command(
-    target: Annotated[str, typer.Argument(help=" | ".join(TARGET_NAMES) + ".")],
+    target: Annotated[str, typer.Argument(help=" | ".join(ORCHESTRATORS) + ".")],
     artifact: Annotated[
         str,
         typer.Argument(
@@ -145,7 +145,7 @@ def deploy_command(
     from neuronctl.fleet.workload import DeployOptions, plan_workload
 
     if target not in TARGETS:
-        raise UsageError(f"unknown target {target!r}", "use " + " | ".join(TARGET_NAMES))
+        raise UsageError(f"unknown target {target!r}", "use " + " | ".join(ORCHESTRATORS))
     manifest, remote_url = read_artifact(artifact, remote, store)
     options = DeployOptions(
         image=image,
