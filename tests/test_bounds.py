@@ -548,7 +548,7 @@ def test_a_pull_from_a_remote_that_stalls_fails_and_frees_the_key(
     from tests.test_remote import _pushed_to_mount
 
     artifact, _ = _pushed_to_mount(tmp_path)
-    monkeypatch.setattr(pull, "STALL_SECONDS", 0.5)
+    monkeypatch.setattr(pull, "READ_STALL_SECONDS", 0.5)
     never = threading.Event()
     remote_that(monkeypatch, lambda: never.wait() or b"")
     store = Store(tmp_path / "b")
