@@ -555,7 +555,7 @@ def _setting(name: str, value: Any) -> str:
 # --- 5. capacity ----------------------------------------------------------------------------
 
 
-def host_checks(manifest: Manifest) -> list[Check]:
+def check_host(manifest: Manifest) -> list[Check]:
     """Checks 3 and 5 from the manifest alone: whether this host could load the artifact
     (what an install runs before downloading anything)."""
     checks = check_versions(manifest)

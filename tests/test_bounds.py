@@ -28,7 +28,7 @@ import pytest
 from neuronctl.engine.engine import Engine
 from neuronctl.engine.errors import QueueFullError
 from neuronctl.engine.request import Request
-from neuronctl.engine.sampling import SamplingParams, resolve
+from neuronctl.engine.sampling import SamplingParams, resolve_params
 from neuronctl.engine.scheduler import Scheduler
 from neuronctl.server.app import Limits, create_app
 from neuronctl.server.protocol import (
@@ -126,7 +126,7 @@ def test_prompts_per_request_are_bounded(app: Any) -> None:
 
 
 def queued(client: str | None, group: object) -> Request:
-    params = resolve(SamplingParams(temperature=0, max_tokens=2))
+    params = resolve_params(SamplingParams(temperature=0, max_tokens=2))
     return Request([1], params, 2, lambda _: None, byte_decoder(), client=client, group=group)
 
 

@@ -244,10 +244,10 @@ def test_bench_keeps_concurrency_in_flight_and_counts_tokens() -> None:
 
 def test_schedule_says_what_to_prefill_decode_and_drop() -> None:
     from neuronctl.engine.request import Request
-    from neuronctl.engine.sampling import resolve
+    from neuronctl.engine.sampling import resolve_params
 
     scheduler = Scheduler(batch_size=2)
-    params = resolve(GREEDY)
+    params = resolve_params(GREEDY)
     a, b, c = (Request([i], params, 4, lambda e: None, byte_decoder()) for i in range(3))
     for r in (a, b, c):
         scheduler.add(r)

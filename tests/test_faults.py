@@ -334,7 +334,7 @@ def test_a_kernel_build_past_its_timeout_is_killed_with_its_compilers(
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing built: a full build
     monkeypatch.setenv(kernel.BUILD_TIMEOUT_ENV, "8")  # past start-up, inside the compile
-    build_dir = kernel.cache_dir()
+    build_dir = kernel.kernel_cache_dir()
     seen: set[str] = set()
     done = threading.Event()
 

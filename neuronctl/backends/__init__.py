@@ -55,7 +55,7 @@ def check_accuracy(
         raise UsageError(
             "--check-accuracy runs on the torch backend here; on Neuron use inference_demo"
         )
-    from neuronctl.backends.torch.accuracy import check_accuracy as run
+    from neuronctl.backends.torch.accuracy import compare_with_transformers as run
 
     return run(artifact, checkpoint, mode).as_dict()
 

@@ -14,7 +14,7 @@ from neuronctl.errors import NeuronctlError, UsageError
 from neuronctl.store.manifest import Manifest, served_name
 from neuronctl.vllm.artifact import artifact_spec, framework_for
 from neuronctl.vllm.detect import VllmTarget, dotted, require_target
-from neuronctl.vllm.rules import plan_launch
+from neuronctl.vllm.rules import STDIN, plan_launch
 from neuronctl.vllm_generations import Generation
 
 # The 0.3/0.5 CLI's --block-size choices; 0.6.x-neuron has [8, 16, 32].
@@ -25,7 +25,6 @@ OLD_BLOCK_SIZES = (8, 16, 32, 128)
 API_KEY_ENV = "VLLM_API_KEY"
 # --uvicorn-log-level is in cli_args.py from 0.6 (v0.6.x-neuron cli_args.py:82) on.
 UVICORN_LOG_LEVEL_FROM = (0, 6)
-STDIN = "-"  # offline.py's --prompts for JSON lines on standard input
 PYTHON = "python3"  # a printed launch runs in the serving host's Python, not this one
 HEREDOC_END = "NEURONCTL_PROMPTS"  # never a JSONL line: those start with {
 
