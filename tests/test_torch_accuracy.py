@@ -27,8 +27,9 @@ def test_a_faithful_artifact_passes(compiled_artifact: Path, tiny_llama: Path, m
 
 def test_other_weights_fail_both_modes(compiled_artifact: Path, tmp_path: Path) -> None:
     other = make_checkpoint(tmp_path / "other", "llama", seed=3)
-    tokens = compare_with_transformers(compiled_artifact, other, "token-matching", max_new_tokens=16)
-    logits = compare_with_transformers(compiled_artifact, other, "logit-matching", max_new_tokens=16)
+    compare = compare_with_transformers
+    tokens = compare(compiled_artifact, other, "token-matching", max_new_tokens=16)
+    logits = compare(compiled_artifact, other, "logit-matching", max_new_tokens=16)
     assert not tokens.passed and tokens.first_divergence is not None
     assert not logits.passed and logits.max_logit_diff > logits.tolerance
     assert "FAILED" in logits.summary()
@@ -91,7 +92,9 @@ def test_the_default_prompt_is_cut_to_a_short_context(
     from tests.helpers import cli_in_process, spec_flags
 
     monkeypatch.setattr(accuracy, "DEFAULT_PROMPT", "the meaning of life " * 40)
-    report = compare_with_transformers(compiled_artifact, tiny_llama, "token-matching", max_new_tokens=4)
+    report = compare_with_transformers(
+        compiled_artifact, tiny_llama, "token-matching", max_new_tokens=4
+    )
     assert report.prompt_tokens == 64 and report.passed, report.summary()  # max_context_length
     capfd.readouterr()
     store = compiled_artifact.parent.parent  # a cache hit: nothing is compiled again

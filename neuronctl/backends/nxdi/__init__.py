@@ -55,9 +55,9 @@ class NxdiBackend:
         return sdk.versions()
 
     def architectures(self) -> Mapping[str, str]:
-        from neuronctl.checkpoints.registry import ARCHITECTURES
+        from neuronctl.families import architectures
 
-        return ARCHITECTURES["nxdi"]
+        return architectures("nxdi")
 
     def check(self, spec: BuildSpec, config: Mapping[str, Any]) -> None:
         model_type = config.get("model_type")

@@ -41,9 +41,9 @@ class TorchBackend:
         return versions.graph_versions(str(spec.compiler), str(spec.dtype), spec.quantized)
 
     def architectures(self) -> Mapping[str, str]:
-        from neuronctl.checkpoints.registry import ARCHITECTURES
+        from neuronctl.families import architectures
 
-        return ARCHITECTURES["torch"]
+        return architectures("torch")
 
     def check(self, spec: BuildSpec, config: Mapping[str, Any]) -> None:
         from neuronctl.backends.torch.config import args_from_config, check_args
