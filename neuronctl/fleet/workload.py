@@ -304,7 +304,7 @@ def published_uri(remote: RemoteStore | OciStore, manifest: Manifest) -> str:
     if not remote.has(dirname):
         raise NotFoundError(
             f"artifact {dirname} is not published at {remote.url}: a pod could not install it",
-            f"push it first: neuronctl artifacts push {dirname} --remote {remote.url}",
+            f"push it first: neuronctl artifacts push {dirname} {remote.url}",
         )
     return remote.artifact_url(dirname)
 

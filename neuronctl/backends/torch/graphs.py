@@ -280,7 +280,7 @@ def _build_in_pool(
                     raise BuildError(
                         f"no graph finished in {timeout:.0f} s (pending: {names}); "
                         "killed the compile workers",
-                        f"raise {GRAPH_TIMEOUT_ENV} on a slow host, or use --workers 1",
+                        f"raise {GRAPH_TIMEOUT_ENV} on a slow host, or use --jobs 1",
                     )
                 for future in finished:
                     job = pending.pop(future)
