@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from neuronctl.errors import NeuronctlError, NotFoundError, UsageError
-from neuronctl.store.manifest import is_intact
+from neuronctl.store.manifest import Manifest, is_intact, read_manifest
 from neuronctl.store.resolve import NotPulledError, open_store, resolve_artifact
 from neuronctl.validate import check_reusable, requested_spec
 
@@ -28,6 +28,12 @@ class ArtifactToRun:
     path: Path | None  # None only for a dry run that would pull or compile first
     action: str  # "use" | "pull" | "compile"
     reason: str = ""  # why a pull or compile is (or would be) needed
+    manifest: Manifest | None = None  # what the reuse checks read, when they ran
+
+    def read_manifest(self) -> Manifest:
+        """The artifact's manifest: what the reuse checks read, else read now (a compile)."""
+        assert self.path is not None  # only a dry run leaves it unknown
+        return self.manifest or read_manifest(self.path)
 
     def plan(self) -> dict[str, Any]:
         return {"artifact": str(self.path) if self.path else None, "action": self.action,
@@ -56,8 +62,8 @@ def artifact_to_run(
     spec, sources = requested_spec(dict(spec_flags or {}), config)
     try:
         path = _existing(resolve_artifact(artifacts, store, fetch=not dry_run, policy=policy))
-        check_reusable(path, spec, sources, serving_host)
-        return ArtifactToRun(path, "use")
+        manifest = check_reusable(path, spec, sources, serving_host)
+        return ArtifactToRun(path, "use", manifest=manifest)
     except NotPulledError as exc:  # only a dry run leaves a remote artifact unpulled
         missing: NeuronctlError = exc
         if not compile_if_missing:

@@ -735,8 +735,7 @@ def test_generate_with_vllm_leaves_no_prompts_file_behind(
     descriptor) that nothing removed after exec; now the file lives while the program runs."""
     import tempfile
 
-    from neuronctl.cli.generate import run_with_prompts
-    from neuronctl.vllm.launch import VllmLaunch
+    from neuronctl.vllm.launch import VllmLaunch, run_with_prompts
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()

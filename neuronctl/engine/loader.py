@@ -70,10 +70,11 @@ def open_artifact(
 
 
 def _load(root: Path, validate: bool, policy: TrustPolicy | None) -> LoadedArtifact:
-    if validate:
-        check_reusable(root)
-    manifest = read_manifest(root)
-    vouch = vouch_for(root, policy)  # before loading: graphs and libraries are code
+    from neuronctl.store.signing import TrustPolicy, check_origin
+
+    manifest = check_reusable(root) if validate else read_manifest(root)
+    # Before loading: graphs and libraries are code.
+    vouch = check_origin(root, manifest, policy or TrustPolicy.load())
     with one_intra_op_thread():
         runner = get_backend(manifest.backend).load(root, manifest)
     tokenizer = load_tokenizer(root)
@@ -99,14 +100,6 @@ def one_intra_op_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(threads)
-
-
-def vouch_for(path: Path, policy: TrustPolicy | None = None) -> Vouch:
-    """Who vouches for an artifact's code: a build on this host, a trusted signature, or
-    --allow-unsigned; a pulled artifact with none of them is refused (SignatureError)."""
-    from neuronctl.store.signing import TrustPolicy, check_origin
-
-    return check_origin(path, read_manifest(path), policy or TrustPolicy.load())
 
 
 def make_engine(loaded: LoadedArtifact, max_queue: int | None = None) -> Engine:

@@ -17,7 +17,8 @@ One module per job, each importing only those above it in this list:
 - detect.py: which vLLM the launch is for (`VllmTarget`: installed, or `--vllm-target`).
 - support.py: which artifacts each generation can load; `refuse` for the rest.
 - rules.py: the engine arguments and variables each generation gets (`LaunchPlan`).
-- launch.py: the argv and environment of a launch (`serve_launch`, `generate_launch`).
+- launch.py: the argv and environment of a launch (`serve_launch`, `generate_launch`), and
+  the vLLM child process `generate` runs (`run_with_prompts`).
 - dirname.py: the md5 directory name vLLM B's NxDI loader computes (`neuronctl hash --vllm`).
 - offline.py: the program `generate_launch` runs inside vLLM (`python -m neuronctl.vllm`).
 

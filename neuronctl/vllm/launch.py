@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -202,3 +202,27 @@ def env_exports(
 ) -> dict[str, str]:
     """The variables that make this generation of vLLM reuse the artifact."""
     return plan_launch(artifact, manifest, target, framework).env
+
+
+def run_with_prompts(lines: str, launch_for: Callable[[Path | None], VllmLaunch]) -> int:
+    """Run the vLLM program (`generate` with --engine vllm) over the prompts in a temporary
+    file, removed when it exits; its exit status. SIGTERM and SIGHUP are passed on to it;
+    Ctrl-C reaches it from the terminal."""
+    import os
+    import signal
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="neuronctl-prompts-") as folder:
+        prompts_file = Path(folder) / "prompts.jsonl"
+        prompts_file.write_text(lines)
+        launch = launch_for(prompts_file)
+        child = subprocess.Popen(launch.argv, env={**os.environ, **launch.env})
+        forwarded = (signal.SIGTERM, signal.SIGHUP)
+        previous = {sig: signal.signal(sig, lambda n, _: child.send_signal(n)) for sig in forwarded}
+        previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            return child.wait()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)
