@@ -24,7 +24,7 @@ from neuronctl.backends.torch.layout import is_matrix
 from neuronctl.backends.torch.linear import can_pack
 from neuronctl.errors import NotFoundError
 from neuronctl.spec import ModelShape, finalize, resolve_spec
-from neuronctl.store.manifest import MANIFEST, RECORDED, read_manifest
+from neuronctl.store.manifest import MANIFEST, read_manifest
 from tests.helpers import make_checkpoint, run_in_process
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": 320, "hidden_size": 64,
@@ -329,23 +329,6 @@ def test_the_choice_is_part_of_the_record(compiled_artifact: Path, tmp_path: Pat
     data["ops"]["layout"] = "packed"
     (copy / MANIFEST).write_text(json.dumps(data))
     assert "edited" in (intact_problem(copy) or "")
-
-
-def test_a_manifest_from_before_the_choice_keeps_its_record_and_loads(
-    compiled_artifact: Path, tmp_path: Path
-) -> None:
-    import hashlib
-
-    from neuronctl.backends.torch import TorchBackend
-    from neuronctl.keys import canonical_json
-
-    manifest = read_manifest(compiled_artifact)
-    old = manifest.model_copy(update={"ops": None})
-    before = old.model_dump(mode="json", include=set(RECORDED) - {"ops"})
-    assert old.recorded_sha256() == hashlib.sha256(canonical_json(before).encode()).hexdigest()
-    runner = TorchBackend().load(compiled_artifact, old)  # neuron_config names no layout
-    assert not runner.packed and not runner.blocked
-    assert runner.prefill(0, [1, 2, 3]).shape == (runner.vocab_size,)
 
 
 def test_a_graph_donor_from_before_the_choice_passes_on_its_neuron_configs_layout(
