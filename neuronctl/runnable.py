@@ -83,9 +83,10 @@ def open_artifact_to_run(
     loaded for the built-in engine as `serve` loads its own."""
     from neuronctl.engine.loader import open_artifact
 
-    path = artifact_to_run(artifacts, store=store, policy=policy).path
-    assert path is not None  # only a dry run leaves it unknown
-    return open_artifact(path, validate=False, policy=policy)  # checked just now
+    run = artifact_to_run(artifacts, store=store, policy=policy)
+    assert run.path is not None  # only a dry run leaves it unknown
+    # Checked just now: the load judges the manifest the checks read.
+    return open_artifact(run.path, validate=False, policy=policy, manifest=run.manifest)
 
 
 def _existing(path: Path) -> Path:

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import typer
@@ -182,7 +181,7 @@ def serve_command(
     if engine == "vllm":
         _serve_vllm(target, settings, launch_for, policy)
     else:
-        _serve_builtin(target.path, settings, policy)
+        _serve_builtin(target, settings, policy)
 
 
 # The built-in server's own limits: vLLM's OpenAI server has no such flag in any generation
@@ -298,15 +297,18 @@ def _print_notes(launch: VllmLaunch) -> None:
         err_console.print(f"note: {note}", soft_wrap=True, markup=False)
 
 
-def _serve_builtin(path: Path, settings: ServeSettings, policy: TrustPolicy) -> None:
+def _serve_builtin(run: ArtifactToRun, settings: ServeSettings, policy: TrustPolicy) -> None:
     from neuronctl.backends import prepare_load
 
+    path = run.path
+    assert path is not None
     prepare_load(path)  # on another core, while this one imports the server and torch
     from neuronctl.engine.loader import make_engine, open_artifact
     from neuronctl.server.app import Limits
     from neuronctl.server.run import run_server
 
-    loaded = open_artifact(path, validate=False, policy=policy)  # validated just before
+    # Validated just before: the load judges the manifest the checks read.
+    loaded = open_artifact(path, validate=False, policy=policy, manifest=run.manifest)
     name = settings.served_model_name or loaded.model_name
     runner = loaded.runner
     url = f"http://{settings.host}:{settings.port}/v1"

@@ -51,9 +51,15 @@ class LoadedArtifact(TokenizedText):
 
 
 def open_artifact(
-    path: Path, validate: bool = True, policy: TrustPolicy | None = None
+    path: Path,
+    validate: bool = True,
+    policy: TrustPolicy | None = None,
+    manifest: Manifest | None = None,
 ) -> LoadedArtifact:
     """Load the artifact directory `path` (what a reference names is runnable.py's to say).
+    `manifest`: what the caller's reuse checks read just now (validate=False), so the
+    command reads it once; the load rule and the graphs' and weights' sha256s are judged
+    against it all the same.
 
     One identity throughout: the directory `path` resolves to now is what is leased, judged
     by the load rule and loaded, so a link to an artifact is leased as the artifact (and
@@ -61,7 +67,7 @@ def open_artifact(
     path = Path(path).resolve()
     lease = hold_lease(path)  # before reading it: `artifacts gc` keeps what is in use
     try:
-        loaded = _load(path, validate, policy)
+        loaded = _load(path, validate, policy, manifest)
     except BaseException:
         lease.release()
         raise
@@ -69,10 +75,13 @@ def open_artifact(
     return loaded
 
 
-def _load(root: Path, validate: bool, policy: TrustPolicy | None) -> LoadedArtifact:
+def _load(
+    root: Path, validate: bool, policy: TrustPolicy | None, manifest: Manifest | None
+) -> LoadedArtifact:
     from neuronctl.store.signing import TrustPolicy, check_origin
 
-    manifest = check_reusable(root) if validate else read_manifest(root)
+    if manifest is None:
+        manifest = check_reusable(root) if validate else read_manifest(root)
     # Before loading: graphs and libraries are code.
     vouch = check_origin(root, manifest, policy or TrustPolicy.load())
     with one_intra_op_thread():
