@@ -34,17 +34,15 @@ DEFINITIONS = ast.FunctionDef | ast.AsyncFunctionDef | ast.ClassDef
 
 def module_names(tree: ast.Module) -> set[str]:
     """Public functions and classes, and assignments named in UPPER_CASE (constants) or
-    CamelCase (type aliases), at module level."""
+    CamelCase (type aliases), at module level; not a module's variables (logger, app)."""
     names: set[str] = set()
     for node in tree.body:
-        if isinstance(node, DEFINITIONS) and not node.name.startswith("_"):
+        if isinstance(node, DEFINITIONS):
             names.add(node.name)
-        elif isinstance(node, ast.Assign):
-            names.update(t.id for t in node.targets if isinstance(t, ast.Name))
-        elif isinstance(node, ast.AnnAssign) and isinstance(node.target, ast.Name):
-            names.add(node.target.id)
-    return {name for name in names if name[0].isupper() or name[0].islower()
-            and any(isinstance(n, DEFINITIONS) and n.name == name for n in tree.body)}
+        elif isinstance(node, ast.Assign | ast.AnnAssign):
+            targets = node.targets if isinstance(node, ast.Assign) else [node.target]
+            names.update(t.id for t in targets if isinstance(t, ast.Name) and t.id[0].isupper())
+    return {name for name in names if not name.startswith("_")}
 
 
 def definitions(root: Path) -> dict[str, list[str]]:
