@@ -119,8 +119,8 @@ def serve_launch(
     if log_level is not None:
         if plan.target.vllm < UVICORN_LOG_LEVEL_FROM:
             raise UsageError(
-                f"--log-level: vLLM {dotted(plan.target.vllm)} has no --uvicorn-log-level",
-                "leave --log-level out for this vLLM",
+                f"--uvicorn-log-level: vLLM {dotted(plan.target.vllm)} has no --uvicorn-log-level",
+                "leave --uvicorn-log-level out for this vLLM",
             )
         argv += ["--uvicorn-log-level", log_level]
     argv += list(extra_args)
