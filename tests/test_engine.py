@@ -335,7 +335,7 @@ def test_artifacts_load_without_an_openmp_team_on_the_loading_thread(
     compiled_artifact, monkeypatch: pytest.MonkeyPatch  # type: ignore[no-untyped-def]
 ) -> None:
     """The engine runs the model on its own thread; a team the main thread starts while
-    loading takes cores from it (2.5x slower decode on 2 cores, docs/performance.md). So the
+    loading takes cores from it (2.5x slower decode on 2 cores, docs/performance-log.md). So the
     backend loads with one intra-op thread, and the count is restored after."""
     import torch
 

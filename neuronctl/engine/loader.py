@@ -100,7 +100,7 @@ def one_intra_op_thread() -> Iterator[None]:
     The engine runs the model on its own thread. A team this (main) thread started while
     loading stays behind and takes cores from the engine's: on 2 cores, bf16 batch-1 decode
     from the engine thread ran at 21-26 tok/s after a loading team, 52-61 without one (the
-    same Runner from the main thread: 53-61). docs/performance.md has the measurement."""
+    same Runner from the main thread: 53-61). docs/performance-log.md has the measurement."""
     import torch
 
     threads = torch.get_num_threads()
