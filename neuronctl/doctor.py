@@ -24,7 +24,7 @@ from pathlib import Path
 from typing import Any
 
 from neuronctl.checks import Check
-from neuronctl.vllm_generations import version_tuple
+from neuronctl.vllm_generations import platform_plugins, version_tuple
 
 NEURON_REPO = "https://pip.repos.neuron.amazonaws.com"
 NEURON_INSTALL = f"pip install --extra-index-url {NEURON_REPO} {{package}}"
@@ -54,7 +54,7 @@ NEURON_PACKAGES = {
     "neuronx-distributed-inference": ("neuronx_distributed_inference", ("nxdi",)),
     "transformers-neuronx": ("transformers_neuronx", ("tnx",)),
 }
-BACKENDS = ("torch", "nxdi", "tnx")
+
 
 
 @dataclass
@@ -156,13 +156,6 @@ def vllm_dir() -> Path | None:
     if spec is None or not spec.submodule_search_locations:
         return None
     return Path(next(iter(spec.submodule_search_locations)))
-
-
-def platform_plugins() -> tuple[str, ...]:
-    """Installed `vllm.platform_plugins` entry points (vLLM activates every one it finds)."""
-    from neuronctl.vllm_generations import platform_plugins as names
-
-    return names()
 
 
 def vllm_checks() -> list[Check]:

@@ -12,7 +12,7 @@ import sys
 
 LEVELS = ("debug", "info", "warning", "error")
 DEFAULT = "warning"
-FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
+LOG_FORMAT = "%(asctime)s %(levelname)-7s %(name)s: %(message)s"
 
 
 def level_for(level: str | None, verbose: int = 0) -> int:
@@ -32,6 +32,6 @@ def setup(level: int) -> None:
         if getattr(handler, "_neuronctl", False):
             logger.removeHandler(handler)
     handler = logging.StreamHandler(sys.stderr)
-    handler.setFormatter(logging.Formatter(FORMAT, datefmt="%H:%M:%S"))
+    handler.setFormatter(logging.Formatter(LOG_FORMAT, datefmt="%H:%M:%S"))
     handler._neuronctl = True  # type: ignore[attr-defined]
     logger.addHandler(handler)

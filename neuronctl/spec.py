@@ -15,7 +15,7 @@ import shlex
 import tomllib
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Annotated, Any, Literal
+from typing import Annotated, Any, Literal, get_args
 
 from pydantic import (
     BaseModel,
@@ -31,7 +31,8 @@ from pydantic import Strict as _Strict
 
 from neuronctl.errors import SpecError
 
-Backend = Literal["torch", "nxdi", "tnx"]
+BackendName = Literal["torch", "nxdi", "tnx"]
+BACKENDS: tuple[str, ...] = get_args(BackendName)
 Dtype = Literal["auto", "bfloat16", "float16", "float32"]
 # Strict types: a TOML `seq_len = true` or a config's "64" is refused, not read as 1 or 64.
 Number = Annotated[float, _Strict()]  # an int or a float, never a bool or a string
@@ -75,7 +76,7 @@ class BuildSpec(BaseModel):
 
     model: str | None = None
     revision: str | None = None
-    backend: Backend = "torch"
+    backend: BackendName = "torch"
     tp_degree: StrictInt = Field(1, ge=1, le=MAX_TP_DEGREE)
     batch_size: StrictInt = Field(1, ge=1, le=MAX_BATCH_SIZE)
     seq_len: StrictInt = Field(128, ge=1, le=MAX_SEQ_LEN)
@@ -165,7 +166,11 @@ ENV_VARS = {
     "VLLM_NEURON_FRAMEWORK": "backend",
     "NEURON_CC_FLAGS": "cc_flags",
 }
-FRAMEWORKS = {"neuronx-distributed-inference": "nxdi", "transformers-neuronx": "tnx"}
+# The Neuron libraries vLLM loads an artifact with (VLLM_NEURON_FRAMEWORK's values) and the
+# neuronctl backend that builds for each.
+NXDI = "neuronx-distributed-inference"
+TNX = "transformers-neuronx"
+FRAMEWORK_BACKENDS = {NXDI: "nxdi", TNX: "tnx"}
 # The backends whose compiler reads NEURON_CC_FLAGS; for the others the flags cannot matter.
 USES_CC_FLAGS = frozenset({"nxdi", "tnx"})
 QUANT_DTYPES = {"s8": "int8", "int8": "int8", "f8e4m3fn": "f8e4m3", "f8e4m3": "f8e4m3"}
@@ -207,10 +212,10 @@ def values_from_env(env: Mapping[str, str]) -> dict[str, Any]:
                 raise SpecError(var, f"{raw!r} is not a quantization dtype", "use s8 or f8e4m3fn")
             values[field] = QUANT_DTYPES[raw]
         elif var == "VLLM_NEURON_FRAMEWORK":
-            if raw not in FRAMEWORKS:
-                known = " or ".join(FRAMEWORKS)
+            if raw not in FRAMEWORK_BACKENDS:
+                known = " or ".join(FRAMEWORK_BACKENDS)
                 raise SpecError(var, f"{raw!r} is not a Neuron framework", f"use {known}")
-            values[field] = FRAMEWORKS[raw]
+            values[field] = FRAMEWORK_BACKENDS[raw]
         else:
             values[field] = raw
     return values

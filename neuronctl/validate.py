@@ -144,8 +144,9 @@ def check_reusable(
     spec: BuildSpec | None = None,
     sources: Mapping[str, str] | None = None,
     serving_host: bool = True,
-) -> None:
-    """The single call site of the reuse checks before any load (generate, serve, bench).
+) -> Manifest:
+    """The single call site of the reuse checks before any load (generate, serve, bench):
+    the manifest they read, so the command reads it once.
 
     With a requested spec (serve's spec flags or -c), the artifact must also match it."""
     report = (
@@ -159,6 +160,8 @@ def check_reusable(
             f"{path} cannot be used as-is: {reasons}",
             f"run `neuronctl validate {path}` for details; serve, generate and bench never compile",
         )
+    assert report.manifest is not None  # a reusable artifact has one
+    return report.manifest
 
 
 def requested_spec(
@@ -555,7 +558,7 @@ def _setting(name: str, value: Any) -> str:
 # --- 5. capacity ----------------------------------------------------------------------------
 
 
-def host_checks(manifest: Manifest) -> list[Check]:
+def check_host(manifest: Manifest) -> list[Check]:
     """Checks 3 and 5 from the manifest alone: whether this host could load the artifact
     (what an install runs before downloading anything)."""
     checks = check_versions(manifest)

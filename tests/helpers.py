@@ -18,12 +18,6 @@ CHAT_TEMPLATE = (
     "{% if add_generation_prompt %}<|assistant|>{% endif %}"
 )
 
-ARCHS = {
-    "llama": "LlamaConfig",
-    "mistral": "MistralConfig",
-    "qwen2": "Qwen2Config",
-}
-
 
 def make_tokenizer(out: Path, vocab_size: int = VOCAB_SIZE) -> None:
     """A byte-level BPE tokenizer with no merges: every text round-trips, ids < vocab_size."""
@@ -63,12 +57,13 @@ def make_checkpoint(
     tokenizer: bool = True,
     **config_overrides: Any,
 ) -> Path:
-    """Write a tiny random checkpoint of `arch` into `out` and return `out`."""
+    """Write a tiny random checkpoint of `arch` (a model_type of neuronctl/families.py) into
+    `out` and return `out`."""
     import torch
     import transformers
 
-    config_cls = getattr(transformers, ARCHS[arch])
-    config = config_cls(
+    config = transformers.AutoConfig.for_model(
+        arch,
         hidden_size=hidden_size,
         num_hidden_layers=num_layers,
         num_attention_heads=num_heads,

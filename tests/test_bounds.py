@@ -28,7 +28,7 @@ import pytest
 from neuronctl.engine.engine import Engine
 from neuronctl.engine.errors import QueueFullError
 from neuronctl.engine.request import Request
-from neuronctl.engine.sampling import SamplingParams, resolve
+from neuronctl.engine.sampling import SamplingParams, resolve_params
 from neuronctl.engine.scheduler import Scheduler
 from neuronctl.server.app import Limits, create_app
 from neuronctl.server.protocol import (
@@ -126,7 +126,7 @@ def test_prompts_per_request_are_bounded(app: Any) -> None:
 
 
 def queued(client: str | None, group: object) -> Request:
-    params = resolve(SamplingParams(temperature=0, max_tokens=2))
+    params = resolve_params(SamplingParams(temperature=0, max_tokens=2))
     return Request([1], params, 2, lambda _: None, byte_decoder(), client=client, group=group)
 
 
@@ -548,7 +548,7 @@ def test_a_pull_from_a_remote_that_stalls_fails_and_frees_the_key(
     from tests.test_remote import _pushed_to_mount
 
     artifact, _ = _pushed_to_mount(tmp_path)
-    monkeypatch.setattr(pull, "STALL_SECONDS", 0.5)
+    monkeypatch.setattr(pull, "READ_STALL_SECONDS", 0.5)
     never = threading.Event()
     remote_that(monkeypatch, lambda: never.wait() or b"")
     store = Store(tmp_path / "b")

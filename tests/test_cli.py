@@ -197,7 +197,7 @@ def test_artifacts_gc_negative_keep_last_is_a_usage_error_and_removes_nothing(
 
 
 def test_serve_bad_port_or_log_level_is_a_usage_error_before_loading(tmp_path: Path) -> None:
-    for flags in (["--port", "99999"], ["--port", "-1"], ["--log-level", "loud"]):
+    for flags in (["--port", "99999"], ["--port", "-1"], ["--uvicorn-log-level", "loud"]):
         result = cli_in_process("serve", "--artifacts", str(tmp_path), *flags)
         assert result.returncode == 2, (flags, result.stderr)
         assert "Traceback" not in result.stderr and "internal error" not in result.stderr
@@ -269,7 +269,7 @@ def test_errors_and_hints_keep_their_brackets(tmp_path: Path) -> None:
     """rich markup used to eat `[[build]]` from plan's hint (and any `[...]` in a message)."""
     builds = tmp_path / "builds.toml"
     builds.write_text("[defaults]\n")
-    result = cli_in_process("plan", "-c", str(builds))
+    result = cli_in_process("plan", str(builds))
     assert result.returncode == 2
     assert "no [[build]] entries" in result.stderr
 
@@ -387,7 +387,7 @@ def test_generate_bench_and_serve_refuse_a_reference_alike(
     capsys: pytest.CaptureFixture[str],
     monkeypatch: pytest.MonkeyPatch,
 ) -> None:
-    """All three decide their artifact in target.artifact_to_run. generate and bench used to
+    """All three decide their artifact in runnable.artifact_to_run. generate and bench used to
     resolve it on their own: a missing path was "artifact directory ... does not exist" there
     and "cannot be used as-is" in serve, a file "does not exist" in them only, and no
     artifact at all had another hint."""

@@ -160,9 +160,9 @@ def test_plan_table_keeps_keys_whole(
         f'[[build]]\nmodel = "{tiny_llama}"\nname = "a-rather-long-build-name-for-the-matrix"\n'
         f'[[build]]\nmodel = "{tiny_llama}"\ntp_degree = 2\n'
     )
-    out = _run(["plan", "-c", str(builds)], capsys, monkeypatch)
+    out = _run(["plan", str(builds)], capsys, monkeypatch)
     _fits(out)
-    listed = json.loads(_run(["plan", "-c", str(builds), "--json"], capsys, monkeypatch))
+    listed = json.loads(_run(["plan", str(builds), "--json"], capsys, monkeypatch))
     dirnames = re.findall(r'"([0-9a-f]{20})"', json.dumps(listed))
     assert dirnames and all(d in out for d in dirnames)
 

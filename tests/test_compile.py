@@ -140,7 +140,7 @@ def test_compile_plan_entry(tiny_llama: Path, tmp_path: Path) -> None:
         f'[defaults]\n{spec}\n\n[[build]]\nmodel = "{tiny_llama}"\n'
         "matrix = { tp_degree = [1, 2] }\n"
     )
-    listed = json.loads(cli_in_process("plan", "-c", str(plan), "--format", "json").stdout)
+    listed = json.loads(cli_in_process("plan", str(plan), "--json").stdout)
     entries = listed if isinstance(listed, list) else listed.get("builds", listed.get("include"))
     result = cli_in_process(
         "compile", "--plan", str(plan), "--entry", "1", "--store", str(tmp_path), "--json",

@@ -43,19 +43,26 @@ def test_cli_reference_has_no_html_entities() -> None:
     assert "&#x27;" not in reference and "&quot;" not in reference
 
 
-def test_docs_list_what_each_backend_builds() -> None:
-    """docs/checkpoints.md's table names exactly the registry's architectures per backend, and
-    the registry's torch entry is what the torch modeling implements."""
-    from neuronctl.backends.torch.config import ARCHITECTURES as MODELED
-    from neuronctl.checkpoints.registry import ARCHITECTURES
-
+def docs_families_table() -> dict[str, list[str]]:
+    """docs/checkpoints.md's table of model families: backend -> the architectures its row
+    names, in order."""
     text = (ROOT / "docs" / "checkpoints.md").read_text()
+    section = text.split("## Model families", 1)[1].split("\n## ", 1)[0]
     arch = re.compile(r"\b[A-Z]\w*(?:ForCausalLM|ForConditionalGeneration|LMHeadModel)\b")
-    for backend, archs in ARCHITECTURES.items():
-        row = re.search(rf"^\| {backend} \|(.*)\|$", text, re.M)
-        assert row, f"docs/checkpoints.md has no row for {backend}"
-        assert set(arch.findall(row.group(1))) == set(archs), backend
-    assert set(ARCHITECTURES["torch"]) == set(MODELED)
+    rows = re.findall(r"^\| (\w+) \|(.*)\|$", section, re.M)
+    return {backend: arch.findall(cells) for backend, cells in rows if backend != "backend"}
+
+
+def test_docs_list_what_each_backend_builds() -> None:
+    """docs/checkpoints.md's table names exactly what neuronctl/families.py says each backend
+    builds, and has a row for every backend."""
+    from neuronctl.families import architectures
+    from neuronctl.spec import BACKENDS
+
+    table = docs_families_table()
+    assert list(table) == list(BACKENDS)
+    for backend in BACKENDS:
+        assert set(table[backend]) == set(architectures(backend)), backend
 
 
 # What only someone who was there can follow: a tracker's issue number, the project's local

@@ -244,10 +244,10 @@ def test_bench_keeps_concurrency_in_flight_and_counts_tokens() -> None:
 
 def test_schedule_says_what_to_prefill_decode_and_drop() -> None:
     from neuronctl.engine.request import Request
-    from neuronctl.engine.sampling import resolve
+    from neuronctl.engine.sampling import resolve_params
 
     scheduler = Scheduler(batch_size=2)
-    params = resolve(GREEDY)
+    params = resolve_params(GREEDY)
     a, b, c = (Request([i], params, 4, lambda e: None, byte_decoder()) for i in range(3))
     for r in (a, b, c):
         scheduler.add(r)
@@ -335,7 +335,7 @@ def test_artifacts_load_without_an_openmp_team_on_the_loading_thread(
     compiled_artifact, monkeypatch: pytest.MonkeyPatch  # type: ignore[no-untyped-def]
 ) -> None:
     """The engine runs the model on its own thread; a team the main thread starts while
-    loading takes cores from it (2.5x slower decode on 2 cores, docs/performance.md). So the
+    loading takes cores from it (2.5x slower decode on 2 cores, docs/performance-log.md). So the
     backend loads with one intra-op thread, and the count is restored after."""
     import torch
 

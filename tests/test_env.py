@@ -63,7 +63,7 @@ def test_env_takes_a_key_or_prefix_like_every_command(  # type: ignore[no-untype
 
 def test_json_shell_for_a_tnx_fork(tmp_path: Path) -> None:
     path = artifact(tmp_path, "tnx", quantized=True)
-    args = ["env", str(path), "--vllm-target", "tnx-fork", "--shell", "json"]
+    args = ["env", str(path), "--vllm-target", "tnx-fork", "--json"]
     result = CliRunner().invoke(app, args)
     assert result.exit_code == 0, result.output
     env = json.loads(result.output)

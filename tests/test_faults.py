@@ -334,7 +334,7 @@ def test_a_kernel_build_past_its_timeout_is_killed_with_its_compilers(
 
     monkeypatch.setenv("XDG_CACHE_HOME", str(tmp_path))  # nothing built: a full build
     monkeypatch.setenv(kernel.BUILD_TIMEOUT_ENV, "8")  # past start-up, inside the compile
-    build_dir = kernel.cache_dir()
+    build_dir = kernel.kernel_cache_dir()
     seen: set[str] = set()
     done = threading.Event()
 
@@ -735,8 +735,7 @@ def test_generate_with_vllm_leaves_no_prompts_file_behind(
     descriptor) that nothing removed after exec; now the file lives while the program runs."""
     import tempfile
 
-    from neuronctl.cli.generate import run_with_prompts
-    from neuronctl.vllm.launch import VllmLaunch
+    from neuronctl.vllm.launch import VllmLaunch, run_with_prompts
 
     monkeypatch.setattr(tempfile, "tempdir", str(tmp_path / "tmp"))
     (tmp_path / "tmp").mkdir()

@@ -30,7 +30,7 @@ def test_by_the_rules_only_float32_compute_on_avx2_inductor_graphs_use_the_kerne
         finalized = finalize(resolve_spec(base, None, {})[0], ModelShape.from_config(config))
         numerics = Numerics(getattr(torch, finalized.dtype), getattr(torch, compute))
         args = args_from_config(config)
-        target = opchoice.target_for(finalized, args, numerics, (1, 64), flags)
+        target = opchoice.inputs_for(finalized, args, numerics, (1, 64), flags)
         return opchoice.by_rules(target).layout
 
     # float32 compute: fp32 weights, and bf16 or int8 ones on a CPU without bf16 units

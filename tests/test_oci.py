@@ -557,7 +557,7 @@ def test_plan_says_which_builds_the_registry_has(tmp_path: Path, repo: str) -> N
     builds = tmp_path / "builds.toml"
     builds.write_text('[[build]]\nmodel = "./models/llama"\nmatrix = { batch_size = [1, 2] }\n')
     present = push_entry(builds, 1, repo, tmp_path)
-    result = cli_in_process("plan", "-c", "builds.toml", "--remote", repo, "--json",
+    result = cli_in_process("plan", "builds.toml", "--remote", repo, "--json",
                             cwd=tmp_path)
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)

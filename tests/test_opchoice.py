@@ -24,7 +24,7 @@ from neuronctl.backends.torch.layout import is_matrix
 from neuronctl.backends.torch.linear import can_pack
 from neuronctl.errors import NotFoundError
 from neuronctl.spec import ModelShape, finalize, resolve_spec
-from neuronctl.store.manifest import MANIFEST, RECORDED, read_manifest
+from neuronctl.store.manifest import MANIFEST, read_manifest
 from tests.helpers import make_checkpoint, run_in_process
 
 CONFIG = {"architectures": ["LlamaForCausalLM"], "vocab_size": 320, "hidden_size": 64,
@@ -37,13 +37,13 @@ BF16_NATIVE = Numerics(torch.bfloat16, torch.bfloat16)  # a CPU with bf16 units
 
 
 def target(numerics: Numerics = FP32, rows: tuple[int, ...] = (1, 64),
-           kernel: bool = True, onednn: bool = True) -> opchoice.Target:
-    return opchoice.Target(ARGS, numerics, "inductor", rows[0], rows, kernel, onednn)
+           kernel: bool = True, onednn: bool = True) -> opchoice.ChoiceInputs:
+    return opchoice.ChoiceInputs(ARGS, numerics, "inductor", rows[0], rows, kernel, onednn)
 
 
 def timings(table: dict[tuple[str, int], float], calls: list[int] | None = None
             ) -> opchoice.Timer:
-    def timer(target: opchoice.Target, rows: int) -> dict[str, float]:
+    def timer(target: opchoice.ChoiceInputs, rows: int) -> dict[str, float]:
         if calls is not None:
             calls.append(rows)
         return {name: table[(name, rows)] for name in target.candidates}
@@ -143,7 +143,7 @@ def test_the_avx2_hosts_recorded_tables_keep_their_choice(measuring: None) -> No
                "onednn/packed/fp32": (44.5, 124.1, 410.2), "aten/plain/fp32": (75.0, 151.6, 436.9)}
     table = {(name, rows): ms for name, column in fp32_b8.items()
              for rows, ms in zip((8, 64, 256), column, strict=True)}
-    t = opchoice.Target(ARGS, FP32, "inductor", 8, (8, 64, 512), True, True)
+    t = opchoice.ChoiceInputs(ARGS, FP32, "inductor", 8, (8, 64, 512), True, True)
     choice = opchoice.choose(t, timings(table))
     assert (choice.layout, by_rows(choice)) == ("blocked", {8: "kernel", 64: "kernel",
                                                             512: "kernel"})
@@ -155,12 +155,12 @@ def test_the_avx2_hosts_recorded_tables_keep_their_choice(measuring: None) -> No
 
 
 def test_request_weights_count_one_prompt_and_the_generated_steps() -> None:
-    t = opchoice.Target(ARGS, FP32, "inductor", 4, (4, 32, 64, 128, 256), True, True,
+    t = opchoice.ChoiceInputs(ARGS, FP32, "inductor", 4, (4, 32, 64, 128, 256), True, True,
                         context_rows=(32, 64, 128, 256))
     assert opchoice.request_weights(t) == {4: opchoice.GENERATED, 32: 0.25, 64: 0.25,
                                            128: 0.25, 256: 0.25}
     # a bucket at the batch's rows: both kinds run there
-    t = opchoice.Target(ARGS, FP32, "inductor", 16, (4, 16), True, True, context_rows=(4, 16))
+    t = opchoice.ChoiceInputs(ARGS, FP32, "inductor", 16, (4, 16), True, True, context_rows=(4, 16))
     assert opchoice.request_weights(t) == {4: 0.5, 16: opchoice.GENERATED + 0.5}
 
 
@@ -171,7 +171,7 @@ def noisy(table: dict[tuple[str, int], float], seed: int) -> opchoice.Timer:
 
     rng = random.Random(seed)
 
-    def timer(target: opchoice.Target, rows: int) -> dict[str, float]:
+    def timer(target: opchoice.ChoiceInputs, rows: int) -> dict[str, float]:
         def sample(true: float) -> float:
             burst = rng.uniform(0.3, 1.0) if rng.random() < 1 / 3 else rng.uniform(0, 0.02)
             return true * (1 + burst)
@@ -221,14 +221,14 @@ def test_the_lm_head_is_timed_at_token_generation_rows_only() -> None:
     assert {n for _, n in opchoice.projection_shapes(t, 32)} == {ARGS.num_layers}
 
 
-def spec_target(flags: str, **spec: Any) -> opchoice.Target:
+def spec_target(flags: str, **spec: Any) -> opchoice.ChoiceInputs:
     base = {"model": "m", "compiler": "inductor", "dtype": "float32", "seq_len": 64,
             "batch_size": 8, "context_buckets": "32", **spec}
     finalized = finalize(resolve_spec(base, None, {})[0], ModelShape.from_config(CONFIG))
     storage = getattr(torch, str(finalized.dtype))
     compute = torch.float32 if finalized.quantized else storage
     numerics = Numerics(storage, compute, finalized.quantized)
-    return opchoice.target_for(finalized, ARGS, numerics, (8, 32), flags)
+    return opchoice.inputs_for(finalized, ARGS, numerics, (8, 32), flags)
 
 
 def test_what_may_be_measured_where(measuring: None, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -329,23 +329,6 @@ def test_the_choice_is_part_of_the_record(compiled_artifact: Path, tmp_path: Pat
     data["ops"]["layout"] = "packed"
     (copy / MANIFEST).write_text(json.dumps(data))
     assert "edited" in (intact_problem(copy) or "")
-
-
-def test_a_manifest_from_before_the_choice_keeps_its_record_and_loads(
-    compiled_artifact: Path, tmp_path: Path
-) -> None:
-    import hashlib
-
-    from neuronctl.backends.torch import TorchBackend
-    from neuronctl.keys import canonical_json
-
-    manifest = read_manifest(compiled_artifact)
-    old = manifest.model_copy(update={"ops": None})
-    before = old.model_dump(mode="json", include=set(RECORDED) - {"ops"})
-    assert old.recorded_sha256() == hashlib.sha256(canonical_json(before).encode()).hexdigest()
-    runner = TorchBackend().load(compiled_artifact, old)  # neuron_config names no layout
-    assert not runner.packed and not runner.blocked
-    assert runner.prefill(0, [1, 2, 3]).shape == (runner.vocab_size,)
 
 
 def test_a_graph_donor_from_before_the_choice_passes_on_its_neuron_configs_layout(

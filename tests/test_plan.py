@@ -109,7 +109,7 @@ def test_json_format_lists_keys_and_remote_presence(builds: Path, tmp_path: Path
     remote = f"file://{tmp_path / 'remote'}"
     present = push_entry(builds, 1, remote, tmp_path)
 
-    result = neuronctl("plan", "-c", "builds.toml", "--remote", remote, "--json", cwd=builds.parent)
+    result = neuronctl("plan", "builds.toml", "--remote", remote, "--json", cwd=builds.parent)
 
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
@@ -128,7 +128,7 @@ def test_github_format_is_a_matrix_of_missing_builds(builds: Path, tmp_path: Pat
     present = push_entry(builds, 0, remote, tmp_path)
 
     result = neuronctl(
-        "plan", "-c", "builds.toml", "--remote", remote, "-f", "github", cwd=builds.parent
+        "plan", "builds.toml", "--remote", remote, "-f", "github", cwd=builds.parent
     )
 
     assert result.returncode == 0, result.stderr
@@ -145,7 +145,7 @@ def test_gitlab_format_is_a_child_pipeline(builds: Path, tmp_path: Path) -> None
     push_entry(builds, 2, remote, tmp_path)
 
     result = neuronctl(
-        "plan", "-c", "builds.toml", "--remote", remote, "--format", "gitlab", cwd=builds.parent
+        "plan", "builds.toml", "--remote", remote, "--format", "gitlab", cwd=builds.parent
     )
 
     assert result.returncode == 0, result.stderr
@@ -166,7 +166,7 @@ def test_gitlab_format_with_everything_present_has_a_noop_job(builds: Path, tmp_
         push_entry(builds, index, remote, tmp_path / str(index))
 
     result = neuronctl(
-        "plan", "-c", "builds.toml", "--remote", remote, "-f", "gitlab", cwd=builds.parent
+        "plan", "builds.toml", "--remote", remote, "-f", "gitlab", cwd=builds.parent
     )
 
     pipeline = yaml.safe_load(result.stdout)
@@ -177,7 +177,7 @@ def test_table_format_and_s3_remote(builds: Path, tmp_path: Path, bucket: str) -
     remote = f"s3://{bucket}/ci"
     present = push_entry(builds, 2, remote, tmp_path)
 
-    result = neuronctl("plan", "-c", str(builds), "--remote", remote, cwd=tmp_path)
+    result = neuronctl("plan", str(builds), "--remote", remote, cwd=tmp_path)
 
     assert result.returncode == 0, result.stderr
     lines = [line for line in result.stdout.splitlines() if "llama" in line or "qwen" in line]
@@ -188,10 +188,10 @@ def test_table_format_and_s3_remote(builds: Path, tmp_path: Path, bucket: str) -
 
 def test_plan_errors_name_the_entry(builds: Path) -> None:
     shutil.rmtree(builds.parent / "models" / "qwen")
-    result = neuronctl("plan", "-c", "builds.toml", cwd=builds.parent)
+    result = neuronctl("plan", "builds.toml", cwd=builds.parent)
     assert result.returncode == 1
     assert "entry 2 (qwen)" in result.stderr
-    bad = neuronctl("plan", "-c", "builds.toml", "-f", "yaml", cwd=builds.parent)
+    bad = neuronctl("plan", "builds.toml", "-f", "yaml", cwd=builds.parent)
     assert bad.returncode == 2 and "unknown format" in bad.stderr
 
 

@@ -11,7 +11,7 @@ substitutions are made:
 - `3f9a2c`, the key `compile` prints: the key of the shared compiled artifact (the fast test)
   or of what the README's own `compile` line just built (the slow test);
 - `serve` runs with `--dry-run` (a server does not exit by itself);
-- `plan -c builds.toml`: a builds.toml naming the README's checkpoint is written first;
+- `plan builds.toml`: a builds.toml naming the README's checkpoint is written first;
 - the lines that are not `neuronctl` (the Quick start's venv, `make install`, `make test`)
   are what CI itself runs (.ci/run), not run here; the test fails on any new one.
 """

@@ -12,7 +12,7 @@ from neuronctl.engine.sampling import (
     SamplingParams,
     apply_options,
     make_generator,
-    resolve,
+    resolve_params,
     sample,
     sample_step,
     token_logprobs,
@@ -30,23 +30,23 @@ class _State:  # sampling.RowState
 
 
 def test_temperature_zero_is_greedy_like_top_k_one() -> None:
-    p = resolve(SamplingParams(temperature=0.0, top_k=50))
+    p = resolve_params(SamplingParams(temperature=0.0, top_k=50))
     assert p.greedy and p.top_k == 1
     logits = torch.tensor([0.1, 3.0, 2.9, -1.0])
     assert sample(logits, p, make_generator(0)) == 1
 
 
 def test_top_k_minus_one_and_zero_are_capped_at_global_top_k() -> None:
-    assert resolve(SamplingParams(top_k=-1)).top_k == 256
-    assert resolve(SamplingParams(top_k=0)).top_k == 256
-    assert resolve(SamplingParams(top_k=-1), global_topk=64).top_k == 64
+    assert resolve_params(SamplingParams(top_k=-1)).top_k == 256
+    assert resolve_params(SamplingParams(top_k=0)).top_k == 256
+    assert resolve_params(SamplingParams(top_k=-1), global_topk=64).top_k == 64
 
 
 def test_top_k_above_global_top_k_is_refused_with_the_cap() -> None:
     with pytest.raises(RequestError, match="global top_k 256") as exc:
-        resolve(SamplingParams(top_k=257))
+        resolve_params(SamplingParams(top_k=257))
     assert exc.value.param == "top_k"
-    assert resolve(SamplingParams(top_k=256)).top_k == 256
+    assert resolve_params(SamplingParams(top_k=256)).top_k == 256
 
 
 @pytest.mark.parametrize(
@@ -61,13 +61,13 @@ def test_top_k_above_global_top_k_is_refused_with_the_cap() -> None:
 )
 def test_invalid_parameters_name_the_field(params: SamplingParams, field: str) -> None:
     with pytest.raises(RequestError) as exc:
-        resolve(params)
+        resolve_params(params)
     assert exc.value.param == field
 
 
 def test_same_seed_same_samples_different_seed_differs() -> None:
     logits = torch.randn(300, generator=make_generator(1))
-    p = resolve(SamplingParams(temperature=1.5, seed=7))
+    p = resolve_params(SamplingParams(temperature=1.5, seed=7))
 
     def draw(seed: int) -> list[int]:
         gen = make_generator(seed)
@@ -79,7 +79,7 @@ def test_same_seed_same_samples_different_seed_differs() -> None:
 
 def test_top_k_limits_choices_to_the_k_largest() -> None:
     logits = torch.arange(100, dtype=torch.float32)
-    p = resolve(SamplingParams(temperature=100.0, top_k=3, seed=0))
+    p = resolve_params(SamplingParams(temperature=100.0, top_k=3, seed=0))
     gen = make_generator(0)
     seen = {sample(logits, p, gen) for _ in range(200)}
     assert seen == {97, 98, 99}
@@ -88,18 +88,18 @@ def test_top_k_limits_choices_to_the_k_largest() -> None:
 def test_top_p_keeps_smallest_prefix_reaching_the_mass() -> None:
     # probabilities 0.5, 0.3, 0.2 (after softmax of the logs): top_p 0.6 keeps two tokens.
     logits = torch.log(torch.tensor([0.2, 0.5, 0.3]))
-    p = resolve(SamplingParams(temperature=1.0, top_p=0.6, seed=0))
+    p = resolve_params(SamplingParams(temperature=1.0, top_p=0.6, seed=0))
     gen = make_generator(0)
     seen = {sample(logits, p, gen) for _ in range(300)}
     assert seen == {1, 2}
-    tiny = resolve(SamplingParams(top_p=0.01))
+    tiny = resolve_params(SamplingParams(top_p=0.01))
     assert {sample(logits, tiny, gen) for _ in range(50)} == {1}
 
 
 def test_sample_rows_mixes_greedy_and_sampled_rows() -> None:
     logits = torch.tensor([[0.0, 5.0, 1.0], [9.0, 0.0, 0.0], [0.0, 0.0, 7.0]])
-    greedy = resolve(SamplingParams(temperature=0))
-    hot = resolve(SamplingParams(top_k=1, temperature=2.0))
+    greedy = resolve_params(SamplingParams(temperature=0))
+    hot = resolve_params(SamplingParams(top_k=1, temperature=2.0))
     out = sample_rows(logits, [2, 0], [greedy, hot], [make_generator(0), make_generator(1)])
     assert out == [2, 1]
 
@@ -232,22 +232,22 @@ def test_values_that_would_fail_inside_the_batch_are_refused_up_front(
     params: SamplingParams, field: str
 ) -> None:
     with pytest.raises(RequestError) as exc:
-        resolve(params)
+        resolve_params(params)
     assert exc.value.param == field
 
 
 def test_extreme_but_accepted_values_sample_without_nan() -> None:
     logits = torch.tensor([1e30, -1e30, 5.0, 0.0])
     for temperature in (0.01, 1e6):
-        p = resolve(SamplingParams(temperature=temperature, seed=2**64 - 1))
+        p = resolve_params(SamplingParams(temperature=temperature, seed=2**64 - 1))
         assert sample(logits, p, make_generator(p.seed or 0)) in range(4)
     make_generator(-(2**63))  # the lowest seed is one torch takes
 
 
 def test_a_row_that_cannot_be_sampled_fails_alone() -> None:
     logits = torch.tensor([[0.0, 5.0, 1.0], [float("nan")] * 3])
-    hot = resolve(SamplingParams(temperature=1.0, seed=0))
-    greedy = resolve(SamplingParams(temperature=0))
+    hot = resolve_params(SamplingParams(temperature=1.0, seed=0))
+    greedy = resolve_params(SamplingParams(temperature=0))
     out = sample_rows(logits, [0, 1], [greedy, hot], [make_generator(0), make_generator(1)])
     assert out[0] == 1 and isinstance(out[1], Exception)
 
@@ -266,7 +266,7 @@ def test_a_row_that_cannot_be_sampled_fails_alone() -> None:
 )
 def test_resolve_refuses_mistyped_fields_as_request_errors(params: SamplingParams) -> None:
     with pytest.raises(RequestError):
-        resolve(params)
+        resolve_params(params)
 
 
 # -- vLLM's per-request options -------------------------------------------------------------
@@ -288,7 +288,7 @@ def test_logprobs_are_of_the_raw_logits_even_when_options_change_the_pick() -> N
     """vLLM's default logprobs_mode is raw_logprobs: what the model said, not the penalised
     distribution (vllm/config/model.py, LogprobsMode)."""
     logits = torch.tensor([[5.0, 1.0, 0.0, -1.0]])
-    params = resolve(SamplingParams(temperature=0, logit_bias=((3, 100.0),), logprobs=1))
+    params = resolve_params(SamplingParams(temperature=0, logit_bias=((3, 100.0),), logprobs=1))
     state = _State(params, make_generator(0), [0], [])
     [pick] = sample_step(logits, [0], [state])
     assert not isinstance(pick, Exception) and pick.token_id == 3
@@ -318,7 +318,7 @@ def test_min_tokens_masks_eos_until_reached_and_logit_bias_adds() -> None:
 
 def test_min_p_drops_tokens_below_its_share_of_the_top() -> None:
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
-    p = resolve(SamplingParams(temperature=1.0, min_p=0.4, seed=0))
+    p = resolve_params(SamplingParams(temperature=1.0, min_p=0.4, seed=0))
     gen = make_generator(0)
     assert {sample(logits, p, gen) for _ in range(300)} == {0, 1}  # 0.15 < 0.4 x 0.5
 
@@ -338,12 +338,12 @@ def test_min_p_drops_tokens_below_its_share_of_the_top() -> None:
 )
 def test_out_of_range_options_name_the_field(params: SamplingParams, field: str) -> None:
     with pytest.raises(RequestError) as exc:
-        resolve(params)
+        resolve_params(params)
     assert exc.value.param == field
 
 
 def test_prompt_logprobs_allow_max_tokens_zero() -> None:
-    assert resolve(SamplingParams(max_tokens=0, prompt_logprobs=0)).max_tokens == 0
+    assert resolve_params(SamplingParams(max_tokens=0, prompt_logprobs=0)).max_tokens == 0
 
 
 def test_the_engine_scores_prompt_tokens_through_decode_steps() -> None:
@@ -428,7 +428,7 @@ def test_a_plain_greedy_batch_is_one_argmax_and_no_per_row_work(monkeypatch) -> 
     _forbid(monkeypatch, "_pick", "apply_options", "sample", "token_logprobs", "_add_logprobs")
     calls = _count_argmax(monkeypatch)
     logits = torch.randn(8, 300, generator=torch.Generator().manual_seed(0))
-    greedy = resolve(SamplingParams(temperature=0))
+    greedy = resolve_params(SamplingParams(temperature=0))
     states = [_State(greedy, make_generator(0), [1], []) for _ in range(8)]
     picks = sample_step(logits, list(range(8)), states)
     assert [p.token_id for p in picks] == logits.argmax(-1).tolist()  # type: ignore[union-attr]
@@ -458,9 +458,9 @@ def test_options_run_only_for_the_rows_that_ask_for_them(monkeypatch) -> None:
     monkeypatch.setattr(sampling, "token_logprobs", logprobs)
     calls = _count_argmax(monkeypatch)
     logits = torch.randn(8, 300, generator=torch.Generator().manual_seed(1))
-    greedy = resolve(SamplingParams(temperature=0))
-    penalised = resolve(SamplingParams(temperature=0, repetition_penalty=1.5))
-    scoring = resolve(SamplingParams(temperature=0, logprobs=2))
+    greedy = resolve_params(SamplingParams(temperature=0))
+    penalised = resolve_params(SamplingParams(temperature=0, repetition_penalty=1.5))
+    scoring = resolve_params(SamplingParams(temperature=0, logprobs=2))
     params = [greedy] * 8
     params[3], params[5] = penalised, scoring
     states = [_State(p, make_generator(0), [i] * 7, []) for i, p in enumerate(params)]

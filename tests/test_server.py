@@ -90,7 +90,7 @@ class Server:
 def serve_argv(artifact: Path, port: int, *extra: str) -> list[str]:
     code = "from neuronctl.cli.main import main; main()"
     return [sys.executable, "-c", code, "serve", "--artifacts", str(artifact), "--port", str(port),
-            "--log-level", "warning", *extra]  # fmt: skip
+            "--uvicorn-log-level", "warning", *extra]  # fmt: skip
 
 
 def fake_argv(tokenizer_dir: Path, port: int, *extra: str) -> list[str]:

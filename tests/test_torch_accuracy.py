@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from neuronctl.backends.torch.accuracy import check_accuracy
+from neuronctl.backends.torch.accuracy import compare_with_transformers
 from neuronctl.build import compile_model, resolve_build
 from neuronctl.errors import UsageError
 from tests.conftest import TINY_SPEC
@@ -16,7 +16,7 @@ from tests.helpers import make_checkpoint
 
 @pytest.mark.parametrize("mode", ["token-matching", "logit-matching"])
 def test_a_faithful_artifact_passes(compiled_artifact: Path, tiny_llama: Path, mode: str) -> None:
-    report = check_accuracy(compiled_artifact, tiny_llama, mode, max_new_tokens=16)
+    report = compare_with_transformers(compiled_artifact, tiny_llama, mode, max_new_tokens=16)
     assert report.passed, report
     assert report.tokens_matched == report.new_tokens == 16
     assert report.artifact_tokens == report.reference_tokens
@@ -27,8 +27,9 @@ def test_a_faithful_artifact_passes(compiled_artifact: Path, tiny_llama: Path, m
 
 def test_other_weights_fail_both_modes(compiled_artifact: Path, tmp_path: Path) -> None:
     other = make_checkpoint(tmp_path / "other", "llama", seed=3)
-    tokens = check_accuracy(compiled_artifact, other, "token-matching", max_new_tokens=16)
-    logits = check_accuracy(compiled_artifact, other, "logit-matching", max_new_tokens=16)
+    compare = compare_with_transformers
+    tokens = compare(compiled_artifact, other, "token-matching", max_new_tokens=16)
+    logits = compare(compiled_artifact, other, "logit-matching", max_new_tokens=16)
     assert not tokens.passed and tokens.first_divergence is not None
     assert not logits.passed and logits.max_logit_diff > logits.tolerance
     assert "FAILED" in logits.summary()
@@ -46,14 +47,14 @@ def test_bf16_and_int8_artifacts_pass_logit_matching_at_their_resolution(
                 "token_gen_buckets": "128", **overrides}
         path = compile_model(resolve_build(str(tiny_llama), spec, store_dir=tmp_path),
                              jobs=1).path  # in this process: no spawn pool to start
-        report = check_accuracy(path, tiny_llama, "logit-matching", max_new_tokens=16)
+        report = compare_with_transformers(path, tiny_llama, "logit-matching", max_new_tokens=16)
         assert report.numerics == numerics
         assert report.passed, report.summary()
         assert 0 < report.max_logit_diff <= report.tolerance < 1.0
         # bf16 token-matching was against float32, free-running: "passed ... 3/32 tokens
         # matched" in logit mode, a failure in token mode. Now against transformers in bf16,
         # on the artifact's own prefix each step, with the criterion said.
-        tokens = check_accuracy(path, tiny_llama, "token-matching")
+        tokens = compare_with_transformers(path, tiny_llama, "token-matching")
         assert tokens.passed and tokens.tokens_matched == tokens.new_tokens, tokens.summary()
         reference = "transformers bfloat16" if numerics == "bfloat16" else "transformers float32"
         assert tokens.reference == reference and reference in tokens.criterion
@@ -63,9 +64,9 @@ def test_unknown_mode_and_overlong_prompt_are_usage_errors(
     compiled_artifact: Path, tiny_llama: Path
 ) -> None:
     with pytest.raises(UsageError, match="accuracy mode"):
-        check_accuracy(compiled_artifact, tiny_llama, "vibes")
+        compare_with_transformers(compiled_artifact, tiny_llama, "vibes")
     with pytest.raises(UsageError, match="this artifact takes 64"):
-        check_accuracy(compiled_artifact, tiny_llama, prompt="x" * 100)
+        compare_with_transformers(compiled_artifact, tiny_llama, prompt="x" * 100)
 
 
 def test_a_near_tie_is_agreement_and_a_real_miss_is_not() -> None:
@@ -91,7 +92,9 @@ def test_the_default_prompt_is_cut_to_a_short_context(
     from tests.helpers import cli_in_process, spec_flags
 
     monkeypatch.setattr(accuracy, "DEFAULT_PROMPT", "the meaning of life " * 40)
-    report = check_accuracy(compiled_artifact, tiny_llama, "token-matching", max_new_tokens=4)
+    report = compare_with_transformers(
+        compiled_artifact, tiny_llama, "token-matching", max_new_tokens=4
+    )
     assert report.prompt_tokens == 64 and report.passed, report.summary()  # max_context_length
     capfd.readouterr()
     store = compiled_artifact.parent.parent  # a cache hit: nothing is compiled again

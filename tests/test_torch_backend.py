@@ -155,14 +155,14 @@ def test_token_generation_picks_its_matmul_by_rows_and_numerics(
     tmp_path: Path, dtype: str, compute: str, quantized: bool, batch: int, kernel: str
 ) -> None:
     from neuronctl.backends.torch import opchoice
-    from neuronctl.backends.torch.graphs import DTYPES, module_for
+    from neuronctl.backends.torch.graphs import TORCH_DTYPES, module_for
 
     # The rules' path (opchoice.rule_path) at the batch's rows, on the layout the rules give
     # these numerics where the kernel does not run, is the matmul the graph runs.
     config = read_config(make_checkpoint(tmp_path / "ckpt", "llama"))
     layout = "packed" if kernel == "packed_linear" else "plain"
-    numerics = Numerics(DTYPES[dtype], DTYPES[compute or dtype], quantized)
-    target = opchoice.Target(args_from_config(config), numerics, "inductor", batch, (batch,),
+    numerics = Numerics(TORCH_DTYPES[dtype], TORCH_DTYPES[compute or dtype], quantized)
+    target = opchoice.ChoiceInputs(args_from_config(config), numerics, "inductor", batch, (batch,),
                              kernel=False, onednn=layout == "packed")
     job = GraphJob(TOKEN_GEN, 64, config, batch, 128, dtype, "inductor", str(tmp_path),
                    compute=compute, quantized=quantized, layout=layout,

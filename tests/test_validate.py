@@ -167,11 +167,30 @@ def test_corrupt_manifest_is_reported(artifact: Path) -> None:
 
 
 @pytest.mark.parametrize(
-    ("version", "words"), [(FORMAT_VERSION + 1, "upgrade neuronctl"), (0, "recompile")]
+    ("version", "words"),
+    [(FORMAT_VERSION + 1, "upgrade neuronctl"), (0, "recompile"),
+     (2, "old artifact format 2 (this neuronctl reads 3): recompile with this neuronctl")],
 )
 def test_unknown_format_version(artifact: Path, version: int, words: str) -> None:
+    """Format 2 is before every torch artifact recorded its op choice: no reader keeps it,
+    validate names it and says what to do."""
     _edit_manifest(artifact, format_version=version)
     assert words in _failed(quick_validate(artifact))["artifact"]
+
+
+def test_the_record_covers_ops_whatever_its_value(artifact: Path) -> None:
+    """An artifact without an op choice (another backend's) records `ops: null` like any
+    field: the digest is over every RECORDED field, none left out when it is empty."""
+    import hashlib
+
+    from neuronctl.keys import canonical_json
+    from neuronctl.store.manifest import RECORDED
+
+    manifest = read_manifest(artifact).model_copy(update={"ops": None})
+    data = manifest.model_dump(mode="json", include=set(RECORDED))
+    assert data["ops"] is None
+    expected = hashlib.sha256(canonical_json(data).encode()).hexdigest()
+    assert manifest.recorded_sha256() == expected
 
 
 # --- damaged files --------------------------------------------------------------------------

@@ -1064,6 +1064,36 @@ class LLM:
 '''
 
 
+def test_serve_and_generate_with_vllm_read_the_manifest_once(  # type: ignore[no-untyped-def]
+    neuron_standins, tiny_llama, tmp_path, capsys, monkeypatch
+) -> None:
+    """The reuse checks read manifest.json; the launch and the load rule use what they read
+    (serve read it three times: the checks, the trust check, the launch)."""
+    import neuronctl.doctor as doctor
+    import neuronctl.store.manifest as manifest_mod
+    from tests.test_nxdi import compile_nxdi
+
+    _build, outcome = compile_nxdi(tiny_llama, tmp_path / "store")
+    monkeypatch.setattr(doctor, "neuron_cores", lambda: (2, "neuron-ls: 1 devices"))
+    reads: list[Path] = []
+    read_capped = manifest_mod.read_capped
+
+    def counted(path: Path, cap: int) -> bytes:
+        if Path(path).name == manifest_mod.MANIFEST:
+            reads.append(Path(path))
+        return read_capped(path, cap)
+
+    monkeypatch.setattr(manifest_mod, "read_capped", counted)
+    art = str(outcome.path)
+    for args in (["serve", "--engine", "vllm", art, "--dry-run", "--vllm-target", B9],
+                 ["generate", "--engine", "vllm", art, "-p", "hi", "--dry-run",
+                  "--vllm-target", B9]):  # fmt: skip
+        reads.clear()
+        code, _, err = run_cli(args, capsys, monkeypatch)
+        assert code == 0, err
+        assert len(reads) == 1, (args[0], reads)
+
+
 def test_vllm_dry_runs_paste_on_the_serving_host(  # type: ignore[no-untyped-def]
     neuron_standins, tiny_llama, tmp_path, capsys, monkeypatch
 ) -> None:

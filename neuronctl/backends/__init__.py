@@ -19,7 +19,7 @@ if TYPE_CHECKING:
     from neuronctl.spec import BuildSpec
 
 # name -> "module:attribute" of a zero-argument factory returning a Backend.
-BACKENDS = {
+BACKEND_FACTORIES = {
     "torch": "neuronctl.backends.torch:TorchBackend",
     "nxdi": "neuronctl.backends.nxdi:NxdiBackend",
     "tnx": "neuronctl.backends.tnx:TnxBackend",
@@ -27,9 +27,9 @@ BACKENDS = {
 
 
 def get_backend(name: str) -> Backend:
-    target = BACKENDS.get(name)
+    target = BACKEND_FACTORIES.get(name)
     if target is None:
-        raise UsageError(f"unknown backend {name!r}", "use one of: " + ", ".join(BACKENDS))
+        raise UsageError(f"unknown backend {name!r}", "use one of: " + ", ".join(BACKEND_FACTORIES))
     module_name, attr = target.split(":")
     factory = getattr(importlib.import_module(module_name), attr)
     backend: Backend = factory()
@@ -55,7 +55,7 @@ def check_accuracy(
         raise UsageError(
             "--check-accuracy runs on the torch backend here; on Neuron use inference_demo"
         )
-    from neuronctl.backends.torch.accuracy import check_accuracy as run
+    from neuronctl.backends.torch.accuracy import compare_with_transformers as run
 
     return run(artifact, checkpoint, mode).as_dict()
 

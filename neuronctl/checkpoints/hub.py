@@ -126,7 +126,7 @@ def _matches(name: str, patterns: Iterable[str]) -> bool:
     return any(fnmatch.fnmatch(name, p) or fnmatch.fnmatch(base, p) for p in patterns)
 
 
-def resolve(repo_id: str, revision: str | None) -> tuple[str, list[str]]:
+def resolve_revision(repo_id: str, revision: str | None) -> tuple[str, list[str]]:
     """(commit sha, file names) of `repo_id` at `revision` (default branch if None)."""
     from huggingface_hub import HfApi
 
@@ -159,7 +159,7 @@ def download(
     if offline():
         logger.info("HF_HUB_OFFLINE is set: looking for %s in the local cache only", repo_id)
         return _from_cache(repo_id, revision, local_dir)
-    sha, files = resolve(repo_id, revision)
+    sha, files = resolve_revision(repo_id, revision)
     chosen = select_files(files, include, exclude)
     logger.info("fetching %d of %d files of %s@%s", len(chosen), len(files), repo_id, sha)
     logger.debug("chosen: %s", ", ".join(chosen))

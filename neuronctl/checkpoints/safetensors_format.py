@@ -24,7 +24,7 @@ from safetensors import SafetensorError, safe_open
 
 from neuronctl.errors import CheckpointError
 
-DTYPES: dict[str, torch.dtype] = {
+SAFETENSORS_DTYPES: dict[str, torch.dtype] = {
     "F64": torch.float64,
     "F32": torch.float32,
     "F16": torch.float16,
@@ -38,7 +38,7 @@ DTYPES: dict[str, torch.dtype] = {
     "F8_E4M3": torch.float8_e4m3fn,
     "F8_E5M2": torch.float8_e5m2,
 }
-DTYPE_NAMES = {v: k for k, v in DTYPES.items()}
+SAFETENSORS_CODES = {v: k for k, v in SAFETENSORS_DTYPES.items()}
 
 
 @dataclass(frozen=True)
@@ -73,11 +73,11 @@ def read_header(path: Path) -> tuple[dict[str, TensorInfo], dict[str, str]]:
 
 
 def _info(path: Path, name: str, view: Any) -> TensorInfo:
-    dtype = DTYPES.get(view.get_dtype())
+    dtype = SAFETENSORS_DTYPES.get(view.get_dtype())
     if dtype is None:
         raise CheckpointError(
             f"{path}: tensor {name} has dtype {view.get_dtype()}, which neuronctl does not read",
-            "supported: " + ", ".join(DTYPES),
+            "supported: " + ", ".join(SAFETENSORS_DTYPES),
         )
     return TensorInfo(dtype, tuple(view.get_shape()))
 
@@ -109,7 +109,7 @@ def header_bytes(infos: list[tuple[str, TensorInfo]], metadata: dict[str, str]) 
     offset = 0
     for name, info in infos:
         header[name] = {
-            "dtype": DTYPE_NAMES[info.dtype],
+            "dtype": SAFETENSORS_CODES[info.dtype],
             "shape": list(info.shape),
             "data_offsets": [offset, offset + info.nbytes],
         }

@@ -41,6 +41,9 @@ def unwrap_when_piped() -> None:
     for c in (console, err_console):
         c.soft_wrap = not wraps(c)
 
+ENGINES = ("builtin", "vllm")  # serve's and generate's --engine
+REMOTE_ENV = "NEURONCTL_REMOTE"  # the default remote store of every command that takes one
+
 JsonOpt = Annotated[bool, typer.Option("--json", help="Print one JSON document for machines.")]
 StoreOpt = Annotated[
     Path | None,

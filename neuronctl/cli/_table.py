@@ -90,7 +90,7 @@ def trim_left(text: str, width: int) -> str:
     return text if len(text) <= width else ELLIPSIS + text[len(text) - width + 1 :]
 
 
-def render(
+def lay_out(
     columns: Sequence[Col], rows: Sequence[Sequence[Any]], width: int
 ) -> tuple[Table, int]:
     """The table and the width it takes (more than `width` only when it cannot fit)."""
@@ -118,7 +118,7 @@ def print_rows(
 ) -> None:
     """The table laid out for `budget` columns (the terminal's width, or unbounded where
     lines are not wrapped: then each cell is one line)."""
-    table, width = render(columns, rows, budget)
+    table, width = lay_out(columns, rows, budget)
     # Wider than the terminal only when it cannot fit: then the terminal wraps, no key is cut.
     options = console.options.update_width(max(width, min(budget, console.width)))
     segments: list[Segment] = []

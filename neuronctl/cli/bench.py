@@ -58,8 +58,8 @@ def bench_command(
     """
     from neuronctl.engine.bench import bench_engine
     from neuronctl.engine.loader import running
+    from neuronctl.runnable import open_artifact_to_run
     from neuronctl.store.signing import TrustPolicy
-    from neuronctl.target import open_artifact_to_run
 
     policy = TrustPolicy.load(trust_key, allow_unsigned)
     named = one_artifact(ctx, artifact, artifacts)

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Annotated
 
 import typer
 
-from neuronctl.cli._common import JsonOpt, StoreOpt, err_console, print_json
+from neuronctl.cli._common import REMOTE_ENV, JsonOpt, StoreOpt, err_console, print_json
 from neuronctl.errors import UsageError
 from neuronctl.vllm.detect import TARGET_HELP as VLLM_TARGET_HELP
 
@@ -18,12 +18,11 @@ if TYPE_CHECKING:
     from neuronctl.store.manifest import Manifest
 
 ORDER = 43
-REMOTE_ENV = "NEURONCTL_REMOTE"
-TARGET_NAMES = ("k8s", "kserve", "production-stack", "lws", "rayservice")
+ORCHESTRATORS = ("k8s", "kserve", "production-stack", "lws", "rayservice")
 
 
 def deploy_command(
-    target: Annotated[str, typer.Argument(help=" | ".join(TARGET_NAMES) + ".")],
+    target: Annotated[str, typer.Argument(help=" | ".join(ORCHESTRATORS) + ".")],
     artifact: Annotated[
         str,
         typer.Argument(
@@ -146,7 +145,7 @@ def deploy_command(
     from neuronctl.fleet.workload import DeployOptions, plan_workload
 
     if target not in TARGETS:
-        raise UsageError(f"unknown target {target!r}", "use " + " | ".join(TARGET_NAMES))
+        raise UsageError(f"unknown target {target!r}", "use " + " | ".join(ORCHESTRATORS))
     manifest, remote_url = read_artifact(artifact, remote, store)
     options = DeployOptions(
         image=image,

@@ -6,8 +6,9 @@ import typer
 from rich.markup import escape
 
 from neuronctl.cli._common import JsonOpt, StoreOpt, console, print_json, print_table
-from neuronctl.doctor import BACKENDS, DoctorReport, diagnose
+from neuronctl.doctor import DoctorReport, diagnose
 from neuronctl.errors import EXIT_FAILED, EXIT_OK, UsageError
+from neuronctl.spec import BACKENDS
 
 ORDER = 90
 
@@ -38,11 +39,11 @@ def doctor_command(
     if json_out:
         print_json(report.as_dict())
     else:
-        render(report)
+        print_checks(report)
     raise typer.Exit(EXIT_OK if report.healthy else EXIT_FAILED)
 
 
-def render(report: DoctorReport) -> None:
+def print_checks(report: DoctorReport) -> None:
     """One row per check under its section's heading, its fix below its state: a section
     and a fix column left the state too narrow for a path or URL at 80 columns."""
     rows: list[list[str]] = []

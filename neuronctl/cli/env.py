@@ -26,7 +26,7 @@ HELP = (
     "Examples:\n\n"
     '  eval "$(neuronctl env ./neuron-compiled-artifacts/3f2a...)"\n\n'
     "  neuronctl env $ART --vllm-target plugin@0.4.1 --shell fish | source\n\n"
-    "  neuronctl env $ART --shell json\n\n"
+    "  neuronctl env $ART --json\n\n"
     "Exit codes: 0 ok, 1 ARTIFACT is not found or that vLLM cannot reuse it, 2 usage error "
     "(e.g. a framework the artifact was not compiled for, no vLLM installed and no "
     "--vllm-target)."
@@ -36,7 +36,6 @@ HELP = (
 class Shell(StrEnum):
     bash = "bash"
     fish = "fish"
-    json = "json"
 
 
 def fish_quote(value: str) -> str:
@@ -44,7 +43,7 @@ def fish_quote(value: str) -> str:
     return "'" + value.replace("\\", "\\\\").replace("'", "\\'") + "'"
 
 
-def render(env: dict[str, str], shell: Shell) -> str:
+def exports_text(env: dict[str, str], shell: Shell) -> str:
     if shell is Shell.fish:
         return "".join(f"set -gx {k} {fish_quote(v)}\n" for k, v in env.items())
     return "".join(f"export {k}={shlex.quote(v)}\n" for k, v in env.items())
@@ -67,7 +66,9 @@ def env_command(
         str | None, typer.Option("--vllm-target", help=TARGET_HELP, show_default=False)
     ] = None,
     shell: Annotated[Shell, typer.Option("--shell", help="Output syntax.")] = Shell.bash,
-    json_out: Annotated[bool, typer.Option("--json", help="Same as --shell json.")] = False,
+    json_out: Annotated[
+        bool, typer.Option("--json", help="Print the variables as one JSON object.")
+    ] = False,
     store: StoreOpt = None,
 ) -> None:
     from neuronctl.store.manifest import read_manifest
@@ -77,10 +78,10 @@ def env_command(
     path = resolve_artifact(one_artifact(ctx, artifact, artifacts), store, fetch=False)  # no pull
     manifest = read_manifest(path)  # first: a clear error when it is not an artifact
     env = env_exports(path, manifest, framework, cli_target(manifest, vllm_target, framework))
-    if json_out or shell is Shell.json:
+    if json_out:
         print_json(env)
     else:
-        typer.echo(render(env, shell), nl=False)
+        typer.echo(exports_text(env, shell), nl=False)
 
 
 def register(app: typer.Typer) -> None:

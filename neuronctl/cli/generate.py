@@ -4,9 +4,7 @@ from __future__ import annotations
 
 import json
 import sys
-import tempfile
 import time
-from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -14,6 +12,7 @@ from typing import TYPE_CHECKING
 import typer
 
 from neuronctl.cli._common import (
+    ENGINES,
     AllowUnsignedOpt,
     ArtifactArg,
     ArtifactsOpt,
@@ -37,7 +36,6 @@ if TYPE_CHECKING:  # the engine imports torch: keep it off every command's start
     from neuronctl.vllm.launch import VllmLaunch
 
 ORDER = 35
-ENGINES = ("builtin", "vllm")
 
 
 def generate_command(
@@ -160,7 +158,7 @@ def _generate_builtin(
     named: Named, prompts: list[Prompt], params: SamplingParams, stream: bool, json_out: bool
 ) -> None:
     from neuronctl.engine.loader import running
-    from neuronctl.target import open_artifact_to_run
+    from neuronctl.runnable import open_artifact_to_run
 
     loaded = open_artifact_to_run(named.ref, store=named.store, policy=named.policy)
     say_vouch(loaded.vouch)
@@ -241,10 +239,9 @@ def _generate_vllm(
     json_out: bool,
 ) -> None:
     from neuronctl.cli.serve import named_target, print_launch, print_plan
-    from neuronctl.engine.loader import vouch_for
-    from neuronctl.store.manifest import read_manifest
-    from neuronctl.target import artifact_to_run
-    from neuronctl.vllm.launch import cli_target, generate_launch
+    from neuronctl.runnable import artifact_to_run
+    from neuronctl.store.signing import check_origin
+    from neuronctl.vllm.launch import cli_target, generate_launch, run_with_prompts
 
     if any(p.messages is not None for p in prompts):
         raise UsageError("--engine vllm takes plain prompts (no --chat / messages)")
@@ -259,10 +256,9 @@ def _generate_vllm(
     if run.path is None:  # --dry-run with a URL not pulled yet: nothing is fetched
         print_plan(run.plan(), json_out)
         return
-    path = run.path
-    manifest = read_manifest(path)
+    path, manifest = run.path, run.read_manifest()
     target = cli_target(manifest, named)
-    say_vouch(vouch_for(path, chosen.policy))
+    say_vouch(check_origin(path, manifest, chosen.policy))
     sampling = {
         "temperature": params.temperature,
         "top_k": params.top_k,
@@ -286,28 +282,6 @@ def _generate_vllm(
     code = run_with_prompts(lines, launch_for)
     if code:
         raise typer.Exit(code)
-
-
-def run_with_prompts(lines: str, launch_for: Callable[[Path | None], VllmLaunch]) -> int:
-    """Run the vLLM program over the prompts in a temporary file, removed when it exits; its
-    exit status. SIGTERM and SIGHUP are passed on; Ctrl-C reaches it from the terminal."""
-    import os
-    import signal
-    import subprocess
-
-    with tempfile.TemporaryDirectory(prefix="neuronctl-prompts-") as folder:
-        prompts_file = Path(folder) / "prompts.jsonl"
-        prompts_file.write_text(lines)
-        launch = launch_for(prompts_file)
-        child = subprocess.Popen(launch.argv, env={**os.environ, **launch.env})
-        forwarded = (signal.SIGTERM, signal.SIGHUP)
-        previous = {sig: signal.signal(sig, lambda n, _: child.send_signal(n)) for sig in forwarded}
-        previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.SIG_IGN)
-        try:
-            return child.wait()
-        finally:
-            for sig, handler in previous.items():
-                signal.signal(sig, handler)
 
 
 def register(app: typer.Typer) -> None:

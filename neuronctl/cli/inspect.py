@@ -132,7 +132,7 @@ def show_artifact(path: Path, manifest: Manifest, json_out: bool) -> None:
     weights = f" ({quantized} weights, computed in {spec.dtype})" if quantized else ""
     console.print(f"  {'dtype':<17} {dtype_label(spec)}{weights}", markup=False)
     if ops is None:
-        console.print("  op choice: not recorded (another backend, or built before it was)")
+        console.print("  op choice: none (only the torch backend chooses matmul paths)")
         return
     console.print(f"  weights layout    {ops.layout}")
     console.print(f"  chosen by         {ops.chosen_by}")

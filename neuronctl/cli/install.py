@@ -75,11 +75,11 @@ def install_command(
 def _install_one(source: str, dest: Path, policy: TrustPolicy) -> dict[str, object]:
     from neuronctl.store.install import InstallError, install, withdraw
     from neuronctl.store.signing import TrustPolicy
-    from neuronctl.validate import host_checks, validate_artifact
+    from neuronctl.validate import check_host, validate_artifact
 
     dest = dest.expanduser().absolute()
     log(f"installing {source} into {dest}")
-    result = install(source, dest, policy, host_checks, log)
+    result = install(source, dest, policy, check_host, log)
     # The check a later load runs, with no key but the one the record names: what `serve
     # DEST_DIR` will find, whatever its host trusts.
     bare = TrustPolicy(allow_unsigned=policy.allow_unsigned, revoked=policy.revoked)

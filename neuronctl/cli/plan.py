@@ -13,10 +13,13 @@ from neuronctl.plan import FORMATS, make_plan, render_github, render_gitlab, ren
 
 ORDER = 27
 
-PlanFileOpt = Annotated[
+# The build plan is an argument here and `compile --plan` there: -c is a spec file everywhere.
+PlanFileArg = Annotated[
     Path,
-    typer.Option(
-        "--config", "-c", help="Build plan: \\[defaults] and \\[\\[build]] tables (see docs/ci.md)."
+    typer.Argument(
+        metavar="PLAN",
+        help="Build plan: \\[defaults] and \\[\\[build]] tables (see docs/ci.md).",
+        show_default=False,
     ),
 ]
 FormatOpt = Annotated[
@@ -24,7 +27,8 @@ FormatOpt = Annotated[
     typer.Option(
         "--format",
         "-f",
-        help="table | json | github (lines for $GITHUB_OUTPUT) | gitlab (child pipeline YAML).",
+        help="table | github (lines for $GITHUB_OUTPUT) | gitlab (child pipeline YAML); "
+        "--json for JSON.",
     ),
 ]
 RemoteOpt = Annotated[
@@ -40,7 +44,7 @@ RemoteOpt = Annotated[
 
 
 def plan_command(
-    config: PlanFileOpt,
+    config: PlanFileArg,
     output_format: FormatOpt = "table",
     remote: RemoteOpt = None,
     store: StoreOpt = None,
@@ -52,19 +56,22 @@ def plan_command(
 
     Examples:
 
-      neuronctl plan -c builds.toml --remote s3://my-bucket/neuron
+      neuronctl plan builds.toml --remote s3://my-bucket/neuron
 
-      neuronctl plan -c builds.toml --remote s3://bucket/neuron -f github >> "$GITHUB_OUTPUT"
+      neuronctl plan builds.toml --remote s3://bucket/neuron -f github >> "$GITHUB_OUTPUT"
 
-      neuronctl plan -c builds.toml --format gitlab > compile-pipeline.yml
+      neuronctl plan builds.toml --format gitlab > compile-pipeline.yml
 
     To build them on a Ray cluster instead: neuronctl compile --plan builds.toml --ray auto.
 
     Exit codes: 0 ok, 1 a model or the remote could not be read, 2 invalid builds file.
     """
+    if output_format not in FORMATS:
+        raise UsageError(
+            f"--format: unknown format {output_format!r}",
+            "use " + " | ".join(FORMATS) + ", or --json",
+        )
     fmt = "json" if json_out else output_format
-    if fmt not in FORMATS:
-        raise UsageError(f"--format: unknown format {fmt!r}", "use " + " | ".join(FORMATS))
     remote_store = None
     if remote:
         from neuronctl.store.remote.client import open_remote

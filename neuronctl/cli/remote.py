@@ -9,6 +9,7 @@ from typing import Annotated
 import typer
 
 from neuronctl.cli._common import (
+    REMOTE_ENV,
     AllowUnsignedOpt,
     JsonOpt,
     SignKeyOpt,
@@ -37,7 +38,6 @@ from neuronctl.store.signing import (
 )
 
 ORDER = 41
-REMOTE_ENV = "NEURONCTL_REMOTE"
 
 UrlArg = Annotated[
     str,

@@ -4,13 +4,13 @@ from __future__ import annotations
 
 import os
 from dataclasses import dataclass
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import typer
 from typer._click.core import ParameterSource
 
 from neuronctl.cli._common import (
+    ENGINES,
     AllowUnsignedOpt,
     ArtifactArg,
     ArtifactsOpt,
@@ -28,12 +28,12 @@ from neuronctl.errors import UsageError
 from neuronctl.vllm.detect import TARGET_HELP as VLLM_TARGET_HELP
 
 if TYPE_CHECKING:
+    from neuronctl.runnable import ArtifactToRun
     from neuronctl.store.signing import TrustPolicy
     from neuronctl.vllm.detect import VllmTarget
     from neuronctl.vllm.launch import VllmLaunch
 
 ORDER = 40
-ENGINES = ("builtin", "vllm")
 LOG_LEVELS = ("critical", "error", "warning", "info", "debug", "trace")  # uvicorn's
 
 
@@ -98,8 +98,11 @@ def serve_command(
     ),
     config: ConfigOpt = None,
     store: StoreOpt = None,
-    log_level: str = typer.Option(
-        "info", "--log-level", help="uvicorn log level: " + " | ".join(LOG_LEVELS) + "."
+    uvicorn_log_level: str = typer.Option(
+        "info",
+        "--uvicorn-log-level",
+        help="The HTTP server's log level (uvicorn's, as vLLM's flag of the same name): "
+        + " | ".join(LOG_LEVELS) + ". neuronctl's own is `neuronctl --log-level LEVEL serve`.",
     ),
     trust_key: TrustKeyOpt = None,
     allow_unsigned: AllowUnsignedOpt = False,
@@ -113,7 +116,7 @@ def serve_command(
     artifact exits 1 with the reasons. SIGTERM stops accepting, finishes in-flight requests
     and exits 0. A full queue answers 429.
 
-    With --engine vllm the same API key, host, port, model name and log level reach vLLM's
+    With --engine vllm the same API key, host, port, model name and uvicorn log level reach vLLM's
     server; --max-queue, --max-body-bytes and --max-prompt-chars, which it has no flag for,
     are refused. --dry-run prints the launch to paste on the serving host (`python3`, the
     key as $VLLM_API_KEY, never its value).
@@ -133,17 +136,17 @@ def serve_command(
     """
     if engine not in ENGINES:
         raise UsageError(f"--engine: unknown engine {engine!r}", "use builtin or vllm")
-    if log_level.lower() not in LOG_LEVELS:
+    if uvicorn_log_level.lower() not in LOG_LEVELS:
         raise UsageError(
-            f"--log-level: unknown level {log_level!r}", "use " + " | ".join(LOG_LEVELS)
+            f"--uvicorn-log-level: unknown level {uvicorn_log_level!r}",
+            "use " + " | ".join(LOG_LEVELS),
         )
-    log_level = log_level.lower()
     if vllm_target and engine != "vllm":
         raise UsageError("--vllm-target only applies to --engine vllm")
     if engine == "vllm":
         refuse_builtin_only(ctx)
+    from neuronctl.runnable import artifact_to_run
     from neuronctl.store.signing import TrustPolicy
-    from neuronctl.target import artifact_to_run
 
     launch_for, serving_host = named_target(vllm_target, dry_run)
     policy = TrustPolicy.load(trust_key, allow_unsigned)
@@ -161,26 +164,24 @@ def serve_command(
     if target.path is None:  # a dry run that would pull or compile first: nothing to load
         print_plan(target.plan(), json_out)
         return
-    path = target.path
+    given = ctx.get_parameter_source("uvicorn_log_level") is not ParameterSource.DEFAULT
+    settings = ServeSettings(
+        host=host,
+        port=port,
+        api_key=api_key,
+        served_model_name=served_model_name,
+        uvicorn_log_level=uvicorn_log_level.lower(),
+        log_level_given=given,
+        max_queue=max_queue,
+        max_body_bytes=max_body_bytes,
+        max_prompt_chars=max_prompt_chars or None,
+        dry_run=dry_run,
+        json_out=json_out,
+    )
     if engine == "vllm":
-        from neuronctl.cli._common import say_vouch
-        from neuronctl.engine.loader import vouch_for
-
-        say_vouch(vouch_for(path, policy))  # vLLM loads the artifact's code itself
-        given = ctx.get_parameter_source("log_level") is not ParameterSource.DEFAULT
-        server = VllmServer(host, port, api_key, served_model_name, log_level if given else None)
-        _serve_vllm(path, server, launch_for, dry_run, json_out)
-        return
-    from neuronctl.backends import prepare_load
-
-    prepare_load(path)  # on another core, while this one imports the server and torch
-    from neuronctl.server.app import Limits
-
-    limits = Limits(max_body_bytes, max_prompt_chars or None)
-    _serve_builtin(
-        path, host, port, api_key, served_model_name, max_queue, dry_run, json_out, log_level,
-        limits, policy,
-    )  # fmt: skip
+        _serve_vllm(target, settings, launch_for, policy)
+    else:
+        _serve_builtin(target, settings, policy)
 
 
 # The built-in server's own limits: vLLM's OpenAI server has no such flag in any generation
@@ -202,14 +203,21 @@ def refuse_builtin_only(ctx: typer.Context) -> None:
 
 
 @dataclass(frozen=True)
-class VllmServer:
-    """What `serve` passes on to vLLM's server, besides the artifact."""
+class ServeSettings:
+    """How `serve` serves, whichever engine: what it passes on to the server, besides the
+    artifact, and how it reports."""
 
     host: str
     port: int
     api_key: str | None
     served_model_name: str | None
-    log_level: str | None  # only when given: vLLM < 0.6 has no --uvicorn-log-level
+    uvicorn_log_level: str
+    log_level_given: bool  # vLLM < 0.6 has no --uvicorn-log-level: passed on only when given
+    max_queue: int  # the built-in server's limits (vLLM has no flag for them)
+    max_body_bytes: int
+    max_prompt_chars: int | None
+    dry_run: bool
+    json_out: bool
 
 
 def named_target(vllm_target: str | None, dry_run: bool) -> tuple[VllmTarget | None, bool]:
@@ -230,25 +238,29 @@ def named_target(vllm_target: str | None, dry_run: bool) -> tuple[VllmTarget | N
 
 
 def _serve_vllm(
-    path: Path, server: VllmServer, vllm_target: VllmTarget | None, dry_run: bool, json_out: bool
+    run: ArtifactToRun, settings: ServeSettings, vllm_target: VllmTarget | None,
+    policy: TrustPolicy,
 ) -> None:
-    from neuronctl.store.manifest import read_manifest
+    from neuronctl.cli._common import say_vouch
+    from neuronctl.store.signing import check_origin
     from neuronctl.vllm.launch import cli_target, serve_launch
 
-    manifest = read_manifest(path)
+    path, manifest = run.path, run.read_manifest()
+    assert path is not None
+    say_vouch(check_origin(path, manifest, policy))  # vLLM loads the artifact's code itself
     target = cli_target(manifest, vllm_target)
     launch = serve_launch(
         path,
         manifest,
-        host=server.host,
-        port=server.port,
-        served_model_name=server.served_model_name,
-        api_key=server.api_key,
-        log_level=server.log_level,
+        host=settings.host,
+        port=settings.port,
+        served_model_name=settings.served_model_name,
+        api_key=settings.api_key,
+        log_level=settings.uvicorn_log_level if settings.log_level_given else None,
         target=target,
     )
-    if dry_run:
-        print_launch(launch, json_out)
+    if settings.dry_run:
+        print_launch(launch, settings.json_out)
         return
     _print_notes(launch)
     from neuronctl.store.lease import hold
@@ -285,38 +297,34 @@ def _print_notes(launch: VllmLaunch) -> None:
         err_console.print(f"note: {note}", soft_wrap=True, markup=False)
 
 
-def _serve_builtin(
-    path: Path,
-    host: str,
-    port: int,
-    api_key: str | None,
-    served_model_name: str | None,
-    max_queue: int,
-    dry_run: bool,
-    json_out: bool,
-    log_level: str,
-    limits: Any,
-    policy: TrustPolicy,
-) -> None:
+def _serve_builtin(run: ArtifactToRun, settings: ServeSettings, policy: TrustPolicy) -> None:
+    from neuronctl.backends import prepare_load
+
+    path = run.path
+    assert path is not None
+    prepare_load(path)  # on another core, while this one imports the server and torch
     from neuronctl.engine.loader import make_engine, open_artifact
+    from neuronctl.server.app import Limits
     from neuronctl.server.run import run_server
 
-    loaded = open_artifact(path, validate=False, policy=policy)  # validated just before
-    name = served_model_name or loaded.model_name
+    # Validated just before: the load judges the manifest the checks read.
+    loaded = open_artifact(path, validate=False, policy=policy, manifest=run.manifest)
+    name = settings.served_model_name or loaded.model_name
     runner = loaded.runner
+    url = f"http://{settings.host}:{settings.port}/v1"
     plan = {
         "artifact": str(path),
         "served_model_name": name,
-        "url": f"http://{host}:{port}/v1",
+        "url": url,
         "batch_size": runner.batch_size,
         "seq_len": runner.seq_len,
         "max_prompt_tokens": min(runner.max_context_length, max(runner.context_buckets)),
-        "max_queue": max_queue,
-        "auth": api_key is not None,
+        "max_queue": settings.max_queue,
+        "auth": settings.api_key is not None,
         "trusted": loaded.vouch.describe() if loaded.vouch else None,
     }
-    if dry_run:
-        print_plan(plan, json_out)
+    if settings.dry_run:
+        print_plan(plan, settings.json_out)
         return
     from neuronctl.cli._common import say_vouch
 
@@ -324,21 +332,21 @@ def _serve_builtin(
 
     def banner() -> None:  # once the port is bound: a busy port never prints it
         err_console.print(
-            f"serving [bold]{name}[/bold] from {path} on {plan['url']} "
+            f"serving [bold]{name}[/bold] from {path} on {url} "
             f"({runner.batch_size} slots x {runner.seq_len} tokens)",
             soft_wrap=True,
         )
 
     run_server(
-        make_engine(loaded, max_queue),
+        make_engine(loaded, settings.max_queue),
         loaded,
         served_model_name=name,
-        host=host,
-        port=port,
-        api_key=api_key,
+        host=settings.host,
+        port=settings.port,
+        api_key=settings.api_key,
         max_model_len=runner.seq_len,
-        log_level=log_level,
-        limits=limits,
+        log_level=settings.uvicorn_log_level,
+        limits=Limits(settings.max_body_bytes, settings.max_prompt_chars),
         on_ready=banner,
     )
 

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 import typer
@@ -23,14 +22,13 @@ from neuronctl.cli._common import (
     with_spec_options,
 )
 from neuronctl.cli._progress import progress_for
-from neuronctl.errors import EXIT_FAILED, EXIT_OK, UsageError
+from neuronctl.errors import EXIT_FAILED, EXIT_OK
 from neuronctl.validate import Report, requested_spec, validate_artifact
 
 if TYPE_CHECKING:
-    from neuronctl.store.signing import TrustPolicy
+    pass
 
 ORDER = 30
-ARTIFACTS_ENV = "NEURON_COMPILED_ARTIFACTS"
 
 
 @with_spec_options
@@ -75,14 +73,15 @@ def validate_command(
 
       neuronctl validate -c neuronctl.toml --model ./llama --deep --json
     """
+    from neuronctl.store.resolve import resolve_artifact
     from neuronctl.store.signing import TrustPolicy
 
     policy = TrustPolicy.load(trust_key, allow_unsigned)
-    target = resolve_target(one_artifact(ctx, artifact, artifacts), store, policy)
+    path = resolve_artifact(one_artifact(ctx, artifact, artifacts), store, policy=policy)
     spec, sources = requested_spec(spec_flags, config)
     with progress_for(quiet=json_out or not deep, bytes_=True) as progress:
         report = validate_artifact(
-            target,
+            path,
             spec,
             model=model,
             revision=revision,
@@ -94,25 +93,11 @@ def validate_command(
     if json_out:
         print_json(report.as_dict())
     else:
-        render(report)
+        print_report(report)
     raise typer.Exit(EXIT_OK if report.reusable else EXIT_FAILED)
 
 
-def resolve_target(
-    path: str | None, store: Path | None, policy: TrustPolicy | None = None
-) -> Path:
-    """KEY|PATH|URL (store.resolve's one rule)."""
-    text = path
-    if not text:
-        raise UsageError(
-            "no artifact given", f"pass KEY or PATH, or set {ARTIFACTS_ENV} to an artifact"
-        )
-    from neuronctl.store.resolve import resolve_artifact
-
-    return resolve_artifact(text, store, policy=policy)
-
-
-def render(report: Report) -> None:
+def print_report(report: Report) -> None:
     rows = [[_mark(c.ok, c.kind), c.name, c.reason] for c in report.checks]
     print_table(str(report.path), ["", "check", "reason"], rows)
     if report.reusable:

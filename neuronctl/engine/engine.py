@@ -30,7 +30,7 @@ from neuronctl.engine.request import Event, FinishReason, Request, RequestOutput
 from neuronctl.engine.sampling import (
     Pick,
     SamplingParams,
-    resolve,
+    resolve_params,
     sample_step,
     token_logprobs,
 )
@@ -228,7 +228,7 @@ class Engine:
     ) -> RequestHandle:
         """Queue a request; raise RequestError, QueueFullError or EngineStoppedError.
         `client` and `group` are whose it is, for the scheduler's fair shares."""
-        resolved = resolve(params, self.global_topk)
+        resolved = resolve_params(params, self.global_topk)
         max_tokens = self._check_lengths(prompt_ids, resolved)
         events: EventQueue | None = None
         if sink is None:

@@ -51,9 +51,15 @@ class LoadedArtifact(TokenizedText):
 
 
 def open_artifact(
-    path: Path, validate: bool = True, policy: TrustPolicy | None = None
+    path: Path,
+    validate: bool = True,
+    policy: TrustPolicy | None = None,
+    manifest: Manifest | None = None,
 ) -> LoadedArtifact:
-    """Load the artifact directory `path` (what a reference names is target.py's to say).
+    """Load the artifact directory `path` (what a reference names is runnable.py's to say).
+    `manifest`: what the caller's reuse checks read just now (validate=False), so the
+    command reads it once; the load rule and the graphs' and weights' sha256s are judged
+    against it all the same.
 
     One identity throughout: the directory `path` resolves to now is what is leased, judged
     by the load rule and loaded, so a link to an artifact is leased as the artifact (and
@@ -61,7 +67,7 @@ def open_artifact(
     path = Path(path).resolve()
     lease = hold_lease(path)  # before reading it: `artifacts gc` keeps what is in use
     try:
-        loaded = _load(path, validate, policy)
+        loaded = _load(path, validate, policy, manifest)
     except BaseException:
         lease.release()
         raise
@@ -69,11 +75,15 @@ def open_artifact(
     return loaded
 
 
-def _load(root: Path, validate: bool, policy: TrustPolicy | None) -> LoadedArtifact:
-    if validate:
-        check_reusable(root)
-    manifest = read_manifest(root)
-    vouch = vouch_for(root, policy)  # before loading: graphs and libraries are code
+def _load(
+    root: Path, validate: bool, policy: TrustPolicy | None, manifest: Manifest | None
+) -> LoadedArtifact:
+    from neuronctl.store.signing import TrustPolicy, check_origin
+
+    if manifest is None:
+        manifest = check_reusable(root) if validate else read_manifest(root)
+    # Before loading: graphs and libraries are code.
+    vouch = check_origin(root, manifest, policy or TrustPolicy.load())
     with one_intra_op_thread():
         runner = get_backend(manifest.backend).load(root, manifest)
     tokenizer = load_tokenizer(root)
@@ -90,7 +100,7 @@ def one_intra_op_thread() -> Iterator[None]:
     The engine runs the model on its own thread. A team this (main) thread started while
     loading stays behind and takes cores from the engine's: on 2 cores, bf16 batch-1 decode
     from the engine thread ran at 21-26 tok/s after a loading team, 52-61 without one (the
-    same Runner from the main thread: 53-61). docs/performance.md has the measurement."""
+    same Runner from the main thread: 53-61). docs/performance-log.md has the measurement."""
     import torch
 
     threads = torch.get_num_threads()
@@ -99,14 +109,6 @@ def one_intra_op_thread() -> Iterator[None]:
         yield
     finally:
         torch.set_num_threads(threads)
-
-
-def vouch_for(path: Path, policy: TrustPolicy | None = None) -> Vouch:
-    """Who vouches for an artifact's code: a build on this host, a trusted signature, or
-    --allow-unsigned; a pulled artifact with none of them is refused (SignatureError)."""
-    from neuronctl.store.signing import TrustPolicy, check_origin
-
-    return check_origin(path, read_manifest(path), policy or TrustPolicy.load())
 
 
 def make_engine(loaded: LoadedArtifact, max_queue: int | None = None) -> Engine:

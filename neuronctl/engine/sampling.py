@@ -88,7 +88,9 @@ class SamplingParams:
         return self.argmax_picks and self.logprobs is None
 
 
-def resolve(params: SamplingParams, global_topk: int = DEFAULT_GLOBAL_TOPK) -> SamplingParams:
+def resolve_params(
+    params: SamplingParams, global_topk: int = DEFAULT_GLOBAL_TOPK
+) -> SamplingParams:
     """Check a request's parameters and apply the on-device rules; raise RequestError."""
     _check_types(params)
     _check_values(params)
@@ -249,7 +251,7 @@ def argmax_rows(logits: torch.Tensor) -> list[int]:
 
 
 def sample(logits: torch.Tensor, params: SamplingParams, gen: torch.Generator) -> int:
-    """One token from [vocab] float logits; params must have gone through `resolve`."""
+    """One token from [vocab] float logits; params must have gone through `resolve_params`."""
     if params.greedy:
         return argmax_rows(logits.unsqueeze(0))[0]
     values, indices = torch.topk(logits.float(), min(params.top_k, logits.numel()))

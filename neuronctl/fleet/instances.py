@@ -107,7 +107,7 @@ def cc_flag(flags: str, names: tuple[str, ...]) -> str | None:
     return None
 
 
-def sdk_release(text: str) -> tuple[int, int]:
+def parse_sdk_release(text: str) -> tuple[int, int]:
     parts = version_tuple(text)
     if len(parts) < 2 or parts[0] != 2:
         raise UsageError(f"--neuron-sdk: {text!r} is not a Neuron SDK release", "e.g. 2.24")

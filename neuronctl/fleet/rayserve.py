@@ -25,8 +25,9 @@ from ray import serve
 from starlette.requests import Request
 from starlette.responses import Response, StreamingResponse
 
-MOUNT = "/mnt/models"  # workload.MOUNT: where the argv deploy wrote expects the artifact
-INSTALL = ("neuronctl", "install")
+from neuronctl.fleet.workload import MOUNT  # where the argv deploy wrote expects the artifact
+
+INSTALL_ARGV = ("neuronctl", "install")
 START_TIMEOUT_S = 1800.0
 HOP_HEADERS = frozenset({"host", "content-length", "transfer-encoding", "connection"})
 
@@ -56,7 +57,7 @@ class NeuronctlServer:
         argv: list[str],
         env: dict[str, str] | None = None,
         served_model_name: str = "",
-        install: Sequence[str] = INSTALL,
+        install: Sequence[str] = INSTALL_ARGV,
         start_timeout_s: float = START_TIMEOUT_S,
     ) -> None:
         self.directory = tempfile.mkdtemp(prefix="neuronctl-replica-")
@@ -146,5 +147,5 @@ def app(args: dict[str, Any]) -> Any:
         list(args["argv"]),
         dict(args.get("env") or {}),
         str(args.get("served_model_name") or ""),
-        tuple(args.get("install") or INSTALL),
+        tuple(args.get("install") or INSTALL_ARGV),
     )

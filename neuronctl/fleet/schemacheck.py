@@ -30,7 +30,7 @@ DEFAULT_KUBERNETES = "1.33"
 
 
 @dataclass(frozen=True)
-class Source:
+class SchemaSource:
     """A vendored schema: the project's repository and the file in it."""
 
     repo: str
@@ -39,25 +39,25 @@ class Source:
     version: str = ""  # the CRD version served
 
 
-SOURCES: dict[str, Source] = {
-    "inferenceservice": Source(
+SOURCES: dict[str, SchemaSource] = {
+    "inferenceservice": SchemaSource(
         "kserve/kserve", "config/crd/full/serving.kserve.io_inferenceservices.yaml",
         "InferenceService", "v1beta1",
     ),
-    "clusterstoragecontainer": Source(
+    "clusterstoragecontainer": SchemaSource(
         "kserve/kserve",
         "config/crd/full/clusterstoragecontainer/serving.kserve.io_clusterstoragecontainers.yaml",
         "ClusterStorageContainer", "v1alpha1",
     ),
-    "leaderworkerset": Source(
+    "leaderworkerset": SchemaSource(
         "kubernetes-sigs/lws", "config/crd/bases/leaderworkerset.x-k8s.io_leaderworkersets.yaml",
         "LeaderWorkerSet", "v1",
     ),
-    "rayservice": Source(
+    "rayservice": SchemaSource(
         "ray-project/kuberay", "ray-operator/config/crd/bases/ray.io_rayservices.yaml",
         "RayService", "v1",
     ),
-    "production-stack-values": Source(
+    "production-stack-values": SchemaSource(
         "vllm-project/production-stack", "helm/values.schema.json", "values"
     ),
 }  # fmt: skip
@@ -91,7 +91,7 @@ def check_document(doc: dict[str, Any], kubernetes: str) -> str:
     return check_builtin(doc, kubernetes)
 
 
-def _group(source: Source) -> str:
+def _group(source: SchemaSource) -> str:
     return f"{source.kind} {source.version}"
 
 

@@ -18,6 +18,7 @@ from neuronctl.checks import Check
 from neuronctl.errors import NeuronctlError, NotFoundError, UsageError
 from neuronctl.fleet.instances import Instance
 from neuronctl.store.manifest import Manifest
+from neuronctl.store.signing import TRUSTED_KEYS_ENV
 
 if TYPE_CHECKING:
     from neuronctl.store.remote.client import RemoteStore
@@ -35,7 +36,6 @@ NEURON_CORE = "aws.amazon.com/neuroncore"  # single cores (the scheduler extensi
 # contiguous)
 KEYS_VOLUME = "trusted-keys"
 KEYS_MOUNT = "/etc/neuronctl/trusted-keys"
-TRUSTED_KEYS_ENV = "NEURONCTL_TRUSTED_KEYS"  # store/signing.py: files or directories of keys
 NEURON_TAINT = "aws.amazon.com/neuron"  # EKS Neuron node groups are commonly tainted with it
 INSTANCE_LABEL = "node.kubernetes.io/instance-type"
 SERVERS = ("vllm", "neuronctl")
@@ -304,7 +304,7 @@ def published_uri(remote: RemoteStore | OciStore, manifest: Manifest) -> str:
     if not remote.has(dirname):
         raise NotFoundError(
             f"artifact {dirname} is not published at {remote.url}: a pod could not install it",
-            f"push it first: neuronctl artifacts push {dirname} --remote {remote.url}",
+            f"push it first: neuronctl artifacts push {dirname} {remote.url}",
         )
     return remote.artifact_url(dirname)
 
@@ -370,11 +370,11 @@ def plan_workload(
 ) -> Workload:
     """The workload for `manifest` from `remote`, or the reason a pod could not load it as
     compiled (nothing is written then)."""
-    from neuronctl.fleet.instances import instance, load_checks, sdk_release
+    from neuronctl.fleet.instances import instance, load_checks, parse_sdk_release
 
     spec = manifest.spec
     where = instance(options.instance_type, spec) if options.instance_type else None
-    sdk = sdk_release(options.neuron_sdk) if options.neuron_sdk else None
+    sdk = parse_sdk_release(options.neuron_sdk) if options.neuron_sdk else None
     server = options.server or default_server(manifest)
     check_server(manifest, server)
     checks = load_checks(manifest, where, sdk, options.sdk_versions)

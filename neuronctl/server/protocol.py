@@ -17,6 +17,7 @@ from typing import Any, ClassVar, Literal
 from pydantic import BaseModel, ConfigDict, Field, SerializerFunctionWrapHandler, model_serializer
 
 from neuronctl.engine.errors import RequestError
+from neuronctl.engine.request import FinishReason
 from neuronctl.engine.sampling import MAX_LOGPROBS, SamplingParams
 
 
@@ -455,7 +456,6 @@ class Usage(_Out):
     total_tokens: int
 
 
-FinishReason = Literal["stop", "length", "abort", "error"] | None
 
 
 class CompletionLogprobs(_Out):
@@ -486,7 +486,7 @@ class CompletionChoice(_Out):
     omit_if_none = ("token_ids",)
     index: int
     text: str
-    finish_reason: FinishReason
+    finish_reason: FinishReason | None
     logprobs: CompletionLogprobs | None = None
     token_ids: list[int] | None = None  # extra, as vLLM's return_token_ids
 
@@ -510,7 +510,7 @@ class ChatChoice(_Out):
     omit_if_none = ("token_ids",)
     index: int
     message: AssistantMessage
-    finish_reason: FinishReason
+    finish_reason: FinishReason | None
     logprobs: ChatLogprobs | None = None
     token_ids: list[int] | None = None
 
@@ -534,7 +534,7 @@ class ChatChunkChoice(_Out):
     omit_if_none = ("token_ids",)
     index: int
     delta: Delta
-    finish_reason: FinishReason
+    finish_reason: FinishReason | None
     logprobs: ChatLogprobs | None = None
     token_ids: list[int] | None = None
 

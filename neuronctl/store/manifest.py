@@ -151,8 +151,8 @@ class Manifest(BaseModel):
     architecture: dict[str, Any]  # the model's config.json as compiled
     graphs: list[str] = Field(default_factory=list)  # relative paths of compiled graphs
     files: dict[str, FileEntry] = Field(default_factory=dict)
-    ops: OpChoice | None = None  # torch: the matmul paths (None before they were recorded)
-    record_sha256: str | None = None  # over RECORDED; None in manifests made before it
+    ops: OpChoice | None = None  # torch: the matmul paths (None for the other backends)
+    record_sha256: str | None = None  # over RECORDED; set by record_files at publish
 
     @field_validator("files")
     @classmethod
@@ -193,8 +193,6 @@ class Manifest(BaseModel):
 
     def recorded_sha256(self) -> str:
         data = self.model_dump(mode="json", include=set(RECORDED))
-        if data.get("ops") is None:  # a manifest from before the field: its digest as made
-            data.pop("ops", None)
         return hashlib.sha256(canonical_json(data).encode()).hexdigest()
 
     def record_problem(self) -> str | None:

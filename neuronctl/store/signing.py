@@ -64,6 +64,7 @@ from typing import Any
 
 from neuronctl.errors import NeuronctlError, UsageError
 from neuronctl.store.manifest import (
+    ARTIFACTS_DIR,
     MANIFEST,
     MAX_MANIFEST_BYTES,
     Manifest,
@@ -88,7 +89,6 @@ SIGNATURE_NAMES = (SIGNATURE, LEGACY_SIGNATURE)
 SIGNATURE_MEDIA_TYPE = BUNDLE_MEDIA_TYPE
 PROVENANCE = "provenance.json"
 GRAPH_ORIGIN = "graph-origin.json"
-ARTIFACTS_DIR = "neuron-compiled-artifacts"  # a store's layout (store/local.py)
 # A model.sig lists every file with its sha256, about as long as the manifest.
 MAX_SIGNATURE_BYTES = 2 * MAX_MANIFEST_BYTES
 MAX_PROVENANCE_BYTES = 4 * MAX_MANIFEST_BYTES  # a base64 manifest, its signature and a key

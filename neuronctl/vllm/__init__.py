@@ -17,14 +17,15 @@ One module per job, each importing only those above it in this list:
 - detect.py: which vLLM the launch is for (`VllmTarget`: installed, or `--vllm-target`).
 - support.py: which artifacts each generation can load; `refuse` for the rest.
 - rules.py: the engine arguments and variables each generation gets (`LaunchPlan`).
-- launch.py: the argv and environment of a launch (`serve_launch`, `generate_launch`).
+- launch.py: the argv and environment of a launch (`serve_launch`, `generate_launch`), and
+  the vLLM child process `generate` runs (`run_with_prompts`).
 - dirname.py: the md5 directory name vLLM B's NxDI loader computes (`neuronctl hash --vllm`).
 - offline.py: the program `generate_launch` runs inside vLLM (`python -m neuronctl.vllm`).
 
 Every value comes from the artifact's manifest; the rules per generation, with the source
 lines they come from, are pinned in tests/test_vllm.py and tabulated in docs/neuron.md.
 neuronctl's own code imports from the modules; the names below are for scripts that drive a
-launch from outside the package (`Target` is VllmTarget's name from before the rename).
+launch from outside the package.
 """
 
 from neuronctl.vllm.artifact import NXDI, TNX
@@ -33,14 +34,11 @@ from neuronctl.vllm.dirname import vllm_dirname_exact
 from neuronctl.vllm.launch import generate_launch, serve_launch
 from neuronctl.vllm.rules import PLUGIN_ENTRY, LaunchPlan, plan_launch
 
-Target = VllmTarget
-
 __all__ = [
     "NXDI",
     "PLUGIN_ENTRY",
     "TNX",
     "LaunchPlan",
-    "Target",
     "VllmTarget",
     "generate_launch",
     "plan_launch",

@@ -4,14 +4,9 @@
 from __future__ import annotations
 
 from neuronctl.errors import NeuronctlError, UsageError
-from neuronctl.spec import BuildSpec
+from neuronctl.spec import FRAMEWORK_BACKENDS, NXDI, TNX, BuildSpec
 from neuronctl.store.manifest import Manifest
 
-# The Neuron libraries vLLM loads an artifact with (VLLM_NEURON_FRAMEWORK's values) and the
-# neuronctl backend that builds for each.
-NXDI = "neuronx-distributed-inference"
-TNX = "transformers-neuronx"
-FRAMEWORK_BACKENDS = {NXDI: "nxdi", TNX: "tnx"}
 FRAMEWORK_ALIASES = {"nxdi": NXDI, "tnx": TNX, NXDI: NXDI, TNX: TNX}
 
 

@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import json
 import sys
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -14,7 +14,7 @@ from neuronctl.errors import NeuronctlError, UsageError
 from neuronctl.store.manifest import Manifest, Source, served_name
 from neuronctl.vllm.artifact import artifact_spec, framework_for
 from neuronctl.vllm.detect import VllmTarget, dotted, require_target
-from neuronctl.vllm.rules import plan_launch
+from neuronctl.vllm.rules import STDIN, plan_launch
 from neuronctl.vllm_generations import Generation
 
 # The 0.3/0.5 CLI's --block-size choices; 0.6.x-neuron has [8, 16, 32].
@@ -25,7 +25,6 @@ OLD_BLOCK_SIZES = (8, 16, 32, 128)
 API_KEY_ENV = "VLLM_API_KEY"
 # --uvicorn-log-level is in cli_args.py from 0.6 (v0.6.x-neuron cli_args.py:82) on.
 UVICORN_LOG_LEVEL_FROM = (0, 6)
-STDIN = "-"  # offline.py's --prompts for JSON lines on standard input
 PYTHON = "python3"  # a printed launch runs in the serving host's Python, not this one
 HEREDOC_END = "NEURONCTL_PROMPTS"  # never a JSONL line: those start with {
 
@@ -130,8 +129,8 @@ def serve_launch(
     if log_level is not None:
         if plan.target.vllm < UVICORN_LOG_LEVEL_FROM:
             raise UsageError(
-                f"--log-level: vLLM {dotted(plan.target.vllm)} has no --uvicorn-log-level",
-                "leave --log-level out for this vLLM",
+                f"--uvicorn-log-level: vLLM {dotted(plan.target.vllm)} has no --uvicorn-log-level",
+                "leave --uvicorn-log-level out for this vLLM",
             )
         argv += ["--uvicorn-log-level", log_level]
     argv += list(extra_args)
@@ -213,3 +212,27 @@ def env_exports(
 ) -> dict[str, str]:
     """The variables that make this generation of vLLM reuse the artifact."""
     return plan_launch(artifact, manifest, target, framework).env
+
+
+def run_with_prompts(lines: str, launch_for: Callable[[Path | None], VllmLaunch]) -> int:
+    """Run the vLLM program (`generate` with --engine vllm) over the prompts in a temporary
+    file, removed when it exits; its exit status. SIGTERM and SIGHUP are passed on to it;
+    Ctrl-C reaches it from the terminal."""
+    import os
+    import signal
+    import subprocess
+    import tempfile
+
+    with tempfile.TemporaryDirectory(prefix="neuronctl-prompts-") as folder:
+        prompts_file = Path(folder) / "prompts.jsonl"
+        prompts_file.write_text(lines)
+        launch = launch_for(prompts_file)
+        child = subprocess.Popen(launch.argv, env={**os.environ, **launch.env})
+        forwarded = (signal.SIGTERM, signal.SIGHUP)
+        previous = {sig: signal.signal(sig, lambda n, _: child.send_signal(n)) for sig in forwarded}
+        previous[signal.SIGINT] = signal.signal(signal.SIGINT, signal.SIG_IGN)
+        try:
+            return child.wait()
+        finally:
+            for sig, handler in previous.items():
+                signal.signal(sig, handler)

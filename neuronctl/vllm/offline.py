@@ -9,7 +9,7 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
-STDIN = "-"  # --prompts - : JSON lines on standard input (launch.STDIN, a printed launch)
+from neuronctl.vllm.rules import STDIN
 
 
 def read_prompts(path: Path) -> list[str]:

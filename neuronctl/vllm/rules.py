@@ -23,6 +23,8 @@ from neuronctl.vllm.detect import VllmTarget, resolve_target
 from neuronctl.vllm.support import refuse
 from neuronctl.vllm_generations import Generation
 
+STDIN = "-"  # offline.py's --prompts for JSON lines on standard input
+
 # neuronctl's quantization dtype (NxDI's name) -> vLLM's NEURON_QUANT_DTYPE spelling (TNx only).
 QUANT_ENV = {"int8": "s8", "f8e4m3": "f8e4m3fn"}
 TNX_COMPILE_CACHE = "neuron-compile-cache"  # inside a tnx artifact (backends/tnx COMPILE_CACHE)

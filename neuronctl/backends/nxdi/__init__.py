@@ -20,6 +20,7 @@ from neuronctl.backends.nxdi import sdk
 from neuronctl.backends.nxdi.config import check_override, neuron_config_kwargs
 from neuronctl.checks import Check
 from neuronctl.errors import BuildError, NeuronctlError, SpecError
+from neuronctl.sharding import shard_name
 
 if TYPE_CHECKING:
     from neuronctl.backends.base import Runner
@@ -29,8 +30,9 @@ if TYPE_CHECKING:
 GRAPH = "model.pt"
 
 
-def shard_name(rank: int) -> str:
-    return f"weights/tp{rank}_sharded_checkpoint.safetensors"
+def weights_file(rank: int) -> str:
+    """Where NxD Inference's save_sharded_checkpoint writes a rank's weights."""
+    return f"weights/{shard_name(rank)}"
 
 
 def remove_path(path: Path) -> None:
@@ -42,7 +44,7 @@ def remove_path(path: Path) -> None:
 
 
 def expected_files(tp_degree: int) -> list[str]:
-    return [NEURON_CONFIG, GRAPH, *(shard_name(r) for r in range(tp_degree))]
+    return [NEURON_CONFIG, GRAPH, *(weights_file(r) for r in range(tp_degree))]
 
 
 class NxdiBackend:
@@ -53,9 +55,9 @@ class NxdiBackend:
         return sdk.versions()
 
     def architectures(self) -> Mapping[str, str]:
-        from neuronctl.checkpoints.registry import ARCHITECTURES
+        from neuronctl.families import architectures
 
-        return ARCHITECTURES["nxdi"]
+        return architectures("nxdi")
 
     def check(self, spec: BuildSpec, config: Mapping[str, Any]) -> None:
         model_type = config.get("model_type")

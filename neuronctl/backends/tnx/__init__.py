@@ -108,9 +108,9 @@ class TnxBackend:
         return sdk_versions(PACKAGES, unavailable)
 
     def architectures(self) -> Mapping[str, str]:
-        from neuronctl.checkpoints.registry import ARCHITECTURES
+        from neuronctl.families import architectures
 
-        return ARCHITECTURES["tnx"]
+        return architectures("tnx")
 
     def check(self, spec: BuildSpec, config: Mapping[str, Any]) -> None:
         tnx_config.check(spec, config)

@@ -41,9 +41,9 @@ class TorchBackend:
         return versions.graph_versions(str(spec.compiler), str(spec.dtype), spec.quantized)
 
     def architectures(self) -> Mapping[str, str]:
-        from neuronctl.checkpoints.registry import ARCHITECTURES
+        from neuronctl.families import architectures
 
-        return ARCHITECTURES["torch"]
+        return architectures("torch")
 
     def check(self, spec: BuildSpec, config: Mapping[str, Any]) -> None:
         from neuronctl.backends.torch.config import args_from_config, check_args
@@ -70,7 +70,7 @@ class TorchBackend:
 
     def build(self, request: BuildRequest) -> BuildResult:
         from neuronctl.backends.torch import kernel, neuron_config
-        from neuronctl.backends.torch.graphs import DTYPES, build_graphs, graph_timeout
+        from neuronctl.backends.torch.graphs import TORCH_DTYPES, build_graphs, graph_timeout
         from neuronctl.backends.torch.opchoice import BLOCKED
         from neuronctl.backends.torch.weights import GRAPH_WEIGHTS, write_graph_weights
 
@@ -100,7 +100,8 @@ class TorchBackend:
 
             checkpoint = QuantizedCheckpoint.wrap(checkpoint, spec)
         write_graph_weights(
-            checkpoint, args_from_config(config), DTYPES[str(spec.dtype)], bool(spec.quantized),
+            checkpoint, args_from_config(config), TORCH_DTYPES[str(spec.dtype)],
+            bool(spec.quantized),
             ops.layout == BLOCKED, staging / "weights" / GRAPH_WEIGHTS,
             request.progress,
         )
@@ -141,25 +142,25 @@ def check_tensors(checkpoint: Checkpoint, args: ModelArgs) -> None:
             )
 
 
-def op_target(spec: BuildSpec, config: dict[str, Any]) -> opchoice.Target:
+def op_inputs(spec: BuildSpec, config: dict[str, Any]) -> opchoice.ChoiceInputs:
     from neuronctl.backends.torch import opchoice
     from neuronctl.backends.torch.config import Numerics, args_from_config
-    from neuronctl.backends.torch.graphs import DTYPES, context_rows, graph_rows
+    from neuronctl.backends.torch.graphs import TORCH_DTYPES, context_rows, graph_rows
 
     assert isinstance(spec.context_buckets, list)
     compute = host.compute_dtype(str(spec.dtype), spec.quantized, host.half_units())
-    numerics = Numerics(DTYPES[str(spec.dtype)], DTYPES[compute], spec.quantized)
+    numerics = Numerics(TORCH_DTYPES[str(spec.dtype)], TORCH_DTYPES[compute], spec.quantized)
     rows = graph_rows(spec.context_buckets, spec.batch_size)
     args = args_from_config(config)
     contexts = context_rows(spec.context_buckets, spec.batch_size)
-    return opchoice.target_for(spec, args, numerics, rows, host.cpu_flags(), contexts)
+    return opchoice.inputs_for(spec, args, numerics, rows, host.cpu_flags(), contexts)
 
 
 def choose_ops(spec: BuildSpec, config: dict[str, Any]) -> OpChoice:
     """The matmul paths of a fresh build (opchoice: measured here, or by the rules)."""
     from neuronctl.backends.torch import opchoice
 
-    return opchoice.choose(op_target(spec, config))
+    return opchoice.choose(op_inputs(spec, config))
 
 
 def donor_choice(donor: Path, spec: BuildSpec, config: dict[str, Any]) -> OpChoice:
@@ -172,7 +173,7 @@ def donor_choice(donor: Path, spec: BuildSpec, config: dict[str, Any]) -> OpChoi
     if recorded is not None:
         return recorded
     layout = opchoice.legacy_layout(neuron_config.read(donor))
-    return opchoice.by_rules(op_target(spec, config), layout)
+    return opchoice.by_rules(op_inputs(spec, config), layout)
 
 
 def graph_jobs(

@@ -81,7 +81,7 @@ class AccuracyResult:
         )
 
 
-def check_accuracy(
+def compare_with_transformers(
     artifact_path: Path,
     checkpoint_path: Path,
     mode: str = "token-matching",

@@ -13,15 +13,11 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from neuronctl.errors import CheckpointError, SpecError
+from neuronctl.families import BY_ARCHITECTURE, ModelFamily, architectures
 
 if TYPE_CHECKING:
     import torch
 
-ARCHITECTURES = {
-    "LlamaForCausalLM": "Llama 2/3/3.1/3.2 (default, linear and llama3 rope)",
-    "MistralForCausalLM": "Mistral (sliding window only when >= seq_len)",
-    "Qwen2ForCausalLM": "Qwen2/2.5 (qkv bias; sliding window only when >= seq_len)",
-}
 ROPE_TYPES = ("default", "linear", "llama3")
 
 
@@ -68,10 +64,11 @@ def args_from_config(config: Mapping[str, Any]) -> ModelArgs:
     """Read a config.json (old and new transformers spellings); refuse what we cannot run."""
     archs = config.get("architectures") or []
     arch = archs[0] if archs else None
-    if arch not in ARCHITECTURES:
+    family = BY_ARCHITECTURE.get(str(arch))
+    if family is None or "torch" not in family.builds:
         raise CheckpointError(
             f"architecture {arch!r} is not supported by the torch backend",
-            "supported: " + ", ".join(ARCHITECTURES),
+            "supported: " + ", ".join(architectures("torch")),
         )
     act = config.get("hidden_act", "silu")
     if act != "silu":
@@ -81,7 +78,7 @@ def args_from_config(config: Mapping[str, Any]) -> ModelArgs:
     heads = int(config["num_attention_heads"])
     attention_bias = bool(config.get("attention_bias", False))
     return ModelArgs(
-        architecture=arch,
+        architecture=family.architecture,
         vocab_size=int(config["vocab_size"]),
         hidden_size=int(config["hidden_size"]),
         intermediate_size=int(config["intermediate_size"]),
@@ -92,11 +89,12 @@ def args_from_config(config: Mapping[str, Any]) -> ModelArgs:
         rms_norm_eps=float(config.get("rms_norm_eps", 1e-6)),
         rope=rope_parameters(config),
         tie_word_embeddings=bool(config.get("tie_word_embeddings", False)),
-        # Qwen2 always has q/k/v bias; Llama's attention_bias adds it to q/k/v and o.
-        qkv_bias=arch == "Qwen2ForCausalLM" or attention_bias,
-        o_bias=arch != "Qwen2ForCausalLM" and attention_bias,
+        # A qkv_bias family (Qwen2) always has q/k/v biases; Llama's attention_bias adds
+        # them to q/k/v and o.
+        qkv_bias=family.qkv_bias or attention_bias,
+        o_bias=not family.qkv_bias and attention_bias,
         max_position_embeddings=config.get("max_position_embeddings"),
-        sliding_window=_sliding_window(arch, config),
+        sliding_window=_sliding_window(family, config),
     )
 
 
@@ -118,11 +116,11 @@ def rope_parameters(config: Mapping[str, Any]) -> dict[str, Any]:
     return params
 
 
-def _sliding_window(arch: str, config: Mapping[str, Any]) -> int | None:
+def _sliding_window(family: ModelFamily, config: Mapping[str, Any]) -> int | None:
     window = config.get("sliding_window")
     if not window:
         return None
-    if arch == "MistralForCausalLM":
+    if family.windowed:
         return int(window)
     layer_types = config.get("layer_types") or []
     if "sliding_attention" in layer_types:

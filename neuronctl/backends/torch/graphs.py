@@ -37,7 +37,7 @@ GRAPHS_DIR = "graphs"
 REPORT_DIR = "report"
 CONTEXT = "context_encoding"
 TOKEN_GEN = "token_generation"
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -65,8 +65,8 @@ class GraphJob:
 
     @property
     def numerics(self) -> Numerics:
-        storage = DTYPES[self.dtype]
-        compute = DTYPES[self.compute] if self.compute else storage
+        storage = TORCH_DTYPES[self.dtype]
+        compute = TORCH_DTYPES[self.compute] if self.compute else storage
         return Numerics(storage, compute, self.quantized)
 
     @property
@@ -114,7 +114,7 @@ def context_rows(context_buckets: list[int], batch_size: int) -> tuple[int, ...]
 def example_inputs(job: GraphJob) -> tuple[Any, ...]:
     """Inputs with the graph's static shapes; values are never read while tracing."""
     args = args_from_config(job.config)
-    dtype = DTYPES[job.dtype]
+    dtype = TORCH_DTYPES[job.dtype]
     shapes = graph_shapes(args, dtype, job.packed, job.quantized, job.blocked)
     weights = {name: torch.empty(t.shape, dtype=t.dtype) for name, t in shapes.items()}
     cache_shape = (job.batch_size, args.num_kv_heads, job.seq_len, args.head_dim)
@@ -280,7 +280,7 @@ def _build_in_pool(
                     raise BuildError(
                         f"no graph finished in {timeout:.0f} s (pending: {names}); "
                         "killed the compile workers",
-                        f"raise {GRAPH_TIMEOUT_ENV} on a slow host, or use --workers 1",
+                        f"raise {GRAPH_TIMEOUT_ENV} on a slow host, or use --jobs 1",
                     )
                 for future in finished:
                     job = pending.pop(future)

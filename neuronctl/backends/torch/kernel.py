@@ -213,7 +213,7 @@ def _build() -> Path:
 
     The child's compiler processes die with it, and it dies with us; a build that runs past
     the timeout is killed with every process below it, and fails."""
-    build_dir = cache_dir()
+    build_dir = kernel_cache_dir()
     library = build_dir / f"{library_stem()}.so"
     if not _built(library):  # else: no child, no compiler, no lock
         build_dir.mkdir(parents=True, exist_ok=True)
@@ -388,6 +388,6 @@ def _build_env() -> dict[str, str]:
     return env
 
 
-def cache_dir() -> Path:
+def kernel_cache_dir() -> Path:
     """Where the built library lives: the user's own cache, like inductor's."""
     return user_cache_store() / "kernels" / f"torch{torch.__version__}-{digest()}"

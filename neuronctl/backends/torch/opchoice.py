@@ -14,7 +14,7 @@ Paths, and the weight layouts each reads (layout.graph_sources):
   does not run (arm64, x86 without AVX2).
 
 A graph computes (activations and matmuls) in float32, or in its storage dtype where the CPU
-has units for that dtype (`Target.computes`); each row count gets its own. An artifact holds
+has units for that dtype (`ChoiceInputs.computes`); each row count gets its own. An artifact holds
 its weights once, in one layout; per row count its graphs take the fastest (path, compute
 dtype) that reads that layout. The row counts are those the graphs run at: the
 token-generation batch and each context bucket times the prompts per call.
@@ -74,7 +74,7 @@ READS: dict[MatmulPath, tuple[WeightLayout, ...]] = {
     KERNEL: (BLOCKED, PLAIN), ONEDNN: (PACKED,), ATEN: (PLAIN,), GEMV: (PLAIN,)}
 # How a candidate's name spells its compute dtype, and the dtype the record names.
 SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
-DTYPE_NAMES: dict[torch.dtype, ComputeDtype] = {
+COMPUTE_DTYPE_NAMES: dict[torch.dtype, ComputeDtype] = {
     torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
 # The GEMV's batch range (rules): measured on a 2-core AVX-512 host, it streams weights at
 # full bandwidth up to 4 rows, aten's GEMM wins beyond (docs/torch-backend.md). Weights
@@ -103,11 +103,11 @@ REPS = 4
 GENERATED = 128
 
 # (target, rows) -> milliseconds one step's projections take by each candidate: one round
-Timer = Callable[["Target", int], dict[str, float]]
+Timer = Callable[["ChoiceInputs", int], dict[str, float]]
 
 
 @dataclass(frozen=True)
-class Target:
+class ChoiceInputs:
     """What the choice depends on besides timings."""
 
     args: ModelArgs
@@ -165,14 +165,14 @@ def split(name: str) -> tuple[MatmulPath, WeightLayout, torch.dtype]:
     return path, layout, compute  # type: ignore[return-value]
 
 
-def target_for(
+def inputs_for(
     spec: BuildSpec, args: ModelArgs, numerics: Numerics,
     rows: tuple[int, ...], cpu_flags: str | None = None, context_rows: tuple[int, ...] = (),
-) -> Target:
+) -> ChoiceInputs:
     """The choice's inputs for a spec: `rows` the graphs' (graphs.graph_rows)."""
     compiler = str(spec.compiler)
     flags = host.cpu_flags() if cpu_flags is None else cpu_flags
-    return Target(
+    return ChoiceInputs(
         args=args,
         numerics=numerics,
         compiler=compiler,
@@ -193,7 +193,7 @@ def mode() -> str:
     return value
 
 
-def choose(target: Target, timer: Timer | None = None) -> OpChoice:
+def choose(target: ChoiceInputs, timer: Timer | None = None) -> OpChoice:
     """The artifact's choice: measured where it can be and the mode asks for it."""
     if target.measurable and mode() == MEASURE:
         return measured(target, timer or step_ms)
@@ -203,7 +203,7 @@ def choose(target: Target, timer: Timer | None = None) -> OpChoice:
 # --- the rules -------------------------------------------------------------------------------
 
 
-def rule_layout(target: Target) -> WeightLayout:
+def rule_layout(target: ChoiceInputs) -> WeightLayout:
     """Blocked where the kernel runs and the graphs compute in float32 (it widens bf16 and
     int8 in registers as they stream); packed for batches above the GEMV's range whose
     weights are in the dtype oneDNN computes natively; plain elsewhere."""
@@ -214,7 +214,7 @@ def rule_layout(target: Target) -> WeightLayout:
     return PLAIN
 
 
-def rule_path(target: Target, layout: str, rows: int) -> MatmulPath:
+def rule_path(target: ChoiceInputs, layout: str, rows: int) -> MatmulPath:
     if layout == BLOCKED:
         return KERNEL
     if layout == PACKED:
@@ -228,10 +228,10 @@ def rule_path(target: Target, layout: str, rows: int) -> MatmulPath:
     return ATEN  # int8 token generation: aten's int8 kernel (linear.linear_for)
 
 
-def by_rules(target: Target, layout: WeightLayout | None = None) -> OpChoice:
+def by_rules(target: ChoiceInputs, layout: WeightLayout | None = None) -> OpChoice:
     """The rules: the compute dtype the CPU's units allow (host.compute_dtype) everywhere."""
     layout = layout or rule_layout(target)
-    compute = DTYPE_NAMES[target.numerics.compute]
+    compute = COMPUTE_DTYPE_NAMES[target.numerics.compute]
     rows = [RowChoice(rows=r, path=rule_path(target, layout, r), compute=compute)
             for r in target.rows]
     return OpChoice(layout=layout, rows=rows, chosen_by=RULES)
@@ -240,7 +240,7 @@ def by_rules(target: Target, layout: WeightLayout | None = None) -> OpChoice:
 # --- measuring -------------------------------------------------------------------------------
 
 
-def request_weights(target: Target) -> dict[int, float]:
+def request_weights(target: ChoiceInputs) -> dict[int, float]:
     """How often a served request runs each row count's graphs: its prompt once, in one
     context-encoding call (each context row count alike), then GENERATED token-generation
     steps. A row count both kinds run at adds both."""
@@ -252,7 +252,7 @@ def request_weights(target: Target) -> dict[int, float]:
     return weights
 
 
-def sampled_ms(target: Target, timer: Timer, timed: list[int]) -> dict[int, dict[str, float]]:
+def sampled_ms(target: ChoiceInputs, timer: Timer, timed: list[int]) -> dict[int, dict[str, float]]:
     """Each candidate's fastest of ROUNDS rounds per timed row count; the rounds interleave
     the row counts, so a burst of load slows one round of each, not every round of one."""
     best = {rows: dict.fromkeys(target.candidates, float("inf")) for rows in timed}
@@ -263,7 +263,7 @@ def sampled_ms(target: Target, timer: Timer, timed: list[int]) -> dict[int, dict
     return best
 
 
-def measured(target: Target, timer: Timer) -> OpChoice:
+def measured(target: ChoiceInputs, timer: Timer) -> OpChoice:
     """The layout a request (request_weights) costs least on, the rules' unless another
     beats it by MARGIN; then per row count the fastest candidate reading it (the rules'
     path and dtype unless another beats it by MARGIN)."""
@@ -288,7 +288,7 @@ def measured(target: Target, timer: Timer) -> OpChoice:
     for r in target.rows:
         preferred = candidate(rule_path(target, layout, r), layout, compute)
         path, _, dtype = split(_fastest(ms[r], readers[layout], preferred))
-        rows.append(RowChoice(rows=r, path=path, compute=DTYPE_NAMES[dtype],
+        rows.append(RowChoice(rows=r, path=path, compute=COMPUTE_DTYPE_NAMES[dtype],
                               timed_rows=timed_rows[r], ms=_rounded(ms[r])))
     return OpChoice(layout=layout, rows=rows, chosen_by=MEASURE)
 
@@ -304,7 +304,7 @@ def _rounded(ms: dict[str, float]) -> dict[str, float]:
     return {name: round(value, 3) for name, value in ms.items()}
 
 
-def projection_shapes(target: Target, rows: int) -> list[tuple[tuple[int, int], int]]:
+def projection_shapes(target: ChoiceInputs, rows: int) -> list[tuple[tuple[int, int], int]]:
     """([N, K], how many per step) of every matrix a step multiplies by at `rows` rows: the
     fused projections once per layer, the LM head at token generation's rows (a context
     graph applies it to one row per prompt)."""
@@ -319,7 +319,7 @@ def projection_shapes(target: Target, rows: int) -> list[tuple[tuple[int, int], 
     return shapes
 
 
-def step_ms(target: Target, rows: int) -> dict[str, float]:
+def step_ms(target: ChoiceInputs, rows: int) -> dict[str, float]:
     """One round: milliseconds one step's projections take by each candidate at `rows` rows
     (eagerly, on random weights in the artifact's storage dtype). The candidates take turns
     every call, so a burst of load elsewhere slows them alike."""
@@ -334,7 +334,7 @@ def step_ms(target: Target, rows: int) -> dict[str, float]:
 
 
 def _call(
-    target: Target, name: str, shape: tuple[int, int], rows: int
+    target: ChoiceInputs, name: str, shape: tuple[int, int], rows: int
 ) -> Callable[[], torch.Tensor]:
     path, layout, compute = split(name)
     numerics = target.numerics

@@ -12,7 +12,13 @@ import torch
 from neuronctl.backends.torch import neuron_config, opchoice
 from neuronctl.backends.torch.attention import inv_freq
 from neuronctl.backends.torch.config import ModelArgs, args_from_config
-from neuronctl.backends.torch.graphs import CONTEXT, DTYPES, TOKEN_GEN, graph_name, prompt_counts
+from neuronctl.backends.torch.graphs import (
+    CONTEXT,
+    TOKEN_GEN,
+    TORCH_DTYPES,
+    graph_name,
+    prompt_counts,
+)
 from neuronctl.backends.torch.layout import new_kv_cache
 from neuronctl.backends.torch.linear import can_pack, pack_weight, packed_names
 from neuronctl.backends.torch.safeload import check_export_graph, load_export_graph
@@ -43,7 +49,7 @@ class TorchRunner:
         self.context_buckets = list(spec.context_buckets)
         self.token_gen_buckets = list(spec.token_gen_buckets)
         self.vocab_size = self.args.vocab_size
-        self.dtype = DTYPES[str(spec.dtype)]
+        self.dtype = TORCH_DTYPES[str(spec.dtype)]
         self.compiler = str(spec.compiler)
         # The manifest's op choice says how the graphs read the weights: oneDNN-prepacked
         # (linear.packed_linear), blocked for neuronctl's kernel (kernel.block) or plain.

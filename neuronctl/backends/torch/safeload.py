@@ -313,13 +313,13 @@ def _is_json(data: bytes) -> bool:
 def artifact_problem(root: Path, manifest: Any) -> str | None:
     """validate --deep: the first export graph of a torch artifact that is not pure data."""
     try:
-        check_artifact(root, manifest)
+        check_export_graphs(root, manifest)
     except UnsafeGraphError as exc:
         return exc.message
     return None
 
 
-def check_artifact(root: Path, manifest: Any) -> None:
+def check_export_graphs(root: Path, manifest: Any) -> None:
     """Raise UnsafeGraphError for the first export graph that is not pure data. Run when an
     artifact is opened, since graphs load lazily and a refusal mid-request helps nobody."""
     spec = manifest.spec

@@ -36,13 +36,14 @@ from neuronctl.backends.torch.layout import (
     is_matrix,
 )
 from neuronctl.checkpoints.safetensors_format import (
-    DTYPE_NAMES,
+    SAFETENSORS_CODES,
     TensorInfo,
     read_header,
     write_tensor_bytes,
 )
 from neuronctl.errors import CheckpointError
 from neuronctl.progress import NullProgress, Progress
+from neuronctl.sharding import SHARD_NAME
 
 if TYPE_CHECKING:
     from neuronctl.checkpoints import Checkpoint
@@ -55,7 +56,7 @@ HUGE_ENOUGH = 0.5
 # A cache line: each weight starts on its own (inductor's code assumes inputs 16-byte aligned).
 ALIGN = 64
 PAD = "neuronctl.pad."  # padding entries' name prefix: never a graph tensor
-FORMAT = "graph-1"
+WEIGHTS_FORMAT = "graph-1"
 Layout = dict[str, tuple[tuple[int, ...], torch.dtype]]
 
 
@@ -73,7 +74,7 @@ def write_graph_weights(
     `path`, one graph tensor in memory at a time. A failure leaves no file."""
     layout = stored_layout(args, dtype, quantized, blocked)
     sources = graph_sources(args, quantized, False, blocked)
-    header, offsets = _header(layout, {"neuronctl.weights": FORMAT,
+    header, offsets = _header(layout, {"neuronctl.weights": WEIGHTS_FORMAT,
                                        "neuronctl.dtype": str(dtype).removeprefix("torch.")})
     advance = (progress or NullProgress()).task(
         "writing weights", total=sum(_nbytes(shape, dt) for shape, dt in layout.values()))
@@ -159,7 +160,7 @@ def _header(layout: Layout, metadata: dict[str, str]) -> tuple[bytes, dict[str, 
                                      "data_offsets": [offset, offset + gap]}
             pads, offset = pads + 1, offset + gap
         nbytes = _nbytes(shape, dtype)
-        table[name] = {"dtype": DTYPE_NAMES[dtype], "shape": list(shape),
+        table[name] = {"dtype": SAFETENSORS_CODES[dtype], "shape": list(shape),
                        "data_offsets": [offset, offset + nbytes]}
         starts[name], offset = offset, offset + nbytes
     text = json.dumps(table, separators=(",", ":")).encode()
@@ -179,7 +180,7 @@ def load_graph_weights(
     """
     path = weights_dir / GRAPH_WEIGHTS
     if not path.is_file():
-        older = any(weights_dir.glob("tp*_sharded_checkpoint.safetensors"))
+        older = any(weights_dir.glob(SHARD_NAME.format(rank="*")))
         raise CheckpointError(
             f"{weights_dir} has no {GRAPH_WEIGHTS}"
             + (" (its tp shards are an older neuronctl's torch format)" if older else ""),
@@ -218,7 +219,7 @@ def _checked_offsets(path: Path, layout: Layout) -> tuple[dict[str, int], bytes,
     each on its boundary (read_header has checked the offsets cover the file); the header's
     bytes and the file's size, which the mapping must have too."""
     infos, metadata = read_header(path)
-    if metadata.get("neuronctl.weights") != FORMAT:
+    if metadata.get("neuronctl.weights") != WEIGHTS_FORMAT:
         raise CheckpointError(f"{path} was not written by this neuronctl's compile", RECOMPILE)
     names = [name for name in infos if not name.startswith(PAD)]
     if names != list(layout):

@@ -74,10 +74,10 @@ class OciRef:
             return True
         if asked in ("0", "false", "no"):
             return False
-        return is_loopback(self.registry)
+        return registry_is_loopback(self.registry)
 
 
-def is_loopback(registry: str) -> bool:
+def registry_is_loopback(registry: str) -> bool:
     host = registry.rsplit(":", 1)[0] if not registry.startswith("[") else registry
     host = host.split("]")[0].lstrip("[")
     if host == "localhost":

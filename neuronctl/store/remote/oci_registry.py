@@ -34,7 +34,7 @@ MAX_OCI_MANIFEST_BYTES = 4 * 1024 * 1024  # the limit registries apply to a mani
 CONNECT_TIMEOUT = 15.0
 READ_TIMEOUT = 120.0  # seconds without a byte from the registry
 UPLOAD_CHUNK = 64 * 1024 * 1024
-READ_CHUNK = 1024 * 1024
+HTTP_CHUNK = 1024 * 1024
 USER_ENV, PASSWORD_ENV = "ORAS_USER", "ORAS_PASS"
 
 
@@ -299,7 +299,7 @@ class Registry:
         lengths are claims, not facts)."""
         total = 0
         try:
-            for chunk in response.iter_content(READ_CHUNK):
+            for chunk in response.iter_content(HTTP_CHUNK):
                 total += len(chunk)
                 if total > cap:
                     raise RemoteArtifactError(

@@ -115,7 +115,7 @@ def checked_manifest(
                 "push it again with `neuronctl artifacts push`",
             )
         raise NotFoundError(f"no artifact {dirname} in {remote.url}")
-    signature = read_signature(remote, dirname)
+    signature = read_remote_signature(remote, dirname)
     vouch = verify(raw, signature, policy, url)  # raises unless trusted (or allowed unsigned)
     manifest = remote.parse_manifest(dirname, raw)  # the very bytes the signature covers
     if manifest.artifact_key[:KEY_LENGTH] != dirname:
@@ -131,7 +131,7 @@ def checked_manifest(
     return manifest, verified_record(url, raw, signature, vouch, policy)
 
 
-def read_signature(remote: Transport, dirname: str) -> bytes | None:
+def read_remote_signature(remote: Transport, dirname: str) -> bytes | None:
     """A remote artifact's signature: model.sig, else the legacy manifest.sig."""
     for name in SIGNATURE_NAMES:
         data = remote.read(dirname, name)
@@ -206,24 +206,24 @@ def _fetch(
     return digest.hexdigest()
 
 
-# Each read of a pulled object must bring bytes within STALL_SECONDS: a remote that drips a
+# Each read of a pulled object must bring bytes within READ_STALL_SECONDS: a remote that drips a
 # byte every few seconds never trips a socket's read timeout (each byte resets it), and held
-# the key's lock for good. READ_CHUNK in STALL_SECONDS is the slowest transfer accepted.
+# the key's lock for good. READ_CHUNK in READ_STALL_SECONDS is the slowest transfer accepted.
 READ_CHUNK = 1024 * 1024
-STALL_SECONDS = 60.0
+READ_STALL_SECONDS = 60.0
 
 
 def read_within(src: Any, n: int, where: str, done: int, size: int) -> bytes:
-    """src.read(n) on a daemon thread, waited for at most STALL_SECONDS (a read that never
+    """src.read(n) on a daemon thread, waited for at most READ_STALL_SECONDS (a read that never
     returns cannot be interrupted; it is left behind and the pull fails, releasing its
     lock). Whatever a read raises mid-object is a remote failure said as one."""
     box: list[Any] = []
     thread = threading.Thread(target=lambda: box.append(_attempt(src, n)), daemon=True)
     thread.start()
-    thread.join(STALL_SECONDS)
+    thread.join(READ_STALL_SECONDS)
     if not box:
         raise RemoteUnreachableError(
-            f"{where}: no data for {STALL_SECONDS:.0f} s at {done} of {size} bytes: the "
+            f"{where}: no data for {READ_STALL_SECONDS:.0f} s at {done} of {size} bytes: the "
             "remote stalled",
             "check the network and the remote store, then pull again",
         )

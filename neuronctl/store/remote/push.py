@@ -27,7 +27,7 @@ from neuronctl.store.manifest import (
     sha256_file,
 )
 from neuronctl.store.remote.errors import RemoteArtifactError, remote_errors
-from neuronctl.store.remote.pull import read_signature
+from neuronctl.store.remote.pull import read_remote_signature
 from neuronctl.store.remote.transport import (
     DIRNAME_RE,
     BytesCallback,
@@ -133,7 +133,7 @@ def _keep(
     result.skipped_bytes = held.total_size()
     if signer is None:
         return result
-    remote_signature = read_signature(remote, dirname)
+    remote_signature = read_remote_signature(remote, dirname)
     if signed_by(remote_bytes, remote_signature, signer.key.public_key()):
         result.signed_by = signer.key_id
         return result

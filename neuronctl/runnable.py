@@ -12,7 +12,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from neuronctl.errors import NeuronctlError, NotFoundError, UsageError
-from neuronctl.store.manifest import is_intact
+from neuronctl.store.manifest import Manifest, is_intact, read_manifest
 from neuronctl.store.resolve import NotPulledError, open_store, resolve_artifact
 from neuronctl.validate import check_reusable, requested_spec
 
@@ -24,10 +24,16 @@ logger = logging.getLogger(__name__)
 
 
 @dataclass
-class Target:
+class ArtifactToRun:
     path: Path | None  # None only for a dry run that would pull or compile first
     action: str  # "use" | "pull" | "compile"
     reason: str = ""  # why a pull or compile is (or would be) needed
+    manifest: Manifest | None = None  # what the reuse checks read, when they ran
+
+    def read_manifest(self) -> Manifest:
+        """The artifact's manifest: what the reuse checks read, else read now (a compile)."""
+        assert self.path is not None  # only a dry run leaves it unknown
+        return self.manifest or read_manifest(self.path)
 
     def plan(self) -> dict[str, Any]:
         return {"artifact": str(self.path) if self.path else None, "action": self.action,
@@ -45,7 +51,7 @@ def artifact_to_run(
     dry_run: bool = False,
     policy: TrustPolicy | None = None,
     serving_host: bool = True,
-) -> Target:
+) -> ArtifactToRun:
     """The artifact to load. With a requested spec (flags or -c) it must match it too.
     `serving_host` False: this host only prints a launch for another one, so the checks of
     the host that loads it are skipped (validate.check_reusable)."""
@@ -56,13 +62,13 @@ def artifact_to_run(
     spec, sources = requested_spec(dict(spec_flags or {}), config)
     try:
         path = _existing(resolve_artifact(artifacts, store, fetch=not dry_run, policy=policy))
-        check_reusable(path, spec, sources, serving_host)
-        return Target(path, "use")
+        manifest = check_reusable(path, spec, sources, serving_host)
+        return ArtifactToRun(path, "use", manifest=manifest)
     except NotPulledError as exc:  # only a dry run leaves a remote artifact unpulled
         missing: NeuronctlError = exc
         if not compile_if_missing:
             where = open_store(store).artifacts
-            return Target(None, "pull", f"{artifacts} would be pulled into {where}")
+            return ArtifactToRun(None, "pull", f"{artifacts} would be pulled into {where}")
     except NeuronctlError as exc:
         missing = exc
     if not compile_if_missing:
@@ -77,9 +83,10 @@ def open_artifact_to_run(
     loaded for the built-in engine as `serve` loads its own."""
     from neuronctl.engine.loader import open_artifact
 
-    path = artifact_to_run(artifacts, store=store, policy=policy).path
-    assert path is not None  # only a dry run leaves it unknown
-    return open_artifact(path, validate=False, policy=policy)  # checked just now
+    run = artifact_to_run(artifacts, store=store, policy=policy)
+    assert run.path is not None  # only a dry run leaves it unknown
+    # Checked just now: the load judges the manifest the checks read.
+    return open_artifact(run.path, validate=False, policy=policy, manifest=run.manifest)
 
 
 def _existing(path: Path) -> Path:
@@ -98,14 +105,14 @@ def _compile(
     store: Path | None,
     dry_run: bool,
     why: str,
-) -> Target:
+) -> ArtifactToRun:
     from neuronctl.build import compile_model, resolve_build
 
     build = resolve_build(model, spec_flags, config, store_dir=store)
     if dry_run and is_intact(build.path):
-        return Target(build.path, "use", f"{model} is already compiled: {build.path}")
+        return ArtifactToRun(build.path, "use", f"{model} is already compiled: {build.path}")
     if dry_run:
         logger.info("dry run: would compile %s into %s", model, build.path)
-        return Target(None, "compile", f"would compile {model} into {build.path}: {why}")
+        return ArtifactToRun(None, "compile", f"would compile {model} into {build.path}: {why}")
     logger.warning("compiling %s: %s", model, why)
-    return Target(compile_model(build).path, "compile", why)
+    return ArtifactToRun(compile_model(build).path, "compile", why)
