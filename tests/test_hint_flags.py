@@ -25,6 +25,7 @@ OTHER_PROGRAMS = {
     "--block-size": "vLLM's engine argument",
     "--private_key": "model_signing's (OpenSSF model-signing CLI)",
     "--public_key": "model_signing's (OpenSSF model-signing CLI)",
+    "--head": "Ray's (`ray start --head`)",
 }
 
 

@@ -34,14 +34,13 @@ from pathlib import Path
 from typing import Any
 
 from neuronctl.errors import NeuronctlError, UsageError
+from neuronctl.fleet.workload import DTYPE_BYTES, GIB
 from neuronctl.plan import load_plan
 from neuronctl.workers import PR_SET_PDEATHSIG
 
 logger = logging.getLogger(__name__)
 
-GIB = 1 << 30
 BASE_MEMORY = 2 * GIB  # the interpreter, torch and the compiler's own processes
-DTYPE_BYTES = {"float32": 4, "bfloat16": 2, "float16": 2}
 LOG_CAP = 1 << 20  # the last MiB of a task's log crosses back to the driver
 TAIL_LINES = 20
 RAY_EXTRA = "pip install 'neuronctl[ray]'"
