@@ -20,7 +20,7 @@ from typing import Any
 from neuronctl.spec import GRAPH_FIELDS, WEIGHTS_FIELDS, BuildSpec, spec_to_dict
 
 # Bump when the artifact layout or the meaning of a recorded field changes.
-FORMAT_VERSION = 2
+FORMAT_VERSION = 3
 KEY_LENGTH = 20  # hex chars of the artifact key used as the directory name (80 bits)
 
 # config.json fields that never change the compiled graph: provenance, tooling and

@@ -355,7 +355,8 @@ def test_blocked_token_generation_graphs_call_attend_once_a_layer(tmp_path: Path
     config = read_config(make_checkpoint(tmp_path / "ckpt", "llama"))
     layers = args_from_config(config).num_layers
     for kind, calls in ((TOKEN_GEN, layers), (CONTEXT, 0)):
-        job = GraphJob(kind, 16, config, 2, 32, "bfloat16", "inductor", str(tmp_path),
+        job = GraphJob(kind, 16, args_from_config(config), 2, 32, "bfloat16", "inductor",
+                       str(tmp_path),
                        compute="float32", layout="blocked", carries_kernel=True, path="kernel")
         with torch.no_grad():
             program = torch.export.export(module_for(job), example_inputs(job), strict=False)

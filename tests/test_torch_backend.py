@@ -132,7 +132,8 @@ def test_a_failing_graph_names_its_bucket_and_keeps_a_log(
     monkeypatch.setattr(TokenGeneration, "forward", broken)
     ckpt = make_checkpoint(tmp_path / "ckpt", "llama")
     job = GraphJob(
-        TOKEN_GEN, 64, read_config(ckpt), 2, 128, "float32", "export", str(tmp_path / "staging"),
+        TOKEN_GEN, 64, args_from_config(read_config(ckpt)), 2, 128, "float32", "export",
+        str(tmp_path / "staging"),
         path="aten",
     )
     with pytest.raises(BuildError, match="token_generation_64.*lowering exploded"):
@@ -164,7 +165,8 @@ def test_token_generation_picks_its_matmul_by_rows_and_numerics(
     numerics = Numerics(DTYPES[dtype], DTYPES[compute or dtype], quantized)
     target = opchoice.Target(args_from_config(config), numerics, "inductor", batch, (batch,),
                              kernel=False, onednn=layout == "packed")
-    job = GraphJob(TOKEN_GEN, 64, config, batch, 128, dtype, "inductor", str(tmp_path),
+    job = GraphJob(TOKEN_GEN, 64, args_from_config(config), batch, 128, dtype, "inductor",
+                   str(tmp_path),
                    compute=compute, quantized=quantized, layout=layout,
                    path=opchoice.rule_path(target, layout, batch))
     assert module_for(job).linear.__name__ == kernel
@@ -381,7 +383,6 @@ def test_a_weights_file_that_is_not_what_the_graphs_take_is_refused(
     monkeypatch.setattr(arena, "map_file", lambda path: real_map(other))
     refused("changed while it was being loaded")
     monkeypatch.undo()
-    # An artifact from before this format: tp shards, no weights file.
+    # No weights file at all.
     file.unlink()
-    (weights_dir / "tp0_sharded_checkpoint.safetensors").write_bytes(good)
-    refused("older neuronctl")
+    refused("has no graph_weights.safetensors")

@@ -46,52 +46,34 @@ class TorchBackend:
         return ARCHITECTURES["torch"]
 
     def check(self, spec: BuildSpec, config: Mapping[str, Any]) -> None:
-        from neuronctl.backends.torch.config import args_from_config, check_args
+        from neuronctl.backends.torch.config import args_from_config
 
-        check_args(args_from_config(config), spec.seq_len)
-        cores = available_cpus()
-        if spec.tp_degree > cores:  # validate refuses such an artifact on this host
-            raise SpecError(
-                "tp_degree",
-                f"tp degree {spec.tp_degree} needs {spec.tp_degree} CPU cores, this host has "
-                f"{cores}: the artifact would never validate here",
-                f"use --tp-degree {cores} or less",
-            )
-        if spec.compiler not in ("export", "inductor"):
-            raise SpecError(
-                "compiler", f"{spec.compiler!r} is not a torch compiler", "use inductor or export"
-            )
-        if spec.quantized and spec.quantization_dtype != "int8":
-            raise SpecError(
-                "quantization_dtype",
-                f"the torch backend quantizes to int8, not {spec.quantization_dtype}",
-                "use --quantization-dtype int8",
-            )
+        check_spec(spec, args_from_config(config))
 
     def build(self, request: BuildRequest) -> BuildResult:
+        """config.json is parsed here, once: everything below takes its ModelArgs."""
         from neuronctl.backends.torch import kernel, neuron_config
+        from neuronctl.backends.torch.config import args_from_config
         from neuronctl.backends.torch.graphs import DTYPES, build_graphs, graph_timeout
         from neuronctl.backends.torch.opchoice import BLOCKED
         from neuronctl.backends.torch.weights import GRAPH_WEIGHTS, write_graph_weights
 
         spec, staging = request.spec, request.staging
-        config = dict(request.checkpoint.config)
-        self.check(spec, config)
+        args = args_from_config(request.checkpoint.config)
+        check_spec(spec, args)
         # A bad timeout variable fails now, not after the compiles it would time.
         graph_timeout()
         kernel.build_timeout()
-        from neuronctl.backends.torch.config import args_from_config
-
-        check_tensors(request.checkpoint, args_from_config(config))
+        check_tensors(request.checkpoint, args)
         donor = request.reuse_graphs_from
         # A donor's graphs were compiled for its choice: adopt it, never measure again.
-        ops = donor_choice(donor, spec, config) if donor else choose_ops(spec, config)
-        jobs = graph_jobs(spec, config, staging, ops)
+        ops = donor_choice(donor) if donor else choose_ops(spec, args)
+        jobs = graph_jobs(spec, args, staging, ops)
         if donor is not None:
             graphs = copy_graphs(donor, staging, jobs)
         else:
             graphs = build_graphs(jobs, request.jobs, request.progress)
-        neuron_config.write(staging, spec, config, jobs, ops)
+        neuron_config.write(staging, spec, args, jobs, ops)
         if jobs[0].carries_kernel:
             carry_kernel(staging)
         checkpoint = request.checkpoint
@@ -100,7 +82,7 @@ class TorchBackend:
 
             checkpoint = QuantizedCheckpoint.wrap(checkpoint, spec)
         write_graph_weights(
-            checkpoint, args_from_config(config), DTYPES[str(spec.dtype)], bool(spec.quantized),
+            checkpoint, args, DTYPES[str(spec.dtype)], bool(spec.quantized),
             ops.layout == BLOCKED, staging / "weights" / GRAPH_WEIGHTS,
             request.progress,
         )
@@ -119,6 +101,31 @@ class TorchBackend:
     def host_checks(self, manifest: Manifest) -> list[Check]:
         here = {"cpu_isa": host.cpu_isa(), "cpu_half_units": host.half_units()}
         return host.host_checks(manifest, here)
+
+
+def check_spec(spec: BuildSpec, args: ModelArgs) -> None:
+    """Refuse a spec this backend cannot build exactly for the model `args` describes."""
+    from neuronctl.backends.torch.config import check_args
+
+    check_args(args, spec.seq_len)
+    cores = available_cpus()
+    if spec.tp_degree > cores:  # validate refuses such an artifact on this host
+        raise SpecError(
+            "tp_degree",
+            f"tp degree {spec.tp_degree} needs {spec.tp_degree} CPU cores, this host has "
+            f"{cores}: the artifact would never validate here",
+            f"use --tp-degree {cores} or less",
+        )
+    if spec.compiler not in ("export", "inductor"):
+        raise SpecError(
+            "compiler", f"{spec.compiler!r} is not a torch compiler", "use inductor or export"
+        )
+    if spec.quantized and spec.quantization_dtype != "int8":
+        raise SpecError(
+            "quantization_dtype",
+            f"the torch backend quantizes to int8, not {spec.quantization_dtype}",
+            "use --quantization-dtype int8",
+        )
 
 
 def check_tensors(checkpoint: Checkpoint, args: ModelArgs) -> None:
@@ -141,43 +148,38 @@ def check_tensors(checkpoint: Checkpoint, args: ModelArgs) -> None:
             )
 
 
-def op_target(spec: BuildSpec, config: dict[str, Any]) -> opchoice.Target:
+def op_target(spec: BuildSpec, args: ModelArgs) -> opchoice.Target:
     from neuronctl.backends.torch import opchoice
-    from neuronctl.backends.torch.config import Numerics, args_from_config
+    from neuronctl.backends.torch.config import Numerics
     from neuronctl.backends.torch.graphs import DTYPES, context_rows, graph_rows
 
     assert isinstance(spec.context_buckets, list)
     compute = host.compute_dtype(str(spec.dtype), spec.quantized, host.half_units())
     numerics = Numerics(DTYPES[str(spec.dtype)], DTYPES[compute], spec.quantized)
     rows = graph_rows(spec.context_buckets, spec.batch_size)
-    args = args_from_config(config)
     contexts = context_rows(spec.context_buckets, spec.batch_size)
     return opchoice.target_for(spec, args, numerics, rows, host.cpu_flags(), contexts)
 
 
-def choose_ops(spec: BuildSpec, config: dict[str, Any]) -> OpChoice:
+def choose_ops(spec: BuildSpec, args: ModelArgs) -> OpChoice:
     """The matmul paths of a fresh build (opchoice: measured here, or by the rules)."""
     from neuronctl.backends.torch import opchoice
 
-    return opchoice.choose(op_target(spec, config))
+    return opchoice.choose(op_target(spec, args))
 
 
-def donor_choice(donor: Path, spec: BuildSpec, config: dict[str, Any]) -> OpChoice:
-    """The choice a graph donor's graphs were compiled for: its manifest's record, or for a
-    donor from before the record, the rules applied to the layout its neuron_config names."""
-    from neuronctl.backends.torch import neuron_config, opchoice
+def donor_choice(donor: Path) -> OpChoice:
+    """The choice a graph donor's graphs were compiled for: its manifest's record (a torch
+    manifest of this format always has one; find_graph_donor only offers such donors)."""
     from neuronctl.store.manifest import read_manifest
 
     recorded = read_manifest(donor).ops
-    if recorded is not None:
-        return recorded
-    layout = opchoice.legacy_layout(neuron_config.read(donor))
-    return opchoice.by_rules(op_target(spec, config), layout)
+    if recorded is None:
+        raise BuildError(f"graph donor {donor} records no op choice", "recompile it")
+    return recorded
 
 
-def graph_jobs(
-    spec: BuildSpec, config: dict[str, Any], staging: Path, ops: OpChoice
-) -> list[GraphJob]:
+def graph_jobs(spec: BuildSpec, args: ModelArgs, staging: Path, ops: OpChoice) -> list[GraphJob]:
     from neuronctl.backends.torch.graphs import CONTEXT, TOKEN_GEN, GraphJob, prompt_counts
 
     assert isinstance(spec.context_buckets, list) and isinstance(spec.token_gen_buckets, list)
@@ -190,7 +192,7 @@ def graph_jobs(
         jobs.append(GraphJob(
             kind,
             bucket,
-            config,
+            args,
             spec.batch_size,
             spec.seq_len,
             str(spec.dtype),

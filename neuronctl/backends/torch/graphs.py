@@ -25,7 +25,7 @@ import torch
 
 from neuronctl.backends.torch import kernel, opchoice
 from neuronctl.backends.torch.attention import inv_freq
-from neuronctl.backends.torch.config import Numerics, args_from_config
+from neuronctl.backends.torch.config import ModelArgs, Numerics
 from neuronctl.backends.torch.layout import graph_shapes
 from neuronctl.backends.torch.linear import Linear, linear_for
 from neuronctl.backends.torch.model import ContextEncoding, TokenGeneration
@@ -46,7 +46,7 @@ class GraphJob:
 
     kind: str  # CONTEXT | TOKEN_GEN
     bucket: int
-    config: dict[str, Any]
+    args: ModelArgs  # the model, parsed from config.json once per build
     batch_size: int
     seq_len: int
     dtype: str
@@ -113,7 +113,7 @@ def context_rows(context_buckets: list[int], batch_size: int) -> tuple[int, ...]
 
 def example_inputs(job: GraphJob) -> tuple[Any, ...]:
     """Inputs with the graph's static shapes; values are never read while tracing."""
-    args = args_from_config(job.config)
+    args = job.args
     dtype = DTYPES[job.dtype]
     shapes = graph_shapes(args, dtype, job.packed, job.quantized, job.blocked)
     weights = {name: torch.empty(t.shape, dtype=t.dtype) for name, t in shapes.items()}
@@ -137,11 +137,10 @@ def example_inputs(job: GraphJob) -> tuple[Any, ...]:
 
 
 def module_for(job: GraphJob) -> torch.nn.Module:
-    args = args_from_config(job.config)
     if job.kind == CONTEXT:
-        return ContextEncoding(args, job.numerics, job.linear)
-    return TokenGeneration(args, job.bucket, job.numerics, job.linear,
-                                    fused_attention=job.carries_kernel)
+        return ContextEncoding(job.args, job.numerics, job.linear)
+    return TokenGeneration(job.args, job.bucket, job.numerics, job.linear,
+                           fused_attention=job.carries_kernel)
 
 
 def build_graph(job: GraphJob) -> str:

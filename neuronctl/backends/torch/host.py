@@ -199,17 +199,17 @@ def host_checks(manifest: Manifest, here: Mapping[str, str]) -> list[Check]:
 
 
 def artifact_computes(manifest: Manifest) -> list[str]:
-    """The dtypes an artifact's graphs compute in: its op choice's, per row count (before
-    that record, the one its dtype and the build host's units gave)."""
-    if manifest.ops is not None:
-        return sorted(manifest.ops.computes, key=lambda dtype: dtype != "float32")
-    built_with = manifest.backend_versions.get("cpu_half_units", "none")
-    spec = manifest.spec
-    return [compute_dtype(str(spec.dtype), bool(spec.quantized), built_with)]
+    """The dtypes an artifact's graphs compute in: its op choice's, per row count."""
+    assert manifest.ops is not None  # half_units_check refuses a manifest without one
+    return sorted(manifest.ops.computes, key=lambda dtype: dtype != "float32")
 
 
 def half_units_check(manifest: Manifest, here: Mapping[str, str]) -> Check:
     """A graph built to compute in bf16 (fp16) needs a CPU with those units."""
+    if manifest.ops is None:
+        return Check("half-precision units", False,
+                     "the manifest records no op choice (what each graph computes in); "
+                     "recompile the artifact with this neuronctl")
     built_with = manifest.backend_versions.get("cpu_half_units", "none")
     computes = artifact_computes(manifest)
     units = here.get("cpu_half_units", "none")

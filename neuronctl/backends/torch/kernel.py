@@ -46,9 +46,9 @@ from torch import Tensor
 from neuronctl.backends.torch import arena
 from neuronctl.backends.torch.versions import KERNEL_SOURCES
 from neuronctl.backends.torch.versions import kernel_digest as digest  # part of the graph key
-from neuronctl.doctor import installed_ninja
 from neuronctl.errors import BuildError, UsageError
 from neuronctl.store.local import user_cache_store
+from neuronctl.toolchain import installed_ninja
 
 ROWS, CHUNK = 4, 16  # the blocked layout: [N/ROWS, K/CHUNK, ROWS, CHUNK]
 LIBRARY_DIR = "kernels"
@@ -380,7 +380,7 @@ def build_here() -> None:
 def _build_env() -> dict[str, str]:
     """The build child's environment: ours, with the ninja neuronctl depends on put on PATH
     when PATH does not reach one (cpp_extension runs `ninja` from PATH;
-    doctor.installed_ninja, which doctor reports from too). Our own PATH stays as it is."""
+    toolchain.installed_ninja, which doctor reports from too). Our own PATH stays as it is."""
     env = dict(os.environ)
     path = env.get("PATH")  # None: which() searches os.defpath, as the child's exec would
     if not shutil.which("ninja", path=path) and (found := installed_ninja()):

@@ -369,13 +369,3 @@ def _time_ms(calls: dict[str, Callable[[], Any]]) -> dict[str, float]:
             call()
             best[path] = min(best[path], time.perf_counter() - start)
     return {path: seconds * 1000 for path, seconds in best.items()}
-
-
-# --- what an artifact recorded ---------------------------------------------------------------
-
-
-def legacy_layout(neuron_config: dict[str, Any]) -> WeightLayout:
-    """An artifact from before the manifest recorded its op choice: its neuron_config keys."""
-    if neuron_config.get("blocked_weights"):
-        return BLOCKED
-    return PACKED if neuron_config.get("packed_weights") else PLAIN

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from neuronctl.backends.torch import neuron_config, opchoice
+from neuronctl.backends.torch import opchoice
 from neuronctl.backends.torch.attention import inv_freq
 from neuronctl.backends.torch.config import ModelArgs, args_from_config
 from neuronctl.backends.torch.graphs import CONTEXT, DTYPES, TOKEN_GEN, graph_name, prompt_counts
@@ -47,7 +47,7 @@ class TorchRunner:
         self.compiler = str(spec.compiler)
         # The manifest's op choice says how the graphs read the weights: oneDNN-prepacked
         # (linear.packed_linear), blocked for neuronctl's kernel (kernel.block) or plain.
-        layout, kernel_digest = _matmul_record(path, ops, versions or {})
+        layout, kernel_digest = _matmul_record(ops, versions or {})
         self.packed = layout == opchoice.PACKED
         self.blocked = layout == opchoice.BLOCKED
         if kernel_digest is not None:
@@ -211,16 +211,13 @@ def _pick(buckets: Sequence[int], need: int, what: str, of: str) -> int:
     return buckets[i]
 
 
-def _matmul_record(
-    path: Path, ops: OpChoice | None, versions: Mapping[str, str]
-) -> tuple[str, str | None]:
+def _matmul_record(ops: OpChoice | None, versions: Mapping[str, str]) -> tuple[str, str | None]:
     """(the weights' layout, the kernel digest its graphs were built with, or None where no
-    graph calls the kernel), from the manifest's record; artifacts from before it say both
-    in neuron_config.json."""
+    graph calls the kernel), from the manifest's record: a torch manifest of this format
+    always has one (validate refuses older formats before any load)."""
     if ops is None:
-        legacy = neuron_config.read(path)
-        digest = legacy.get("blocked_weights")
-        return opchoice.legacy_layout(legacy), str(digest) if digest else None
+        raise CheckpointError("this artifact's manifest records no op choice",
+                              "recompile the artifact with this neuronctl")
     if opchoice.KERNEL not in ops.paths:
         return ops.layout, None
     digest = versions.get("kernel")

@@ -179,11 +179,7 @@ def load_graph_weights(
     """
     path = weights_dir / GRAPH_WEIGHTS
     if not path.is_file():
-        older = any(weights_dir.glob("tp*_sharded_checkpoint.safetensors"))
-        raise CheckpointError(
-            f"{weights_dir} has no {GRAPH_WEIGHTS}"
-            + (" (its tp shards are an older neuronctl's torch format)" if older else ""),
-            RECOMPILE)
+        raise CheckpointError(f"{weights_dir} has no {GRAPH_WEIGHTS}", RECOMPILE)
     layout = stored_layout(args, dtype, quantized, blocked)
     offsets, header, size = _checked_offsets(path, layout)
     try:
