@@ -87,7 +87,7 @@ def test_each_graph_is_traced_in_its_row_counts_compute_dtype(tmp_path: Path) ->
     # A measured choice may give token generation float32 (the kernel) and a context bucket
     # bf16 (aten's bf16 GEMM on the same plain weights): the jobs, neuron_config and the
     # build facts say so per row count.
-    from neuronctl.backends.torch import graph_jobs
+    from neuronctl.backends.torch.graphs import graph_jobs
     from neuronctl.backends.torch.neuron_config import compute_words
     from neuronctl.spec import ModelShape, finalize, resolve_spec
     from neuronctl.store.manifest import OpChoice, RowChoice

@@ -386,3 +386,25 @@ def test_a_weights_file_that_is_not_what_the_graphs_take_is_refused(
     # No weights file at all.
     file.unlink()
     refused("has no graph_weights.safetensors")
+
+
+def test_a_build_parses_config_json_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """config.json becomes ModelArgs once per build: the graph jobs, their traced modules and
+    example inputs, neuron_config.json and the weights all take that one value (it was
+    parsed four times on the way to torch.export, once more in every graph worker)."""
+    from neuronctl.backends.torch import config as torch_config
+
+    parsed: list[int] = []
+    real = torch_config.args_from_config
+
+    def counted(config: Any) -> Any:
+        parsed.append(1)
+        return real(config)
+
+    monkeypatch.setattr(torch_config, "args_from_config", counted)
+    ckpt = make_checkpoint(tmp_path / "ckpt", "llama")
+    build = resolve_build(str(ckpt), {**TINY_SPEC, "compiler": "export"},
+                          store_dir=tmp_path / "store")
+    parsed.clear()  # resolve_build's check parses its own (it runs without a build)
+    compile_model(build, jobs=1)
+    assert len(parsed) == 1

@@ -21,7 +21,6 @@ from neuronctl.doctor import available_cpus
 from neuronctl.errors import BuildError, CheckpointError, SpecError
 
 if TYPE_CHECKING:
-    from neuronctl.backends.torch import opchoice
     from neuronctl.backends.torch.config import ModelArgs
     from neuronctl.backends.torch.graphs import GraphJob
     from neuronctl.backends.torch.runner import TorchRunner
@@ -51,23 +50,23 @@ class TorchBackend:
         check_spec(spec, args_from_config(config))
 
     def build(self, request: BuildRequest) -> BuildResult:
-        """config.json is parsed here, once: everything below takes its ModelArgs."""
-        from neuronctl.backends.torch import kernel, neuron_config
+        """config.json is parsed here, once: everything below takes its ModelArgs. The spec
+        has passed `check` (base.Backend.build): from here the walk goes straight on, to the
+        op choice (opchoice.py), the graph jobs and their graphs (graphs.py)."""
+        from neuronctl.backends.torch import kernel, neuron_config, opchoice
         from neuronctl.backends.torch.config import args_from_config
-        from neuronctl.backends.torch.graphs import DTYPES, build_graphs, graph_timeout
-        from neuronctl.backends.torch.opchoice import BLOCKED
+        from neuronctl.backends.torch.graphs import DTYPES, build_graphs, graph_jobs, graph_timeout
         from neuronctl.backends.torch.weights import GRAPH_WEIGHTS, write_graph_weights
 
         spec, staging = request.spec, request.staging
         args = args_from_config(request.checkpoint.config)
-        check_spec(spec, args)
         # A bad timeout variable fails now, not after the compiles it would time.
         graph_timeout()
         kernel.build_timeout()
         check_tensors(request.checkpoint, args)
         donor = request.reuse_graphs_from
         # A donor's graphs were compiled for its choice: adopt it, never measure again.
-        ops = donor_choice(donor) if donor else choose_ops(spec, args)
+        ops = donor_choice(donor) if donor else opchoice.choose(opchoice.spec_target(spec, args))
         jobs = graph_jobs(spec, args, staging, ops)
         if donor is not None:
             graphs = copy_graphs(donor, staging, jobs)
@@ -83,7 +82,7 @@ class TorchBackend:
             checkpoint = QuantizedCheckpoint.wrap(checkpoint, spec)
         write_graph_weights(
             checkpoint, args, DTYPES[str(spec.dtype)], bool(spec.quantized),
-            ops.layout == BLOCKED, staging / "weights" / GRAPH_WEIGHTS,
+            ops.layout == opchoice.BLOCKED, staging / "weights" / GRAPH_WEIGHTS,
             request.progress,
         )
         return BuildResult(graphs=graphs, graphs_reused=donor is not None,
@@ -148,26 +147,6 @@ def check_tensors(checkpoint: Checkpoint, args: ModelArgs) -> None:
             )
 
 
-def op_target(spec: BuildSpec, args: ModelArgs) -> opchoice.Target:
-    from neuronctl.backends.torch import opchoice
-    from neuronctl.backends.torch.config import Numerics
-    from neuronctl.backends.torch.graphs import DTYPES, context_rows, graph_rows
-
-    assert isinstance(spec.context_buckets, list)
-    compute = host.compute_dtype(str(spec.dtype), spec.quantized, host.half_units())
-    numerics = Numerics(DTYPES[str(spec.dtype)], DTYPES[compute], spec.quantized)
-    rows = graph_rows(spec.context_buckets, spec.batch_size)
-    contexts = context_rows(spec.context_buckets, spec.batch_size)
-    return opchoice.target_for(spec, args, numerics, rows, host.cpu_flags(), contexts)
-
-
-def choose_ops(spec: BuildSpec, args: ModelArgs) -> OpChoice:
-    """The matmul paths of a fresh build (opchoice: measured here, or by the rules)."""
-    from neuronctl.backends.torch import opchoice
-
-    return opchoice.choose(op_target(spec, args))
-
-
 def donor_choice(donor: Path) -> OpChoice:
     """The choice a graph donor's graphs were compiled for: its manifest's record (a torch
     manifest of this format always has one; find_graph_donor only offers such donors)."""
@@ -177,35 +156,6 @@ def donor_choice(donor: Path) -> OpChoice:
     if recorded is None:
         raise BuildError(f"graph donor {donor} records no op choice", "recompile it")
     return recorded
-
-
-def graph_jobs(spec: BuildSpec, args: ModelArgs, staging: Path, ops: OpChoice) -> list[GraphJob]:
-    from neuronctl.backends.torch.graphs import CONTEXT, TOKEN_GEN, GraphJob, prompt_counts
-
-    assert isinstance(spec.context_buckets, list) and isinstance(spec.token_gen_buckets, list)
-    kinds = [(CONTEXT, b, n) for b in spec.context_buckets for n in prompt_counts(spec.batch_size)]
-    kinds += [(TOKEN_GEN, b, 1) for b in spec.token_gen_buckets]
-    jobs = []
-    for kind, bucket, prompts in kinds:
-        rows = spec.batch_size if kind == TOKEN_GEN else bucket * prompts
-        row = ops.row(rows)
-        jobs.append(GraphJob(
-            kind,
-            bucket,
-            args,
-            spec.batch_size,
-            spec.seq_len,
-            str(spec.dtype),
-            str(spec.compiler),
-            str(staging),
-            compute=row.compute,
-            quantized=spec.quantized,
-            prompts=prompts,
-            layout=ops.layout,
-            path=row.path,
-            carries_kernel="kernel" in ops.paths,
-        ))
-    return jobs
 
 
 def carry_kernel(staging: Path) -> None:

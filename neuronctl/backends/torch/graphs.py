@@ -19,7 +19,7 @@ from contextlib import contextmanager, nullcontext
 from dataclasses import dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
@@ -29,15 +29,20 @@ from neuronctl.backends.torch.config import ModelArgs, Numerics
 from neuronctl.backends.torch.layout import graph_shapes
 from neuronctl.backends.torch.linear import Linear, linear_for
 from neuronctl.backends.torch.model import ContextEncoding, TokenGeneration
+from neuronctl.backends.torch.opchoice import prompt_counts
 from neuronctl.errors import BuildError
 from neuronctl.progress import Progress
 from neuronctl.workers import die_with_parent
+
+if TYPE_CHECKING:
+    from neuronctl.spec import BuildSpec
+    from neuronctl.store.manifest import OpChoice
 
 GRAPHS_DIR = "graphs"
 REPORT_DIR = "report"
 CONTEXT = "context_encoding"
 TOKEN_GEN = "token_generation"
-DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
+DTYPES = opchoice.DTYPES
 
 
 @dataclass(frozen=True)
@@ -90,25 +95,23 @@ def graph_name(kind: str, bucket: int, prompts: int = 1) -> str:
     return f"{kind}_{bucket}" if prompts == 1 else f"{kind}_{bucket}x{prompts}"
 
 
-def prompt_counts(batch_size: int) -> list[int]:
-    """How many prompts a context-encoding graph takes at once: 1, and batch_size.
-
-    One extra graph per context bucket: every graph is compile time (tens of seconds with
-    inductor). The runner pads a group to batch_size only when that at most doubles its
-    rows; smaller groups go one prompt per call.
-    """
-    return [1] if batch_size == 1 else [1, batch_size]
-
-
-def graph_rows(context_buckets: list[int], batch_size: int) -> tuple[int, ...]:
-    """Rows per matmul of each graph, ascending: token generation's batch, and each context
-    bucket times the prompts a context-encoding graph takes."""
-    return tuple(sorted({batch_size, *context_rows(context_buckets, batch_size)}))
-
-
-def context_rows(context_buckets: list[int], batch_size: int) -> tuple[int, ...]:
-    """Rows per matmul of the context-encoding graphs, ascending."""
-    return tuple(sorted({b * n for b in context_buckets for n in prompt_counts(batch_size)}))
+def graph_jobs(spec: BuildSpec, args: ModelArgs, staging: Path, ops: OpChoice) -> list[GraphJob]:
+    """One job per graph of `spec`: a context-encoding graph per context bucket and prompt
+    count, a token-generation graph per token-generation bucket; each on its row count's
+    path and compute dtype in `ops`."""
+    assert isinstance(spec.context_buckets, list) and isinstance(spec.token_gen_buckets, list)
+    kinds = [(CONTEXT, b, n) for b in spec.context_buckets for n in prompt_counts(spec.batch_size)]
+    kinds += [(TOKEN_GEN, b, 1) for b in spec.token_gen_buckets]
+    jobs = []
+    for kind, bucket, prompts in kinds:
+        row = ops.row(spec.batch_size if kind == TOKEN_GEN else bucket * prompts)
+        jobs.append(GraphJob(
+            kind, bucket, args, spec.batch_size, spec.seq_len, str(spec.dtype),
+            str(spec.compiler), str(staging), compute=row.compute, quantized=spec.quantized,
+            prompts=prompts, layout=ops.layout, path=row.path,
+            carries_kernel=opchoice.KERNEL in ops.paths,
+        ))
+    return jobs
 
 
 def example_inputs(job: GraphJob) -> tuple[Any, ...]:
