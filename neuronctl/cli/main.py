@@ -17,16 +17,15 @@ from collections.abc import Iterator, Sequence
 from typing import Annotated, Any
 
 import typer
-import typer.rich_utils
 from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
-from typer._click.exceptions import ClickException, NoArgsIsHelpError
 from typer.core import TyperGroup
 
 import neuronctl.cli as cli_pkg
 from neuronctl import __version__, log
 from neuronctl.cli._common import err_console, print_json, unwrap_when_piped
+from neuronctl.cli._typer_internals import ClickException, NoArgsIsHelpError, fold_help
 from neuronctl.errors import EXIT_FAILED, EXIT_USAGE, NeuronctlError, UsageError
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
@@ -100,20 +99,20 @@ class _HelpTable(Table):
             self.columns[-1].overflow = "fold"
 
 
-_parameter_help = typer.rich_utils._get_parameter_help
-
-
-def _help_folding_long_words(**kw: Any) -> Any:
+def _help_folding_long_words(parameter_help: Any) -> Any:
     """An option's help text with words longer than the column folded, not cut."""
-    columns = _parameter_help(**kw)
-    for item in columns.renderables:
-        if isinstance(item, Text):
-            item.overflow = "fold"
-    return columns
+
+    def folded(**kw: Any) -> Any:
+        columns = parameter_help(**kw)
+        for item in columns.renderables:
+            if isinstance(item, Text):
+                item.overflow = "fold"
+        return columns
+
+    return folded
 
 
-typer.rich_utils.Table = _HelpTable  # type: ignore[attr-defined,misc]
-typer.rich_utils._get_parameter_help = _help_folding_long_words
+fold_help(_HelpTable, _help_folding_long_words)
 
 
 def _new_app() -> typer.Typer:
