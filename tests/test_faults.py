@@ -299,14 +299,15 @@ def test_a_build_lock_whose_holder_was_killed_is_taken_over(tmp_path: Path) -> N
     a flock, which dies with its holder, and under it the stale torch file is removed."""
     import multiprocessing
 
-    from neuronctl.backends.torch.kernel import TORCH_BATON, build_lock
+    from neuronctl.backends.torch.internals import CPP_EXTENSION_BATON
+    from neuronctl.backends.torch.kernel import build_lock
 
     fork = multiprocessing.get_context("fork")
     locked = fork.Event()
     holder = fork.Process(target=hold_build_lock, args=(tmp_path, locked), daemon=True)
     holder.start()
     assert locked.wait(DEADLINE), "the holder never took the lock"
-    (tmp_path / TORCH_BATON).write_text("")  # what a killed cpp_extension build leaves
+    (tmp_path / CPP_EXTENSION_BATON).write_text("")  # what a killed cpp_extension build leaves
     from neuronctl.errors import BuildError
 
     with pytest.raises(BuildError, match="another process"):  # alive: waited for, bounded

@@ -425,21 +425,6 @@ def test_the_ninja_neuronctl_installs_is_found_off_path(
     assert os.environ["PATH"] == str(tmp_path)
 
 
-def test_inductors_lowering_table_is_its_own_again_after_a_packed_build() -> None:
-    """The oneDNN linear lowering is replaced only inside the build, also when it fails."""
-    from torch._inductor import lowering
-
-    from neuronctl.backends.torch.graphs import _weights_as_inputs_for_onednn
-
-    ops = [torch.ops.mkldnn._linear_pointwise.default, torch.ops.mkldnn._linear_pointwise.binary]
-    before = {op: lowering.lowerings.get(op) for op in ops}
-    with pytest.raises(RuntimeError, match="the compile failed"):
-        with _weights_as_inputs_for_onednn():
-            assert all(lowering.lowerings[op] is not before[op] for op in ops)
-            raise RuntimeError("the compile failed")
-    assert {op: lowering.lowerings.get(op) for op in ops} == before
-
-
 def _mapping_of(address: int) -> str:
     """The /proc/self/smaps entry of the mapping that holds `address`."""
     entries = re.split(r"^(?=[0-9a-f]+-[0-9a-f]+ )", Path("/proc/self/smaps").read_text(),

@@ -200,10 +200,10 @@ def build_facts(spec: BuildSpec, ops: OpChoice) -> dict[str, Any]:
 
 
 def _cxx_version() -> str:
-    try:
-        from torch._inductor.cpp_builder import get_cpp_compiler
+    from neuronctl.backends.torch import internals
 
-        return str(get_cpp_compiler())
+    try:
+        return internals.cpp_compiler()
     except Exception:
         return "unknown"
 

@@ -13,9 +13,9 @@ import logging
 import os
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
@@ -23,7 +23,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from neuronctl.backends.torch import kernel, opchoice
+from neuronctl.backends.torch import internals, kernel, opchoice
 from neuronctl.backends.torch.attention import inv_freq
 from neuronctl.backends.torch.config import ModelArgs, Numerics
 from neuronctl.backends.torch.layout import graph_shapes
@@ -162,8 +162,8 @@ def build_graph(job: GraphJob) -> str:
         with torch.no_grad():
             program = torch.export.export(module_for(job), example_inputs(job), strict=False)
         if job.compiler == "inductor":
-            with _weights_as_inputs_for_onednn() if job.packed else nullcontext():
-                torch._inductor.aoti_compile_and_package(program, package_path=str(out))
+            with internals.onednn_weights_as_inputs() if job.packed else nullcontext():
+                internals.aoti_compile_and_package(program, out)
         else:
             # The example inputs are empty weight-sized tensors: never store them.
             program.example_inputs = None
@@ -181,58 +181,6 @@ def build_graph(job: GraphJob) -> str:
         handler.close()
     log_path.unlink(missing_ok=True)  # a successful build keeps no report
     return job.relpath
-
-
-@contextmanager
-def _weights_as_inputs_for_onednn() -> Iterator[None]:
-    """Lower mkldnn._linear_pointwise to oneDNN's kernel with the weight a graph input.
-
-    Inductor's own lowering asserts the weight is a frozen constant (it only offers the op
-    for weights it prepacked itself); we never freeze weights into a graph, the runner
-    passes them prepacked. The single extern-kernel choice is what that lowering picks
-    without max-autotune; this lowering skips only the assertion and autotuning.
-    """
-    from torch._inductor import ir, lowering, mkldnn_ir, mkldnn_lowerings  # noqa: F401
-
-    op = torch.ops.mkldnn._linear_pointwise.default
-
-    def lower(
-        x: Any, w: Any, b: Any, attr: Any, scalars: Any, algorithm: Any, layout: Any = None
-    ) -> Any:
-        size = x.get_size()
-        if len(size) > 2:
-            x = lowering.view(x, [-1, size[-1]])
-        out = mkldnn_ir.LinearUnary.create(x, w, b, attr, scalars, algorithm)
-        if not isinstance(out, ir.TensorBox):
-            out = ir.TensorBox.create(out)
-        if len(size) > 2:
-            out = lowering.view(out, [*size[:-1], out.get_size()[-1]])
-        return out
-
-    def lower_binary(x: Any, y: Any, w: Any, b: Any, attr: Any, layout: Any = None) -> Any:
-        # inductor fuses a residual add into the linear (`x + linear(o)`)
-        size = x.get_size()
-        if len(size) > 2:
-            x = lowering.view(x, [-1, size[-1]])
-            y = lowering.view(y, [-1, y.get_size()[-1]])
-        out = mkldnn_ir.LinearBinary.create(x, y, w, b, attr)
-        if not isinstance(out, ir.TensorBox):
-            out = ir.TensorBox.create(out)
-        if len(size) > 2:
-            out = lowering.view(out, [*size[:-1], out.get_size()[-1]])
-        return out
-
-    ours: dict[Any, Any] = {op: lower, torch.ops.mkldnn._linear_pointwise.binary: lower_binary}
-    saved = {key: lowering.lowerings.get(key) for key in ours}
-    lowering.lowerings.update(ours)
-    try:
-        yield
-    finally:
-        for key, fn in saved.items():
-            if fn is None:
-                del lowering.lowerings[key]
-            else:
-                lowering.lowerings[key] = fn
 
 
 def build_graphs(jobs: list[GraphJob], workers: int, progress: Progress) -> list[str]:
@@ -299,7 +247,7 @@ def _kill_workers(pool: ProcessPoolExecutor) -> None:
     """Stop every worker: shutdown() alone waits for the running jobs to finish. SIGTERM
     first, as a worker then kills what runs below it (die_with_parent's whole_tree), where a
     SIGKILL left its compiler running, orphaned; SIGKILL whatever remains after a grace."""
-    processes = list((getattr(pool, "_processes", None) or {}).values())
+    processes = internals.pool_processes(pool)
     for process in processes:
         process.terminate()
     deadline = time.monotonic() + kernel.KILL_GRACE_SECONDS
@@ -309,7 +257,7 @@ def _kill_workers(pool: ProcessPoolExecutor) -> None:
     if kill is not None:
         kill()
         return
-    for process in list((getattr(pool, "_processes", None) or {}).values()):
+    for process in internals.pool_processes(pool):
         process.kill()
 
 

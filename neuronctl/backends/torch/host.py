@@ -18,6 +18,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from neuronctl.backends.torch import internals
 from neuronctl.checks import Check
 from neuronctl.doctor import available_cpus
 from neuronctl.store.local import user_cache_store
@@ -25,7 +26,7 @@ from neuronctl.store.local import user_cache_store
 if TYPE_CHECKING:
     from neuronctl.store.manifest import Manifest
 
-# Inductor's x86 ISAs, best first (torch._inductor.cpu_vec_isa.supported_vec_isa_list): it
+# Inductor's x86 ISAs, best first (inductor's cpu_vec_isa.supported_vec_isa_list): it
 # generates code for the first whose capabilities the CPU has.
 X86_ISAS = ("avx512 avx512_vnni amx_tile", "avx512 avx512_vnni", "avx512", "avx2")
 
@@ -87,9 +88,7 @@ def cpu_isa() -> str:
 
 def _detect_isa() -> str:
     try:
-        from torch._inductor.cpu_vec_isa import pick_vec_isa
-
-        return str(pick_vec_isa()) or "none"
+        return internals.inductor_isa() or "none"
     except Exception:  # pragma: no cover - hosts inductor has no ISA for
         return "none"
 
@@ -168,9 +167,7 @@ def cpu_runs(isa: str) -> bool:
 
 def supported_isas() -> set[str]:
     try:
-        from torch._inductor.cpu_vec_isa import valid_vec_isa_list
-
-        return {str(isa) for isa in valid_vec_isa_list()} | {"none"}
+        return internals.inductor_isas() | {"none"}
     except Exception:  # pragma: no cover
         return {"none"}
 

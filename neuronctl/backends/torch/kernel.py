@@ -43,7 +43,7 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from neuronctl.backends.torch import arena
+from neuronctl.backends.torch import arena, internals
 from neuronctl.backends.torch.versions import KERNEL_SOURCES
 from neuronctl.backends.torch.versions import kernel_digest as digest  # part of the graph key
 from neuronctl.errors import BuildError, UsageError
@@ -219,10 +219,9 @@ def _build() -> Path:
         build_dir.mkdir(parents=True, exist_ok=True)
         timeout = build_timeout()
         with build_lock(build_dir, timeout):
-            # torch's own lock (a file that exists while a build runs: torch/utils/
-            # file_baton.py) is left behind by a killed build, and every later build waits
-            # on it forever. We hold the directory's flock: no live neuronctl build holds it.
-            (build_dir / TORCH_BATON).unlink(missing_ok=True)
+            # torch's own lock, which a killed build leaves behind: we hold the directory's
+            # flock, so no live neuronctl build holds it.
+            internals.clear_cpp_extension_baton(build_dir)
             _run_build_child(build_dir, timeout)
             _stamp(library)
     torch.ops.load_library(str(library))
@@ -249,7 +248,6 @@ def _built(library: Path) -> bool:
         return False
 
 
-TORCH_BATON = "lock"  # cpp_extension's FileBaton in the build directory
 BUILD_LOCK = "neuronctl-build.lock"
 BUILD_TIMEOUT_ENV = "NEURONCTL_KERNEL_BUILD_TIMEOUT"
 DEFAULT_BUILD_TIMEOUT = 900.0  # seconds; ~15 s on an idle host, minutes on a loaded one

@@ -9,7 +9,7 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from neuronctl.backends.torch import opchoice
+from neuronctl.backends.torch import internals, opchoice
 from neuronctl.backends.torch.attention import inv_freq
 from neuronctl.backends.torch.config import ModelArgs, args_from_config
 from neuronctl.backends.torch.graphs import CONTEXT, DTYPES, TOKEN_GEN, graph_name, prompt_counts
@@ -187,18 +187,17 @@ def load_graph(file: Path, compiler: str, name: str = "") -> Graph:
     """A callable taking the graph's flat input list and returning its output tensor.
     `file` is the verified copy (runner._copy_code); `name` what errors call it."""
     if compiler == "inductor":
-        # torch's own package loader, without torch._inductor.aoti_load_package: that
-        # imports all of inductor and dynamo (~2 s of a cold start) to wrap this object.
-        # It extracts the package into a directory of its own (mkdtemp) and loads from there.
-        loader = torch._C._aoti.AOTIModelPackageLoader(str(file), "model", False, 1, -1)
-        return lambda flat: loader.run(flat)[0]
+        # torch's own package loader (internals.aoti_package_loader): it extracts the
+        # package into a directory of its own (mkdtemp) and loads from there.
+        run_package = internals.aoti_package_loader(file)
+        return lambda flat: run_package(flat)[0]
     program = load_export_graph(file, name)  # refuses pickled payloads before torch reads it
     module = program.module()
     spec = program.call_spec.in_spec
     assert spec is not None
 
     def run(flat: list[torch.Tensor]) -> torch.Tensor:
-        args, kwargs = torch.utils._pytree.tree_unflatten(flat, spec)
+        args, kwargs = internals.tree_unflatten(flat, spec)
         return module(*args, **kwargs)
 
     return run
