@@ -20,7 +20,6 @@ from typing import TYPE_CHECKING
 
 from neuronctl.backends.torch import internals
 from neuronctl.checks import Check
-from neuronctl.doctor import available_cpus
 from neuronctl.store.local import user_cache_store
 
 if TYPE_CHECKING:
@@ -173,7 +172,7 @@ def supported_isas() -> set[str]:
 
 
 def host_checks(manifest: Manifest, here: Mapping[str, str]) -> list[Check]:
-    """What validate's generic version comparison cannot judge: the ISA and the cores.
+    """What validate's generic version comparison cannot judge: the ISA and the units.
 
     (torch and modeling versions are compared by validate from `versions()`.)
     """
@@ -181,17 +180,6 @@ def host_checks(manifest: Manifest, here: Mapping[str, str]) -> list[Check]:
     if manifest.spec.compiler == "inductor":
         checks.append(isa_check(manifest, here))
     checks.append(half_units_check(manifest, here))
-    tp, cores = manifest.spec.tp_degree, available_cpus()
-    checks.append(
-        Check("cores", True, f"tp degree {tp}, {cores} cores")
-        if tp <= cores
-        else Check(
-            "cores",
-            False,
-            f"tp degree {tp} needs {tp} cores, this host has {cores}; recompile with "
-            f"--tp-degree {cores} or less",
-        )
-    )
     return checks
 
 
