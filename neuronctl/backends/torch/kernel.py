@@ -142,8 +142,9 @@ def attention_fits(head_dim: int, cache: torch.dtype) -> bool:
 
 
 @cache
-def define() -> None:
-    """The ops' schemas and shape functions (tracing and export need nothing more)."""
+def register_ops() -> None:
+    """Register the ops' schemas and shape functions with torch.library, once per process
+    (tracing and export need nothing more; `load` and `load_from` add the implementation)."""
     torch.library.define(
         "neuronctl::linear_blocked", "(Tensor x, Tensor w, Tensor? scale) -> Tensor"
     )
@@ -186,7 +187,7 @@ def load() -> Path:
     Compile-time only: serving registers the copy the artifact carries (load_from)."""
     global _library
     if _library is None:
-        define()
+        register_ops()
         _library = _build()
     return _library
 
@@ -201,7 +202,7 @@ def load_from(library: Path) -> None:
     path. A process registers one library; the digest in the name is the source's."""
     global _library
     if _library is None:
-        define()
+        register_ops()
         # dlopen by this very path: torch.ops.load_library would resolve a verified copy's
         # /proc/self/fd/N to the memfd's name first, which cannot be opened.
         ctypes.CDLL(str(library))
@@ -363,7 +364,7 @@ def build_here() -> None:
 
     build_dir, parent = sys.argv[1], int(sys.argv[2])
     die_with_parent(parent, whole_tree=True)
-    define()
+    register_ops()
     cpp_extension.load(
         name=library_stem(),
         sources=[str(source) for source in KERNEL_SOURCES if source.suffix == ".cpp"],
