@@ -407,3 +407,20 @@ def test_a_build_parses_config_json_once(tmp_path: Path, monkeypatch: pytest.Mon
     parsed.clear()  # resolve_build's check parses its own (it runs without a build)
     compile_model(build, jobs=1)
     assert len(parsed) == 1
+
+
+def test_no_backend_reaches_back_into_the_registry_and_the_kernel_build_not_into_doctor() -> None:
+    """backends/__init__.py imports each backend (lazily); a backend importing it back made a
+    cycle (accuracy.py took get_backend from it). The kernel build found ninja through
+    doctor; both now ask toolchain.py."""
+    import ast
+
+    root = Path(__file__).resolve().parents[1] / "neuronctl" / "backends"
+    back = []
+    for path in sorted(root.glob("*/*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "neuronctl.backends":
+                back.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert back == []
+    kernel_source = (root / "torch" / "kernel.py").read_text()
+    assert "neuronctl.doctor" not in kernel_source and "neuronctl.toolchain" in kernel_source
