@@ -36,14 +36,15 @@ def cpu_model() -> str:
 
 
 def table(dtype: str, batch: int) -> str:
-    from neuronctl.backends.torch import op_inputs, opchoice
+    from neuronctl.backends.torch import opchoice
+    from neuronctl.backends.torch.config import args_from_config
     from neuronctl.spec import ModelShape, finalize, resolve_spec
 
     spec = {"model": "smollm2-135m-shape", "compiler": "inductor", "dtype": dtype,
             "batch_size": batch, "seq_len": PROMPT + NEW, "max_context_length": PROMPT,
             "context_buckets": str(PROMPT), "token_gen_buckets": str(PROMPT + NEW)}
     finalized = finalize(resolve_spec(spec, None, {})[0], ModelShape.from_config(SHAPE))
-    target = op_inputs(finalized, dict(SHAPE))
+    target = opchoice.spec_inputs(finalized, args_from_config(SHAPE))
     choice = opchoice.choose(target)
     computes = "/".join(str(c).removeprefix("torch.") for c in target.computes)
     lines = [f"{dtype} batch {batch}: computes {computes}, layout {choice.layout}, chosen by "

@@ -23,6 +23,7 @@ from importlib import metadata
 from pathlib import Path
 from typing import Any
 
+from neuronctl import toolchain
 from neuronctl.checks import Check
 from neuronctl.vllm_generations import platform_plugins, version_tuple
 
@@ -348,28 +349,12 @@ def devices_check(backend: str) -> Check:
     return Check("neuron devices", backend == "torch", detail, fix=fix, kind="host")
 
 
-def ninja_path() -> str | None:
-    """The ninja that builds neuronctl's kernels: PATH's, else the one neuronctl's `ninja`
-    dependency installs beside this Python, which a PATH through a version manager's shims
-    may not reach (backends/torch/kernel.py puts it on the build child's PATH)."""
-    return shutil.which("ninja") or installed_ninja()
-
-
-def installed_ninja() -> str | None:
-    try:
-        import ninja  # type: ignore[import-untyped]  # a path constant, no work at import
-    except ImportError:
-        return None
-    binary = Path(ninja.BIN_DIR) / "ninja"
-    return str(binary) if binary.is_file() and os.access(binary, os.X_OK) else None
-
-
 def toolchain_check(backend: str) -> Check:
     """What `--compiler inductor` needs on this host: a C++ compiler, and ninja to build
     neuronctl's CPU kernels (backends/torch/kernel.py). Not required: export graphs and
     the Neuron backends need neither."""
     cxx = next((c for c in ("c++", "g++", "clang++") if shutil.which(c)), None)
-    ninja = ninja_path()
+    ninja = toolchain.ninja_path()
     missing = [what for what, found in (("C++ compiler", cxx), ("ninja", ninja)) if not found]
     if not missing:
         return Check(

@@ -421,8 +421,17 @@ def finalize(spec: BuildSpec, shape: ModelShape) -> BuildSpec:
     if spec.token_gen_buckets == "auto":
         updates["token_gen_buckets"] = auto_buckets(spec.seq_len)
     spec = spec.model_copy(update=updates)
-    check_against_model(spec, shape)
+    check_against_model(spec, shape)  # a tp degree no backend could run is refused anyway
+    if spec.backend in SINGLE_PROCESS_BACKENDS:
+        spec = spec.model_copy(update={"tp_degree": 1})
     return spec
+
+
+# Backends whose one process runs the whole model: no rank has weights or graphs of its own,
+# so a tp degree cannot change the artifact and must not split a key (docs/torch-backend.md,
+# "What tp means on CPU"). Here, not in `normalize`: a requested spec is normalized under the
+# default backend before validate knows the artifact's, and finalize runs on the artifact's.
+SINGLE_PROCESS_BACKENDS = frozenset({"torch"})
 
 
 def check_against_model(spec: BuildSpec, shape: ModelShape) -> None:

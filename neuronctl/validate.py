@@ -502,12 +502,12 @@ def _user_set(requested: BuildSpec, sources: Mapping[str, str] | None) -> list[s
 def _requested_values(
     manifest: Manifest, requested: BuildSpec, user_set: list[str]
 ) -> dict[str, Any]:
-    """The user's values with "auto" resolved the way a compile would resolve it here: on
-    the artifact's model, with the compiled values for the fields the user did not set."""
-    mine = spec_to_dict(requested)
+    """The user's values finalized the way a compile would finalize them here: on the
+    artifact's model and backend ("auto" resolved, a torch artifact's tp degree 1), with the
+    compiled values for the fields the user did not set."""
     overlay = manifest.spec.model_copy(update={name: getattr(requested, name) for name in user_set})
     resolved = spec_to_dict(finalize(overlay, manifest.shape))
-    return {name: resolved[name] if mine[name] == "auto" else mine[name] for name in user_set}
+    return {name: resolved[name] for name in user_set}
 
 
 def _mismatch(name: str, wanted: Any, have: Any, source: str | None) -> Check:

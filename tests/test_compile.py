@@ -138,7 +138,7 @@ def test_compile_plan_entry(tiny_llama: Path, tmp_path: Path) -> None:
     spec = "\n".join(f"{k} = {json.dumps(_toml_value(v))}" for k, v in SMALLEST_SPEC.items())
     plan.write_text(
         f'[defaults]\n{spec}\n\n[[build]]\nmodel = "{tiny_llama}"\n'
-        "matrix = { tp_degree = [1, 2] }\n"
+        "matrix = { batch_size = [1, 2] }\n"
     )
     listed = json.loads(cli_in_process("plan", str(plan), "--json").stdout)
     entries = listed if isinstance(listed, list) else listed.get("builds", listed.get("include"))
@@ -148,7 +148,7 @@ def test_compile_plan_entry(tiny_llama: Path, tmp_path: Path) -> None:
     )
     assert result.returncode == 0, result.stderr
     data = json.loads(result.stdout)
-    assert read_manifest(Path(data["path"])).spec.tp_degree == 2
+    assert read_manifest(Path(data["path"])).spec.batch_size == 2
     assert data["artifact_key"] in json.dumps(entries)
     out_of_range = cli_in_process(
         "compile", "--plan", str(plan), "--entry", "5", "--store", str(tmp_path)

@@ -11,6 +11,7 @@ import pytest
 from typer.testing import CliRunner
 
 import neuronctl.doctor as doctor
+from neuronctl import toolchain
 from neuronctl.checks import Check
 from neuronctl.cli.main import app
 
@@ -321,7 +322,7 @@ def test_doctor_says_whether_inductor_and_the_kernel_can_be_built(
     found = {"g++": "/usr/bin/g++", "ninja": "/usr/bin/ninja"}
     installed: list[str | None] = ["/env/lib/ninja/data/bin/ninja"]
     monkeypatch.setattr(doctor.shutil, "which", lambda name: found.get(name))
-    monkeypatch.setattr(doctor, "installed_ninja", lambda: installed[0])
+    monkeypatch.setattr(toolchain, "installed_ninja", lambda: installed[0])
     ok = doctor.toolchain_check("torch")
     assert ok.ok and "g++ and ninja" in ok.reason
     del found["ninja"]  # off PATH, but the ninja neuronctl installs is there: the build finds it

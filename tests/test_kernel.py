@@ -355,7 +355,8 @@ def test_blocked_token_generation_graphs_call_attend_once_a_layer(tmp_path: Path
     config = read_config(make_checkpoint(tmp_path / "ckpt", "llama"))
     layers = args_from_config(config).num_layers
     for kind, calls in ((TOKEN_GEN, layers), (CONTEXT, 0)):
-        job = GraphJob(kind, 16, config, 2, 32, "bfloat16", "inductor", str(tmp_path),
+        job = GraphJob(kind, 16, args_from_config(config), 2, 32, "bfloat16", "inductor",
+                       str(tmp_path),
                        compute="float32", layout="blocked", carries_kernel=True, path="kernel")
         with torch.no_grad():
             program = torch.export.export(module_for(job), example_inputs(job), strict=False)
@@ -422,21 +423,6 @@ def test_the_ninja_neuronctl_installs_is_found_off_path(
     assert len(children) == 1
     assert shutil.which("ninja", path=children[0]["PATH"]) is not None
     assert os.environ["PATH"] == str(tmp_path)
-
-
-def test_inductors_lowering_table_is_its_own_again_after_a_packed_build() -> None:
-    """The oneDNN linear lowering is replaced only inside the build, also when it fails."""
-    from torch._inductor import lowering
-
-    from neuronctl.backends.torch.graphs import _weights_as_inputs_for_onednn
-
-    ops = [torch.ops.mkldnn._linear_pointwise.default, torch.ops.mkldnn._linear_pointwise.binary]
-    before = {op: lowering.lowerings.get(op) for op in ops}
-    with pytest.raises(RuntimeError, match="the compile failed"):
-        with _weights_as_inputs_for_onednn():
-            assert all(lowering.lowerings[op] is not before[op] for op in ops)
-            raise RuntimeError("the compile failed")
-    assert {op: lowering.lowerings.get(op) for op in ops} == before
 
 
 def _mapping_of(address: int) -> str:

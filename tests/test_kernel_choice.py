@@ -45,7 +45,8 @@ def test_by_the_rules_only_float32_compute_on_avx2_inductor_graphs_use_the_kerne
 def test_a_blocked_job_multiplies_by_the_kernel_in_both_graphs(tmp_path: Path) -> None:
     config = read_config(make_checkpoint(tmp_path / "ckpt", "llama"))
     for kind, batch in ((CONTEXT, 1), (TOKEN_GEN, 2), (TOKEN_GEN, 8), (TOKEN_GEN, 16)):
-        job = GraphJob(kind, 64, config, batch, 128, "bfloat16", "inductor", str(tmp_path),
+        job = GraphJob(kind, 64, args_from_config(config), batch, 128, "bfloat16", "inductor",
+                       str(tmp_path),
                        compute="float32", layout="blocked", carries_kernel=True, path="kernel")
         assert module_for(job).linear is kernel.linear
         assert not job.packed
@@ -58,7 +59,8 @@ def test_the_artifact_names_its_matmul_and_attention_kernels(tmp_path: Path) -> 
     from neuronctl.store.manifest import OpChoice, RowChoice
 
     config = read_config(make_checkpoint(tmp_path / "ckpt", "llama"))
-    job = GraphJob(TOKEN_GEN, 64, config, 1, 128, "bfloat16", "inductor", str(tmp_path),
+    job = GraphJob(TOKEN_GEN, 64, args_from_config(config), 1, 128, "bfloat16", "inductor",
+                   str(tmp_path),
                    compute="float32", quantized=True, layout="blocked", carries_kernel=True,
                    path="kernel")
     ops = OpChoice(layout="blocked", rows=[RowChoice(rows=1, path="kernel", compute="float32")],
@@ -85,7 +87,7 @@ def test_each_graph_is_traced_in_its_row_counts_compute_dtype(tmp_path: Path) ->
     # A measured choice may give token generation float32 (the kernel) and a context bucket
     # bf16 (aten's bf16 GEMM on the same plain weights): the jobs, neuron_config and the
     # build facts say so per row count.
-    from neuronctl.backends.torch import graph_jobs
+    from neuronctl.backends.torch.graphs import graph_jobs
     from neuronctl.backends.torch.neuron_config import compute_words
     from neuronctl.spec import ModelShape, finalize, resolve_spec
     from neuronctl.store.manifest import OpChoice, RowChoice
@@ -98,7 +100,7 @@ def test_each_graph_is_traced_in_its_row_counts_compute_dtype(tmp_path: Path) ->
         RowChoice(rows=1, path="kernel", compute="float32"),
         RowChoice(rows=16, path="aten", compute="bfloat16"),
         RowChoice(rows=32, path="aten", compute="bfloat16")])
-    jobs = {job.name: job for job in graph_jobs(spec, config, tmp_path, ops)}
+    jobs = {job.name: job for job in graph_jobs(spec, args_from_config(config), tmp_path, ops)}
     assert jobs["token_generation_64"].numerics.compute == torch.float32
     assert jobs["token_generation_64"].linear is kernel.linear
     assert jobs["context_encoding_16"].numerics.compute == torch.bfloat16

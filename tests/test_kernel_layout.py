@@ -28,7 +28,7 @@ def test_linear_takes_either_layout_in_a_traced_graph(dtype: torch.dtype, blocke
     # Shapes only (fake tensors): kernel.linear sends a 2-d weight to linear_rows and a 4-d
     # one to linear_blocked, and each op's shape function gives [..., N]. A plain weight
     # sent to linear_blocked's shape function would fail (it reads w.shape[2]).
-    kernel.define()
+    kernel.register_ops()
     w = torch.zeros(12, 48, dtype=dtype)
     w = kernel.block(w) if blocked else w
     with FakeTensorMode() as mode:
@@ -39,7 +39,7 @@ def test_linear_takes_either_layout_in_a_traced_graph(dtype: torch.dtype, blocke
 
 
 def test_export_records_the_op_for_the_weights_layout() -> None:
-    kernel.define()
+    kernel.register_ops()
 
     class Projection(torch.nn.Module):
         def __init__(self, weight: torch.Tensor) -> None:

@@ -9,6 +9,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
+from neuronctl.errors import SpecError
 from neuronctl.keys import canonical_json, compute_keys
 from neuronctl.spec import GRAPH_FIELDS, WEIGHTS_FIELDS, ModelShape, finalize, resolve_spec
 
@@ -91,9 +92,8 @@ def test_numbers_are_normalized(x: float) -> None:
         assert canonical_json({"v": x}) == canonical_json({"v": int(x)})
 
 
-# One changed value per compile-relevant field.
+# One changed value per compile-relevant field (tp_degree: of a Neuron backend, below).
 CHANGES: dict[str, Any] = {
-    "tp_degree": 4,
     "batch_size": 8,
     "seq_len": 1024,
     "max_context_length": 128,
@@ -116,6 +116,24 @@ def test_each_compile_relevant_field_changes_the_graph_key(field: str) -> None:
     assert after.graph != before.graph
     assert after.artifact != before.artifact
     assert (after.weights != before.weights) == (field in WEIGHTS_FIELDS)
+
+
+NXDI = {k: v for k, v in BASE.items() if k != "compiler"} | {"backend": "nxdi"}
+
+
+def test_the_tp_degree_splits_neuron_keys_and_never_a_torch_one() -> None:
+    """A Neuron artifact holds a weights file and graphs per rank: its tp degree changes
+    both. The torch backend runs every rank in one process, and tp 1, 2 and 4 made
+    byte-identical artifacts under three keys: it cannot matter, so it is 1 there."""
+    before, after = keys_for(NXDI), keys_for(NXDI | {"tp_degree": 4})
+    assert after.graph != before.graph and after.weights != before.weights
+    assert "tp_degree" in GRAPH_FIELDS and "tp_degree" in WEIGHTS_FIELDS
+    torch_keys = {keys_for(BASE | {"tp_degree": tp}) for tp in (1, 2, 4)}
+    assert len(torch_keys) == 1
+    spec, _ = resolve_spec(BASE | {"tp_degree": 4}, None, {})
+    assert finalize(spec, SHAPE).tp_degree == 1
+    with pytest.raises(SpecError, match="tp degree 3"):  # one no backend could run
+        keys_for(BASE | {"tp_degree": 3})
 
 
 def test_cc_flags_key_neuron_backends_only_and_by_meaning() -> None:

@@ -22,7 +22,6 @@ from neuronctl.backends.torch.config import Numerics, args_from_config
 from neuronctl.backends.torch.host import cpu_flags, kernel_runs_on
 from neuronctl.backends.torch.layout import is_matrix
 from neuronctl.backends.torch.linear import can_pack
-from neuronctl.errors import NotFoundError
 from neuronctl.spec import ModelShape, finalize, resolve_spec
 from neuronctl.store.manifest import MANIFEST, read_manifest
 from tests.helpers import make_checkpoint, run_in_process
@@ -331,26 +330,39 @@ def test_the_choice_is_part_of_the_record(compiled_artifact: Path, tmp_path: Pat
     assert "edited" in (intact_problem(copy) or "")
 
 
-def test_a_graph_donor_from_before_the_choice_passes_on_its_neuron_configs_layout(
+def test_an_artifact_from_before_the_choice_is_refused_with_recompile(
     compiled_artifact: Path, tmp_path: Path
 ) -> None:
-    """A donor's manifest without an op choice: its graphs were compiled for the layout its
-    neuron_config.json names (opchoice.legacy_layout), each row count on the rules' path."""
-    from neuronctl.backends.torch import donor_choice
+    """The op choice decides how the weights are laid out: the format that made it part of
+    every torch manifest has no reader for artifacts without it. validate refuses the old
+    format by its number; a manifest without the record never loads, and is no graph donor."""
+    from neuronctl.backends.torch import TorchBackend, donor_choice
+    from neuronctl.errors import BuildError, CheckpointError
+    from neuronctl.keys import FORMAT_VERSION
     from neuronctl.store.manifest import write_manifest
+    from neuronctl.validate import quick_validate
 
-    manifest = read_manifest(compiled_artifact)
+    copy = tmp_path / "old"
+    shutil.copytree(compiled_artifact, copy)
+    data = json.loads((copy / MANIFEST).read_text())
+    data["format_version"] = FORMAT_VERSION - 1
+    (copy / MANIFEST).write_text(json.dumps(data))
+    reasons = [c.reason for c in quick_validate(copy).checks if not c.ok]
+    assert any(f"old artifact format {FORMAT_VERSION - 1}" in r and "recompile" in r
+               for r in reasons), reasons
+
+    manifest = read_manifest(compiled_artifact).model_copy(update={"ops": None})
+    with pytest.raises(CheckpointError, match="records no op choice.*") as info:
+        TorchBackend().load(compiled_artifact, manifest)
+    assert "recompile" in (info.value.hint or "")
+    check = next(c for c in TorchBackend().host_checks(manifest)
+                 if c.name == "half-precision units")
+    assert not check.ok and "records no op choice" in check.reason
     donor = tmp_path / "donor"
     donor.mkdir()
-    write_manifest(donor, manifest.model_copy(update={"ops": None}))
-    native = json.loads((compiled_artifact / "neuron_config.json").read_text())
-    (donor / "neuron_config.json").write_text(json.dumps({**native, "packed_weights": True}))
-    choice = donor_choice(donor, manifest.spec, manifest.architecture)
-    assert choice.layout == "packed" and choice.chosen_by == "rules"
-    assert {row.path for row in choice.rows} == {"onednn"}
-    (donor / "neuron_config.json").unlink()
-    with pytest.raises(NotFoundError, match="no neuron_config.json"):
-        donor_choice(donor, manifest.spec, manifest.architecture)
+    write_manifest(donor, manifest)
+    with pytest.raises(BuildError, match="records no op choice"):
+        donor_choice(donor)
 
 
 # --- built artifacts -------------------------------------------------------------------------

@@ -108,7 +108,7 @@ def test_tp_that_does_not_divide_heads_is_refused(tp: int) -> None:
 
 @pytest.mark.parametrize("tp", [1, 2, 4, 8])
 def test_tp_over_kv_heads_replicates_them(tp: int) -> None:
-    spec, _ = resolve_spec({"tp_degree": tp}, None, {})
+    spec, _ = resolve_spec({"tp_degree": tp, "backend": "nxdi"}, None, {})
     assert finalize(spec, SHAPE).tp_degree == tp
 
 

@@ -132,7 +132,8 @@ def test_a_failing_graph_names_its_bucket_and_keeps_a_log(
     monkeypatch.setattr(TokenGeneration, "forward", broken)
     ckpt = make_checkpoint(tmp_path / "ckpt", "llama")
     job = GraphJob(
-        TOKEN_GEN, 64, read_config(ckpt), 2, 128, "float32", "export", str(tmp_path / "staging"),
+        TOKEN_GEN, 64, args_from_config(read_config(ckpt)), 2, 128, "float32", "export",
+        str(tmp_path / "staging"),
         path="aten",
     )
     with pytest.raises(BuildError, match="token_generation_64.*lowering exploded"):
@@ -155,7 +156,8 @@ def test_token_generation_picks_its_matmul_by_rows_and_numerics(
     tmp_path: Path, dtype: str, compute: str, quantized: bool, batch: int, kernel: str
 ) -> None:
     from neuronctl.backends.torch import opchoice
-    from neuronctl.backends.torch.graphs import TORCH_DTYPES, module_for
+    from neuronctl.backends.torch.graphs import module_for
+    from neuronctl.backends.torch.opchoice import TORCH_DTYPES
 
     # The rules' path (opchoice.rule_path) at the batch's rows, on the layout the rules give
     # these numerics where the kernel does not run, is the matmul the graph runs.
@@ -164,7 +166,8 @@ def test_token_generation_picks_its_matmul_by_rows_and_numerics(
     numerics = Numerics(TORCH_DTYPES[dtype], TORCH_DTYPES[compute or dtype], quantized)
     target = opchoice.ChoiceInputs(args_from_config(config), numerics, "inductor", batch, (batch,),
                              kernel=False, onednn=layout == "packed")
-    job = GraphJob(TOKEN_GEN, 64, config, batch, 128, dtype, "inductor", str(tmp_path),
+    job = GraphJob(TOKEN_GEN, 64, args_from_config(config), batch, 128, dtype, "inductor",
+                   str(tmp_path),
                    compute=compute, quantized=quantized, layout=layout,
                    path=opchoice.rule_path(target, layout, batch))
     assert module_for(job).linear.__name__ == kernel
@@ -209,13 +212,12 @@ def test_host_checks_explain_a_foreign_artifact(compiled_artifact: Path) -> None
                 "torch": "1.0.0",
                 "cpu_isa": "sve256",
             },
-            "spec": manifest.spec.model_copy(update={"compiler": "inductor", "tp_degree": 4096}),
+            "spec": manifest.spec.model_copy(update={"compiler": "inductor"}),
         }
     )
     failed = {c.name: c.reason for c in TorchBackend().host_checks(foreign) if not c.ok}
-    assert set(failed) == {"cpu isa", "cores"}  # versions are compared by validate itself
+    assert set(failed) == {"cpu isa"}  # versions are compared by validate itself
     assert "compiled for sve256" in failed["cpu isa"]
-    assert "--tp-degree" in failed["cores"]
 
 
 def test_passing_host_checks_say_why(compiled_artifact: Path) -> None:
@@ -224,7 +226,7 @@ def test_passing_host_checks_say_why(compiled_artifact: Path) -> None:
         update={"spec": manifest.spec.model_copy(update={"compiler": "inductor"})}
     )
     checks = TorchBackend().host_checks(inductor)
-    assert [c.name for c in checks] == ["cpu isa", "half-precision units", "cores"]
+    assert [c.name for c in checks] == ["cpu isa", "half-precision units"]
     assert all(c.ok and c.reason for c in checks)
 
 
@@ -381,7 +383,45 @@ def test_a_weights_file_that_is_not_what_the_graphs_take_is_refused(
     monkeypatch.setattr(arena, "map_file", lambda path: real_map(other))
     refused("changed while it was being loaded")
     monkeypatch.undo()
-    # An artifact from before this format: tp shards, no weights file.
+    # No weights file at all.
     file.unlink()
-    (weights_dir / "tp0_sharded_checkpoint.safetensors").write_bytes(good)
-    refused("older neuronctl")
+    refused("has no graph_weights.safetensors")
+
+
+def test_a_build_parses_config_json_once(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """config.json becomes ModelArgs once per build: the graph jobs, their traced modules and
+    example inputs, neuron_config.json and the weights all take that one value (it was
+    parsed four times on the way to torch.export, once more in every graph worker)."""
+    from neuronctl.backends.torch import config as torch_config
+
+    parsed: list[int] = []
+    real = torch_config.args_from_config
+
+    def counted(config: Any) -> Any:
+        parsed.append(1)
+        return real(config)
+
+    monkeypatch.setattr(torch_config, "args_from_config", counted)
+    ckpt = make_checkpoint(tmp_path / "ckpt", "llama")
+    build = resolve_build(str(ckpt), {**TINY_SPEC, "compiler": "export"},
+                          store_dir=tmp_path / "store")
+    parsed.clear()  # resolve_build's check parses its own (it runs without a build)
+    compile_model(build, jobs=1)
+    assert len(parsed) == 1
+
+
+def test_no_backend_reaches_back_into_the_registry_and_the_kernel_build_not_into_doctor() -> None:
+    """backends/__init__.py imports each backend (lazily); a backend importing it back made a
+    cycle (accuracy.py took get_backend from it). The kernel build found ninja through
+    doctor; both now ask toolchain.py."""
+    import ast
+
+    root = Path(__file__).resolve().parents[1] / "neuronctl" / "backends"
+    back = []
+    for path in sorted(root.glob("*/*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, ast.ImportFrom) and node.module == "neuronctl.backends":
+                back.append(f"{path.relative_to(root)}:{node.lineno}")
+    assert back == []
+    kernel_source = (root / "torch" / "kernel.py").read_text()
+    assert "neuronctl.doctor" not in kernel_source and "neuronctl.toolchain" in kernel_source

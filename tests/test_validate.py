@@ -87,7 +87,7 @@ def test_intact_artifact_is_reusable_quick_and_deep(artifact: Path) -> None:
     report = validate_artifact(artifact, deep=True)
     assert report.reusable, _failed(report)
     names = [c.name for c in report.checks]
-    assert names[:2] == ["artifact", "files"] and "sha256" in names and "cores" in names
+    assert names[:2] == ["artifact", "files"] and "sha256" in names and "capacity" in names
 
 
 def test_cli_exit_0_and_json_shape(artifact: Path) -> None:
@@ -292,8 +292,31 @@ def test_neuron_cc_flags_do_not_block_torch_artifacts(
 def test_tp_degree_over_available_cores_fails(artifact: Path) -> None:
     _edit_manifest(artifact, spec__tp_degree=4096)
     failed = _failed(quick_validate(artifact))
-    assert "4096" in failed["cores"]
-    assert "capacity" not in {c.name for c in quick_validate(artifact).checks}  # not twice
+    assert "4096" in failed["capacity"]
+    assert "cores" not in {c.name for c in quick_validate(artifact).checks}  # not twice
+
+
+def test_a_requested_tp_degree_is_compared_as_the_artifacts_backend_compiles_it(
+    artifact: Path,
+) -> None:
+    """One process runs a torch artifact: any tp degree asks for the one it has (tp 1). A
+    Neuron artifact's tp degree is its ranks: another one is a mismatch, also when the
+    request names no backend (its default, torch, must not decide for the artifact)."""
+    from neuronctl.validate import check_spec
+
+    manifest = read_manifest(artifact)
+    assert manifest.spec.tp_degree == 1
+    for tp in (1, 2):
+        requested, sources = resolve_spec({"tp_degree": tp})
+        assert all(c.ok for c in check_spec(manifest, requested, sources)), tp
+    nxdi = manifest.model_copy(update={"backend": "nxdi", "spec": manifest.spec.model_copy(
+        update={"backend": "nxdi", "compiler": None, "tp_degree": 2})})
+    same, sources = resolve_spec({"tp_degree": 2})
+    assert all(c.ok for c in check_spec(nxdi, same, sources))
+    other, sources = resolve_spec({"tp_degree": 4})
+    failed = [c for c in check_spec(nxdi, other, sources) if not c.ok]
+    assert [c.name for c in failed] == ["spec.tp_degree"]
+    assert "requested 4" in failed[0].reason and "compiled 2" in failed[0].reason
 
 
 def test_capacity_check_for_cpu_and_neuron_hosts(
@@ -319,7 +342,7 @@ def test_capacity_check_for_cpu_and_neuron_hosts(
 CHANGED = [
     (["--seq-len", "256"], "seq_len"),
     (["--batch-size", "2"], "batch_size"),
-    (["--tp-degree", "2"], "tp_degree"),
+    (["--backend", "nxdi", "--tp-degree", "2"], "tp_degree"),  # torch: tp is always 1
     (["--max-context-length", "32"], "max_context_length"),
     (["--dtype", "bfloat16"], "dtype"),
     (["--context-buckets", "64"], "context_buckets"),

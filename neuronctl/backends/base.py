@@ -107,7 +107,8 @@ class Backend(Protocol):
         ...
 
     def build(self, request: BuildRequest) -> BuildResult:
-        """Fill request.staging with graphs, sharded weights and the backend's config."""
+        """Fill request.staging with graphs, sharded weights and the backend's config.
+        `request.spec` has passed `check` (build.resolve_build, the one place that asks)."""
         ...
 
     def load(self, path: Path, manifest: Manifest) -> Runner:

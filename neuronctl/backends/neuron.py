@@ -3,12 +3,12 @@ the KV slots idle rows write to and the logits read from a model's output."""
 
 from __future__ import annotations
 
-import os
 from collections.abc import Callable, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager
 from importlib import metadata
 from typing import TYPE_CHECKING, Any
 
+from neuronctl import process
 from neuronctl.doctor import NEURON_REPO
 from neuronctl.errors import BackendUnavailableError, BuildError, NeuronctlError
 
@@ -33,21 +33,10 @@ def sdk_versions(
     return out
 
 
-@contextmanager
-def env_var(name: str, value: str | None) -> Iterator[None]:
-    """Set (or, with None/empty, unset) one variable for the duration, then restore it."""
-    old = os.environ.get(name)
-    if value:
-        os.environ[name] = value
-    else:
-        os.environ.pop(name, None)
-    try:
-        yield
-    finally:
-        if old is None:
-            os.environ.pop(name, None)
-        else:
-            os.environ[name] = old
+def env_var(name: str, value: str | None) -> AbstractContextManager[None]:
+    """Set (or, with None/empty, unset) one variable the SDK reads for the duration, then
+    restore it (process.environment: the SDK compilers read the environment, not ours)."""
+    return process.environment({name: value})
 
 
 def cc_flags_env(flags: str) -> AbstractContextManager[None]:

@@ -17,9 +17,9 @@ from typing import TYPE_CHECKING, Annotated, Any
 
 import typer
 from rich.console import Console
-from typer._click.core import ParameterSource
 
 from neuronctl.cli._table import Col, print_rows
+from neuronctl.cli._typer_internals import ParameterSource
 
 if TYPE_CHECKING:
     from neuronctl.store.signing import Vouch

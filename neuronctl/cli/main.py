@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import atexit
 import contextlib
 import functools
 import gc
@@ -17,16 +16,15 @@ from collections.abc import Iterator, Sequence
 from typing import Annotated, Any
 
 import typer
-import typer.rich_utils
 from rich.markup import escape
 from rich.table import Table
 from rich.text import Text
-from typer._click.exceptions import ClickException, NoArgsIsHelpError
 from typer.core import TyperGroup
 
 import neuronctl.cli as cli_pkg
-from neuronctl import __version__, log
+from neuronctl import __version__, log, process
 from neuronctl.cli._common import err_console, print_json, unwrap_when_piped
+from neuronctl.cli._typer_internals import ClickException, NoArgsIsHelpError, fold_help
 from neuronctl.errors import EXIT_FAILED, EXIT_USAGE, NeuronctlError, UsageError
 
 EXIT_INTERRUPTED = 130  # 128 + SIGINT, as shells report it
@@ -100,20 +98,20 @@ class _HelpTable(Table):
             self.columns[-1].overflow = "fold"
 
 
-_parameter_help = typer.rich_utils._get_parameter_help
-
-
-def _help_folding_long_words(**kw: Any) -> Any:
+def _help_folding_long_words(parameter_help: Any) -> Any:
     """An option's help text with words longer than the column folded, not cut."""
-    columns = _parameter_help(**kw)
-    for item in columns.renderables:
-        if isinstance(item, Text):
-            item.overflow = "fold"
-    return columns
+
+    def folded(**kw: Any) -> Any:
+        columns = parameter_help(**kw)
+        for item in columns.renderables:
+            if isinstance(item, Text):
+                item.overflow = "fold"
+        return columns
+
+    return folded
 
 
-typer.rich_utils.Table = _HelpTable  # type: ignore[attr-defined,misc]
-typer.rich_utils._get_parameter_help = _help_folding_long_words
+fold_help(_HelpTable, _help_folding_long_words)
 
 
 def _new_app() -> typer.Typer:
@@ -133,6 +131,19 @@ def _version(value: bool) -> None:
     if value:
         print(f"neuronctl {__version__}")
         raise typer.Exit()
+
+
+class _Tracebacks:
+    """Whether an error shows its traceback: --debug (the root callback sets it), or
+    NEURONCTL_DEBUG for an error raised before the callback ran (a usage error)."""
+
+    shown = False
+
+    def wanted(self) -> bool:
+        return self.shown or bool(os.environ.get("NEURONCTL_DEBUG"))
+
+
+_tracebacks = _Tracebacks()
 
 
 def root(
@@ -161,8 +172,7 @@ def root(
     ] = 0,
 ) -> None:
     # Options before the command apply to every command.
-    if debug:
-        os.environ["NEURONCTL_DEBUG"] = "1"
+    _tracebacks.shown = debug
     try:
         level = log.level_for(log_level, verbose)
     except ValueError as exc:
@@ -180,13 +190,9 @@ def _quiet_warnings() -> Iterator[None]:
     if sys.warnoptions or "PYTHONWARNINGS" in os.environ:
         yield
         return
-    with warnings.catch_warnings():
+    with warnings.catch_warnings(), process.environment({"PYTHONWARNINGS": "ignore"}):
         warnings.simplefilter("ignore")
-        os.environ["PYTHONWARNINGS"] = "ignore"
-        try:
-            yield
-        finally:
-            os.environ.pop("PYTHONWARNINGS", None)
+        yield
 
 
 @functools.cache
@@ -279,13 +285,13 @@ def main() -> None:
     # torch is imported, 0.1-0.4 s of a one-token `generate`, for memory the OS takes back
     # anyway. Frozen (gc's permanent generation), they are skipped; Python never promised
     # finalizers to objects alive at exit, and atexit handlers run as before.
-    atexit.register(gc.freeze)
+    process.at_exit(gc.freeze)
     unwrap_when_piped()
     try:
         # prog_name: not "python -m neuronctl.cli.main" in usage and hints
         app_for(sys.argv[1:])(prog_name="neuronctl")
     except NeuronctlError as exc:
-        if os.environ.get("NEURONCTL_DEBUG"):
+        if _tracebacks.wanted():
             raise
         _report(exc)
         sys.exit(exc.exit_code)
@@ -293,7 +299,7 @@ def main() -> None:
         err_console.print("[red]interrupted[/red]")
         sys.exit(EXIT_INTERRUPTED)
     except Exception as exc:  # a bug, not a user mistake: say so, briefly
-        if os.environ.get("NEURONCTL_DEBUG"):
+        if _tracebacks.wanted():
             raise
         err_console.print(
             f"[red]internal error:[/red] {type(exc).__name__}: {escape(str(exc))}\n"

@@ -7,7 +7,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 import typer
-from typer._click.core import ParameterSource
 
 from neuronctl.cli._common import (
     ENGINES,
@@ -24,6 +23,7 @@ from neuronctl.cli._common import (
     print_json,
     with_spec_options,
 )
+from neuronctl.cli._typer_internals import ParameterSource
 from neuronctl.errors import UsageError
 from neuronctl.vllm.detect import TARGET_HELP as VLLM_TARGET_HELP
 

@@ -12,7 +12,6 @@ and its own incremental detokenizer, so text costs O(1) per token.
 
 from __future__ import annotations
 
-import atexit
 import logging
 import queue
 import threading
@@ -24,6 +23,7 @@ from typing import Any
 
 import torch
 
+from neuronctl import process
 from neuronctl.backends.base import Runner
 from neuronctl.engine.errors import EngineDeadError, EngineStoppedError, RequestError
 from neuronctl.engine.request import Event, FinishReason, Request, RequestOutput, Sink
@@ -51,7 +51,7 @@ def same_intra_op_threads(count: int) -> None:
     engine thread's first steps could run them with a team of another size than the Runner
     measured alone. Setting it first makes every step run with the caller's count."""
     if count > 0:
-        torch.set_num_threads(count)
+        process.set_torch_threads(count)
 
 
 class EventQueue:
@@ -202,11 +202,9 @@ class Engine:
             self._thread = threading.Thread(target=self._loop, name="neuronctl-engine", daemon=True)
             self._thread.start()
             _started.add(self)
-            # atexit runs the last registered first: registered again now, stop_started runs
-            # before every handler registered until now, weakref.finalize's among them,
+            # Before every exit handler registered until now, weakref.finalize's among them,
             # which drops torch.library's operators (the graphs call them until it stops).
-            atexit.unregister(stop_started)
-            atexit.register(stop_started)
+            process.first_at_exit(stop_started)
         return self
 
     def stop(self, drain: bool = True, timeout: float | None = None) -> None:

@@ -13,6 +13,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from neuronctl import process
 from neuronctl.backends import get_backend
 from neuronctl.backends.base import Runner
 from neuronctl.engine.engine import Engine
@@ -101,14 +102,8 @@ def one_intra_op_thread() -> Iterator[None]:
     loading stays behind and takes cores from the engine's: on 2 cores, bf16 batch-1 decode
     from the engine thread ran at 21-26 tok/s after a loading team, 52-61 without one (the
     same Runner from the main thread: 53-61). docs/performance-log.md has the measurement."""
-    import torch
-
-    threads = torch.get_num_threads()
-    torch.set_num_threads(1)
-    try:
+    with process.torch_threads(1):
         yield
-    finally:
-        torch.set_num_threads(threads)
 
 
 def make_engine(loaded: LoadedArtifact, max_queue: int | None = None) -> Engine:

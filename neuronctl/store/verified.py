@@ -15,7 +15,6 @@ when the process exits.
 
 from __future__ import annotations
 
-import atexit
 import fcntl
 import hashlib
 import os
@@ -26,6 +25,7 @@ import tempfile
 import weakref
 from pathlib import Path
 
+from neuronctl import process
 from neuronctl.errors import CheckpointError
 from neuronctl.store.files import NotRegularFileError, kind_of
 from neuronctl.store.manifest import HASH_CHUNK
@@ -104,7 +104,7 @@ def _private_dir() -> str:
     global _directory
     if _directory is None:
         _directory = tempfile.mkdtemp(prefix="neuronctl-verified-")  # mode 0700
-        atexit.register(shutil.rmtree, _directory, True)
+        process.at_exit(shutil.rmtree, _directory, True)
     return _directory
 
 

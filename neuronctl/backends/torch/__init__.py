@@ -17,11 +17,9 @@ from typing import TYPE_CHECKING, Any
 from neuronctl.backends.base import BuildRequest, BuildResult
 from neuronctl.backends.torch import host, versions
 from neuronctl.checks import Check
-from neuronctl.doctor import available_cpus
 from neuronctl.errors import BuildError, CheckpointError, SpecError
 
 if TYPE_CHECKING:
-    from neuronctl.backends.torch import opchoice
     from neuronctl.backends.torch.config import ModelArgs
     from neuronctl.backends.torch.graphs import GraphJob
     from neuronctl.backends.torch.runner import TorchRunner
@@ -46,52 +44,34 @@ class TorchBackend:
         return architectures("torch")
 
     def check(self, spec: BuildSpec, config: Mapping[str, Any]) -> None:
-        from neuronctl.backends.torch.config import args_from_config, check_args
+        from neuronctl.backends.torch.config import args_from_config
 
-        check_args(args_from_config(config), spec.seq_len)
-        cores = available_cpus()
-        if spec.tp_degree > cores:  # validate refuses such an artifact on this host
-            raise SpecError(
-                "tp_degree",
-                f"tp degree {spec.tp_degree} needs {spec.tp_degree} CPU cores, this host has "
-                f"{cores}: the artifact would never validate here",
-                f"use --tp-degree {cores} or less",
-            )
-        if spec.compiler not in ("export", "inductor"):
-            raise SpecError(
-                "compiler", f"{spec.compiler!r} is not a torch compiler", "use inductor or export"
-            )
-        if spec.quantized and spec.quantization_dtype != "int8":
-            raise SpecError(
-                "quantization_dtype",
-                f"the torch backend quantizes to int8, not {spec.quantization_dtype}",
-                "use --quantization-dtype int8",
-            )
+        check_spec(spec, args_from_config(config))
 
     def build(self, request: BuildRequest) -> BuildResult:
-        from neuronctl.backends.torch import kernel, neuron_config
-        from neuronctl.backends.torch.graphs import TORCH_DTYPES, build_graphs, graph_timeout
-        from neuronctl.backends.torch.opchoice import BLOCKED
+        """config.json is parsed here, once: everything below takes its ModelArgs. The spec
+        has passed `check` (base.Backend.build): from here the walk goes straight on, to the
+        op choice (opchoice.py), the graph jobs and their graphs (graphs.py)."""
+        from neuronctl.backends.torch import kernel, neuron_config, opchoice
+        from neuronctl.backends.torch.config import args_from_config
+        from neuronctl.backends.torch.graphs import build_graphs, graph_jobs, graph_timeout
         from neuronctl.backends.torch.weights import GRAPH_WEIGHTS, write_graph_weights
 
         spec, staging = request.spec, request.staging
-        config = dict(request.checkpoint.config)
-        self.check(spec, config)
+        args = args_from_config(request.checkpoint.config)
         # A bad timeout variable fails now, not after the compiles it would time.
         graph_timeout()
         kernel.build_timeout()
-        from neuronctl.backends.torch.config import args_from_config
-
-        check_tensors(request.checkpoint, args_from_config(config))
+        check_tensors(request.checkpoint, args)
         donor = request.reuse_graphs_from
         # A donor's graphs were compiled for its choice: adopt it, never measure again.
-        ops = donor_choice(donor, spec, config) if donor else choose_ops(spec, config)
-        jobs = graph_jobs(spec, config, staging, ops)
+        ops = donor_choice(donor) if donor else opchoice.choose(opchoice.spec_inputs(spec, args))
+        jobs = graph_jobs(spec, args, staging, ops)
         if donor is not None:
             graphs = copy_graphs(donor, staging, jobs)
         else:
             graphs = build_graphs(jobs, request.jobs, request.progress)
-        neuron_config.write(staging, spec, config, jobs, ops)
+        neuron_config.write(staging, spec, args, jobs, ops)
         if jobs[0].carries_kernel:
             carry_kernel(staging)
         checkpoint = request.checkpoint
@@ -100,9 +80,8 @@ class TorchBackend:
 
             checkpoint = QuantizedCheckpoint.wrap(checkpoint, spec)
         write_graph_weights(
-            checkpoint, args_from_config(config), TORCH_DTYPES[str(spec.dtype)],
-            bool(spec.quantized),
-            ops.layout == BLOCKED, staging / "weights" / GRAPH_WEIGHTS,
+            checkpoint, args, opchoice.TORCH_DTYPES[str(spec.dtype)], bool(spec.quantized),
+            ops.layout == opchoice.BLOCKED, staging / "weights" / GRAPH_WEIGHTS,
             request.progress,
         )
         return BuildResult(graphs=graphs, graphs_reused=donor is not None,
@@ -120,6 +99,23 @@ class TorchBackend:
     def host_checks(self, manifest: Manifest) -> list[Check]:
         here = {"cpu_isa": host.cpu_isa(), "cpu_half_units": host.half_units()}
         return host.host_checks(manifest, here)
+
+
+def check_spec(spec: BuildSpec, args: ModelArgs) -> None:
+    """Refuse a spec this backend cannot build exactly for the model `args` describes."""
+    from neuronctl.backends.torch.config import check_args
+
+    check_args(args, spec.seq_len)
+    if spec.compiler not in ("export", "inductor"):
+        raise SpecError(
+            "compiler", f"{spec.compiler!r} is not a torch compiler", "use inductor or export"
+        )
+    if spec.quantized and spec.quantization_dtype != "int8":
+        raise SpecError(
+            "quantization_dtype",
+            f"the torch backend quantizes to int8, not {spec.quantization_dtype}",
+            "use --quantization-dtype int8",
+        )
 
 
 def check_tensors(checkpoint: Checkpoint, args: ModelArgs) -> None:
@@ -142,69 +138,15 @@ def check_tensors(checkpoint: Checkpoint, args: ModelArgs) -> None:
             )
 
 
-def op_inputs(spec: BuildSpec, config: dict[str, Any]) -> opchoice.ChoiceInputs:
-    from neuronctl.backends.torch import opchoice
-    from neuronctl.backends.torch.config import Numerics, args_from_config
-    from neuronctl.backends.torch.graphs import TORCH_DTYPES, context_rows, graph_rows
-
-    assert isinstance(spec.context_buckets, list)
-    compute = host.compute_dtype(str(spec.dtype), spec.quantized, host.half_units())
-    numerics = Numerics(TORCH_DTYPES[str(spec.dtype)], TORCH_DTYPES[compute], spec.quantized)
-    rows = graph_rows(spec.context_buckets, spec.batch_size)
-    args = args_from_config(config)
-    contexts = context_rows(spec.context_buckets, spec.batch_size)
-    return opchoice.inputs_for(spec, args, numerics, rows, host.cpu_flags(), contexts)
-
-
-def choose_ops(spec: BuildSpec, config: dict[str, Any]) -> OpChoice:
-    """The matmul paths of a fresh build (opchoice: measured here, or by the rules)."""
-    from neuronctl.backends.torch import opchoice
-
-    return opchoice.choose(op_inputs(spec, config))
-
-
-def donor_choice(donor: Path, spec: BuildSpec, config: dict[str, Any]) -> OpChoice:
-    """The choice a graph donor's graphs were compiled for: its manifest's record, or for a
-    donor from before the record, the rules applied to the layout its neuron_config names."""
-    from neuronctl.backends.torch import neuron_config, opchoice
+def donor_choice(donor: Path) -> OpChoice:
+    """The choice a graph donor's graphs were compiled for: its manifest's record (a torch
+    manifest of this format always has one; find_graph_donor only offers such donors)."""
     from neuronctl.store.manifest import read_manifest
 
     recorded = read_manifest(donor).ops
-    if recorded is not None:
-        return recorded
-    layout = opchoice.legacy_layout(neuron_config.read(donor))
-    return opchoice.by_rules(op_inputs(spec, config), layout)
-
-
-def graph_jobs(
-    spec: BuildSpec, config: dict[str, Any], staging: Path, ops: OpChoice
-) -> list[GraphJob]:
-    from neuronctl.backends.torch.graphs import CONTEXT, TOKEN_GEN, GraphJob, prompt_counts
-
-    assert isinstance(spec.context_buckets, list) and isinstance(spec.token_gen_buckets, list)
-    kinds = [(CONTEXT, b, n) for b in spec.context_buckets for n in prompt_counts(spec.batch_size)]
-    kinds += [(TOKEN_GEN, b, 1) for b in spec.token_gen_buckets]
-    jobs = []
-    for kind, bucket, prompts in kinds:
-        rows = spec.batch_size if kind == TOKEN_GEN else bucket * prompts
-        row = ops.row(rows)
-        jobs.append(GraphJob(
-            kind,
-            bucket,
-            config,
-            spec.batch_size,
-            spec.seq_len,
-            str(spec.dtype),
-            str(spec.compiler),
-            str(staging),
-            compute=row.compute,
-            quantized=spec.quantized,
-            prompts=prompts,
-            layout=ops.layout,
-            path=row.path,
-            carries_kernel="kernel" in ops.paths,
-        ))
-    return jobs
+    if recorded is None:
+        raise BuildError(f"graph donor {donor} records no op choice", "recompile it")
+    return recorded
 
 
 def carry_kernel(staging: Path) -> None:
@@ -249,10 +191,10 @@ def build_facts(spec: BuildSpec, ops: OpChoice) -> dict[str, Any]:
 
 
 def _cxx_version() -> str:
-    try:
-        from torch._inductor.cpp_builder import get_cpp_compiler
+    from neuronctl.backends.torch import internals
 
-        return str(get_cpp_compiler())
+    try:
+        return internals.cpp_compiler()
     except Exception:
         return "unknown"
 

@@ -24,7 +24,9 @@ from typing import Any
 
 import torch
 
+from neuronctl.backends.torch import TorchBackend
 from neuronctl.errors import UsageError
+from neuronctl.store.manifest import read_manifest
 
 MODES = ("token-matching", "logit-matching")
 DEFAULT_PROMPT = "I believe the meaning of life is"
@@ -91,13 +93,13 @@ def compare_with_transformers(
 ) -> AccuracyResult:
     """Run both on `prompt` (None: DEFAULT_PROMPT, cut to the artifact's longest context);
     return the comparison (see module doc)."""
-    from neuronctl.backends import get_backend
-    from neuronctl.store.manifest import read_manifest
-
     if mode not in MODES:
         raise UsageError(f"unknown accuracy mode {mode!r}", "use " + " or ".join(MODES))
     manifest = read_manifest(artifact_path)
-    runner = get_backend(manifest.backend).load(artifact_path, manifest)
+    if manifest.backend != "torch":
+        raise UsageError(f"{artifact_path} is a {manifest.backend} artifact; --check-accuracy "
+                         "runs torch artifacts here", "on Neuron use inference_demo")
+    runner = TorchBackend().load(artifact_path, manifest)
     spec = manifest.spec
     numerics = "int8" if spec.quantized else str(spec.dtype)
     longest = min(runner.max_context_length, max(runner.context_buckets), runner.seq_len - 1)

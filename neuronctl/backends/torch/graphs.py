@@ -13,31 +13,35 @@ import logging
 import os
 import time
 import traceback
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from concurrent.futures import FIRST_COMPLETED, Future, ProcessPoolExecutor, wait
-from contextlib import contextmanager, nullcontext
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from multiprocessing import get_context
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
-from neuronctl.backends.torch import kernel, opchoice
+from neuronctl.backends.torch import internals, kernel, opchoice
 from neuronctl.backends.torch.attention import inv_freq
-from neuronctl.backends.torch.config import Numerics, args_from_config
+from neuronctl.backends.torch.config import ModelArgs, Numerics
 from neuronctl.backends.torch.layout import graph_shapes
 from neuronctl.backends.torch.linear import Linear, linear_for
 from neuronctl.backends.torch.model import ContextEncoding, TokenGeneration
+from neuronctl.backends.torch.opchoice import prompt_counts
 from neuronctl.errors import BuildError
 from neuronctl.progress import Progress
 from neuronctl.workers import die_with_parent
+
+if TYPE_CHECKING:
+    from neuronctl.spec import BuildSpec
+    from neuronctl.store.manifest import OpChoice
 
 GRAPHS_DIR = "graphs"
 REPORT_DIR = "report"
 CONTEXT = "context_encoding"
 TOKEN_GEN = "token_generation"
-TORCH_DTYPES = {"bfloat16": torch.bfloat16, "float16": torch.float16, "float32": torch.float32}
 
 
 @dataclass(frozen=True)
@@ -46,7 +50,7 @@ class GraphJob:
 
     kind: str  # CONTEXT | TOKEN_GEN
     bucket: int
-    config: dict[str, Any]
+    args: ModelArgs  # the model, parsed from config.json once per build
     batch_size: int
     seq_len: int
     dtype: str
@@ -65,8 +69,8 @@ class GraphJob:
 
     @property
     def numerics(self) -> Numerics:
-        storage = TORCH_DTYPES[self.dtype]
-        compute = TORCH_DTYPES[self.compute] if self.compute else storage
+        storage = opchoice.TORCH_DTYPES[self.dtype]
+        compute = opchoice.TORCH_DTYPES[self.compute] if self.compute else storage
         return Numerics(storage, compute, self.quantized)
 
     @property
@@ -90,31 +94,29 @@ def graph_name(kind: str, bucket: int, prompts: int = 1) -> str:
     return f"{kind}_{bucket}" if prompts == 1 else f"{kind}_{bucket}x{prompts}"
 
 
-def prompt_counts(batch_size: int) -> list[int]:
-    """How many prompts a context-encoding graph takes at once: 1, and batch_size.
-
-    One extra graph per context bucket: every graph is compile time (tens of seconds with
-    inductor). The runner pads a group to batch_size only when that at most doubles its
-    rows; smaller groups go one prompt per call.
-    """
-    return [1] if batch_size == 1 else [1, batch_size]
-
-
-def graph_rows(context_buckets: list[int], batch_size: int) -> tuple[int, ...]:
-    """Rows per matmul of each graph, ascending: token generation's batch, and each context
-    bucket times the prompts a context-encoding graph takes."""
-    return tuple(sorted({batch_size, *context_rows(context_buckets, batch_size)}))
-
-
-def context_rows(context_buckets: list[int], batch_size: int) -> tuple[int, ...]:
-    """Rows per matmul of the context-encoding graphs, ascending."""
-    return tuple(sorted({b * n for b in context_buckets for n in prompt_counts(batch_size)}))
+def graph_jobs(spec: BuildSpec, args: ModelArgs, staging: Path, ops: OpChoice) -> list[GraphJob]:
+    """One job per graph of `spec`: a context-encoding graph per context bucket and prompt
+    count, a token-generation graph per token-generation bucket; each on its row count's
+    path and compute dtype in `ops`."""
+    assert isinstance(spec.context_buckets, list) and isinstance(spec.token_gen_buckets, list)
+    kinds = [(CONTEXT, b, n) for b in spec.context_buckets for n in prompt_counts(spec.batch_size)]
+    kinds += [(TOKEN_GEN, b, 1) for b in spec.token_gen_buckets]
+    jobs = []
+    for kind, bucket, prompts in kinds:
+        row = ops.row(spec.batch_size if kind == TOKEN_GEN else bucket * prompts)
+        jobs.append(GraphJob(
+            kind, bucket, args, spec.batch_size, spec.seq_len, str(spec.dtype),
+            str(spec.compiler), str(staging), compute=row.compute, quantized=spec.quantized,
+            prompts=prompts, layout=ops.layout, path=row.path,
+            carries_kernel=opchoice.KERNEL in ops.paths,
+        ))
+    return jobs
 
 
 def example_inputs(job: GraphJob) -> tuple[Any, ...]:
     """Inputs with the graph's static shapes; values are never read while tracing."""
-    args = args_from_config(job.config)
-    dtype = TORCH_DTYPES[job.dtype]
+    args = job.args
+    dtype = opchoice.TORCH_DTYPES[job.dtype]
     shapes = graph_shapes(args, dtype, job.packed, job.quantized, job.blocked)
     weights = {name: torch.empty(t.shape, dtype=t.dtype) for name, t in shapes.items()}
     cache_shape = (job.batch_size, args.num_kv_heads, job.seq_len, args.head_dim)
@@ -137,11 +139,10 @@ def example_inputs(job: GraphJob) -> tuple[Any, ...]:
 
 
 def module_for(job: GraphJob) -> torch.nn.Module:
-    args = args_from_config(job.config)
     if job.kind == CONTEXT:
-        return ContextEncoding(args, job.numerics, job.linear)
-    return TokenGeneration(args, job.bucket, job.numerics, job.linear,
-                                    fused_attention=job.carries_kernel)
+        return ContextEncoding(job.args, job.numerics, job.linear)
+    return TokenGeneration(job.args, job.bucket, job.numerics, job.linear,
+                           fused_attention=job.carries_kernel)
 
 
 def build_graph(job: GraphJob) -> str:
@@ -160,8 +161,8 @@ def build_graph(job: GraphJob) -> str:
         with torch.no_grad():
             program = torch.export.export(module_for(job), example_inputs(job), strict=False)
         if job.compiler == "inductor":
-            with _weights_as_inputs_for_onednn() if job.packed else nullcontext():
-                torch._inductor.aoti_compile_and_package(program, package_path=str(out))
+            with internals.onednn_weights_as_inputs() if job.packed else nullcontext():
+                internals.aoti_compile_and_package(program, out)
         else:
             # The example inputs are empty weight-sized tensors: never store them.
             program.example_inputs = None
@@ -179,58 +180,6 @@ def build_graph(job: GraphJob) -> str:
         handler.close()
     log_path.unlink(missing_ok=True)  # a successful build keeps no report
     return job.relpath
-
-
-@contextmanager
-def _weights_as_inputs_for_onednn() -> Iterator[None]:
-    """Lower mkldnn._linear_pointwise to oneDNN's kernel with the weight a graph input.
-
-    Inductor's own lowering asserts the weight is a frozen constant (it only offers the op
-    for weights it prepacked itself); we never freeze weights into a graph, the runner
-    passes them prepacked. The single extern-kernel choice is what that lowering picks
-    without max-autotune; this lowering skips only the assertion and autotuning.
-    """
-    from torch._inductor import ir, lowering, mkldnn_ir, mkldnn_lowerings  # noqa: F401
-
-    op = torch.ops.mkldnn._linear_pointwise.default
-
-    def lower(
-        x: Any, w: Any, b: Any, attr: Any, scalars: Any, algorithm: Any, layout: Any = None
-    ) -> Any:
-        size = x.get_size()
-        if len(size) > 2:
-            x = lowering.view(x, [-1, size[-1]])
-        out = mkldnn_ir.LinearUnary.create(x, w, b, attr, scalars, algorithm)
-        if not isinstance(out, ir.TensorBox):
-            out = ir.TensorBox.create(out)
-        if len(size) > 2:
-            out = lowering.view(out, [*size[:-1], out.get_size()[-1]])
-        return out
-
-    def lower_binary(x: Any, y: Any, w: Any, b: Any, attr: Any, layout: Any = None) -> Any:
-        # inductor fuses a residual add into the linear (`x + linear(o)`)
-        size = x.get_size()
-        if len(size) > 2:
-            x = lowering.view(x, [-1, size[-1]])
-            y = lowering.view(y, [-1, y.get_size()[-1]])
-        out = mkldnn_ir.LinearBinary.create(x, y, w, b, attr)
-        if not isinstance(out, ir.TensorBox):
-            out = ir.TensorBox.create(out)
-        if len(size) > 2:
-            out = lowering.view(out, [*size[:-1], out.get_size()[-1]])
-        return out
-
-    ours: dict[Any, Any] = {op: lower, torch.ops.mkldnn._linear_pointwise.binary: lower_binary}
-    saved = {key: lowering.lowerings.get(key) for key in ours}
-    lowering.lowerings.update(ours)
-    try:
-        yield
-    finally:
-        for key, fn in saved.items():
-            if fn is None:
-                del lowering.lowerings[key]
-            else:
-                lowering.lowerings[key] = fn
 
 
 def build_graphs(jobs: list[GraphJob], workers: int, progress: Progress) -> list[str]:
@@ -297,7 +246,7 @@ def _kill_workers(pool: ProcessPoolExecutor) -> None:
     """Stop every worker: shutdown() alone waits for the running jobs to finish. SIGTERM
     first, as a worker then kills what runs below it (die_with_parent's whole_tree), where a
     SIGKILL left its compiler running, orphaned; SIGKILL whatever remains after a grace."""
-    processes = list((getattr(pool, "_processes", None) or {}).values())
+    processes = internals.pool_processes(pool)
     for process in processes:
         process.terminate()
     deadline = time.monotonic() + kernel.KILL_GRACE_SECONDS
@@ -307,7 +256,7 @@ def _kill_workers(pool: ProcessPoolExecutor) -> None:
     if kill is not None:
         kill()
         return
-    for process in list((getattr(pool, "_processes", None) or {}).values()):
+    for process in internals.pool_processes(pool):
         process.kill()
 
 

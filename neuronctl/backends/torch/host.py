@@ -18,14 +18,14 @@ from importlib import metadata
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from neuronctl.backends.torch import internals
 from neuronctl.checks import Check
-from neuronctl.doctor import available_cpus
 from neuronctl.store.local import user_cache_store
 
 if TYPE_CHECKING:
     from neuronctl.store.manifest import Manifest
 
-# Inductor's x86 ISAs, best first (torch._inductor.cpu_vec_isa.supported_vec_isa_list): it
+# Inductor's x86 ISAs, best first (inductor's cpu_vec_isa.supported_vec_isa_list): it
 # generates code for the first whose capabilities the CPU has.
 X86_ISAS = ("avx512 avx512_vnni amx_tile", "avx512 avx512_vnni", "avx512", "avx2")
 
@@ -87,9 +87,7 @@ def cpu_isa() -> str:
 
 def _detect_isa() -> str:
     try:
-        from torch._inductor.cpu_vec_isa import pick_vec_isa
-
-        return str(pick_vec_isa()) or "none"
+        return internals.inductor_isa() or "none"
     except Exception:  # pragma: no cover - hosts inductor has no ISA for
         return "none"
 
@@ -168,15 +166,13 @@ def cpu_runs(isa: str) -> bool:
 
 def supported_isas() -> set[str]:
     try:
-        from torch._inductor.cpu_vec_isa import valid_vec_isa_list
-
-        return {str(isa) for isa in valid_vec_isa_list()} | {"none"}
+        return internals.inductor_isas() | {"none"}
     except Exception:  # pragma: no cover
         return {"none"}
 
 
 def host_checks(manifest: Manifest, here: Mapping[str, str]) -> list[Check]:
-    """What validate's generic version comparison cannot judge: the ISA and the cores.
+    """What validate's generic version comparison cannot judge: the ISA and the units.
 
     (torch and modeling versions are compared by validate from `versions()`.)
     """
@@ -184,32 +180,21 @@ def host_checks(manifest: Manifest, here: Mapping[str, str]) -> list[Check]:
     if manifest.spec.compiler == "inductor":
         checks.append(isa_check(manifest, here))
     checks.append(half_units_check(manifest, here))
-    tp, cores = manifest.spec.tp_degree, available_cpus()
-    checks.append(
-        Check("cores", True, f"tp degree {tp}, {cores} cores")
-        if tp <= cores
-        else Check(
-            "cores",
-            False,
-            f"tp degree {tp} needs {tp} cores, this host has {cores}; recompile with "
-            f"--tp-degree {cores} or less",
-        )
-    )
     return checks
 
 
 def artifact_computes(manifest: Manifest) -> list[str]:
-    """The dtypes an artifact's graphs compute in: its op choice's, per row count (before
-    that record, the one its dtype and the build host's units gave)."""
-    if manifest.ops is not None:
-        return sorted(manifest.ops.computes, key=lambda dtype: dtype != "float32")
-    built_with = manifest.backend_versions.get("cpu_half_units", "none")
-    spec = manifest.spec
-    return [compute_dtype(str(spec.dtype), bool(spec.quantized), built_with)]
+    """The dtypes an artifact's graphs compute in: its op choice's, per row count."""
+    assert manifest.ops is not None  # half_units_check refuses a manifest without one
+    return sorted(manifest.ops.computes, key=lambda dtype: dtype != "float32")
 
 
 def half_units_check(manifest: Manifest, here: Mapping[str, str]) -> Check:
     """A graph built to compute in bf16 (fp16) needs a CPU with those units."""
+    if manifest.ops is None:
+        return Check("half-precision units", False,
+                     "the manifest records no op choice (what each graph computes in); "
+                     "recompile the artifact with this neuronctl")
     built_with = manifest.backend_versions.get("cpu_half_units", "none")
     computes = artifact_computes(manifest)
     units = here.get("cpu_half_units", "none")

@@ -43,12 +43,12 @@ from pathlib import Path
 import torch
 from torch import Tensor
 
-from neuronctl.backends.torch import arena
+from neuronctl.backends.torch import arena, internals
 from neuronctl.backends.torch.versions import KERNEL_SOURCES
 from neuronctl.backends.torch.versions import kernel_digest as digest  # part of the graph key
-from neuronctl.doctor import installed_ninja
 from neuronctl.errors import BuildError, UsageError
 from neuronctl.store.local import user_cache_store
+from neuronctl.toolchain import installed_ninja
 
 ROWS, CHUNK = 4, 16  # the blocked layout: [N/ROWS, K/CHUNK, ROWS, CHUNK]
 LIBRARY_DIR = "kernels"
@@ -142,8 +142,9 @@ def attention_fits(head_dim: int, cache: torch.dtype) -> bool:
 
 
 @cache
-def define() -> None:
-    """The ops' schemas and shape functions (tracing and export need nothing more)."""
+def register_ops() -> None:
+    """Register the ops' schemas and shape functions with torch.library, once per process
+    (tracing and export need nothing more; `load` and `load_from` add the implementation)."""
     torch.library.define(
         "neuronctl::linear_blocked", "(Tensor x, Tensor w, Tensor? scale) -> Tensor"
     )
@@ -186,7 +187,7 @@ def load() -> Path:
     Compile-time only: serving registers the copy the artifact carries (load_from)."""
     global _library
     if _library is None:
-        define()
+        register_ops()
         _library = _build()
     return _library
 
@@ -201,7 +202,7 @@ def load_from(library: Path) -> None:
     path. A process registers one library; the digest in the name is the source's."""
     global _library
     if _library is None:
-        define()
+        register_ops()
         # dlopen by this very path: torch.ops.load_library would resolve a verified copy's
         # /proc/self/fd/N to the memfd's name first, which cannot be opened.
         ctypes.CDLL(str(library))
@@ -219,10 +220,9 @@ def _build() -> Path:
         build_dir.mkdir(parents=True, exist_ok=True)
         timeout = build_timeout()
         with build_lock(build_dir, timeout):
-            # torch's own lock (a file that exists while a build runs: torch/utils/
-            # file_baton.py) is left behind by a killed build, and every later build waits
-            # on it forever. We hold the directory's flock: no live neuronctl build holds it.
-            (build_dir / TORCH_BATON).unlink(missing_ok=True)
+            # torch's own lock, which a killed build leaves behind: we hold the directory's
+            # flock, so no live neuronctl build holds it.
+            internals.clear_cpp_extension_baton(build_dir)
             _run_build_child(build_dir, timeout)
             _stamp(library)
     torch.ops.load_library(str(library))
@@ -249,7 +249,6 @@ def _built(library: Path) -> bool:
         return False
 
 
-TORCH_BATON = "lock"  # cpp_extension's FileBaton in the build directory
 BUILD_LOCK = "neuronctl-build.lock"
 BUILD_TIMEOUT_ENV = "NEURONCTL_KERNEL_BUILD_TIMEOUT"
 DEFAULT_BUILD_TIMEOUT = 900.0  # seconds; ~15 s on an idle host, minutes on a loaded one
@@ -365,7 +364,7 @@ def build_here() -> None:
 
     build_dir, parent = sys.argv[1], int(sys.argv[2])
     die_with_parent(parent, whole_tree=True)
-    define()
+    register_ops()
     cpp_extension.load(
         name=library_stem(),
         sources=[str(source) for source in KERNEL_SOURCES if source.suffix == ".cpp"],
@@ -380,7 +379,7 @@ def build_here() -> None:
 def _build_env() -> dict[str, str]:
     """The build child's environment: ours, with the ninja neuronctl depends on put on PATH
     when PATH does not reach one (cpp_extension runs `ninja` from PATH;
-    doctor.installed_ninja, which doctor reports from too). Our own PATH stays as it is."""
+    toolchain.installed_ninja, which doctor reports from too). Our own PATH stays as it is."""
     env = dict(os.environ)
     path = env.get("PATH")  # None: which() searches os.defpath, as the child's exec would
     if not shutil.which("ninja", path=path) and (found := installed_ninja()):

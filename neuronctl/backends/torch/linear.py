@@ -14,7 +14,7 @@ from collections.abc import Callable
 import torch
 from torch import Tensor
 
-from neuronctl.backends.torch import kernel
+from neuronctl.backends.torch import internals, kernel
 from neuronctl.backends.torch.config import ModelArgs
 from neuronctl.backends.torch.layout import graph_shapes, is_matrix
 
@@ -49,12 +49,12 @@ def packed_linear(
     this op to oneDNN's kernel without requiring the weight to be a constant).
     """
     assert scale is None, "quantized artifacts never pack weights"
-    return torch.ops.mkldnn._linear_pointwise(x, weight, bias, "none", [], "")
+    return internals.onednn_linear(x, weight, bias)
 
 
 def pack_weight(weight: Tensor, batch_size: int) -> Tensor:
     """The oneDNN blocked layout packed_linear reads, chosen for `batch_size` rows."""
-    return torch.ops.mkldnn._reorder_linear_weight(weight, batch_size)
+    return internals.onednn_pack(weight, batch_size)
 
 
 def packed_names(args: ModelArgs) -> list[str]:
@@ -68,7 +68,7 @@ def can_pack(dtype: torch.dtype) -> bool:
         return False
     if dtype == torch.float32:
         return True
-    return dtype == torch.bfloat16 and bool(torch.ops.mkldnn._is_mkldnn_bf16_supported())
+    return dtype == torch.bfloat16 and internals.onednn_bf16()
 
 
 def gemv(
@@ -104,7 +104,7 @@ def int8_linear(
     rows = x.reshape(-1, x.shape[-1]).to(torch.bfloat16)
     # The scale must be a graph input as is: inductor's lowering of this op does not
     # materialise a computed one.
-    out = torch.ops.aten._weight_int8pack_mm(rows, weight, scale)
+    out = internals.int8_weight_mm(rows, weight, scale)
     out = out.reshape(*x.shape[:-1], weight.shape[0]).to(x.dtype)
     return out if bias is None else out + bias.to(x.dtype)
 

@@ -2,7 +2,7 @@
 
 `write` records the spec, the numerics (the matmul and attention kernels, in words), the KV
 cache layout and the graph files; the manifest's `ops` is the record components read, this
-file is for people and for artifacts from before that record (`read`).
+file is for people (neuronctl never reads it back).
 """
 
 from __future__ import annotations
@@ -12,27 +12,17 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from neuronctl.backends.base import NEURON_CONFIG
-from neuronctl.backends.torch.config import args_from_config
-from neuronctl.errors import NotFoundError
 
 if TYPE_CHECKING:
+    from neuronctl.backends.torch.config import ModelArgs
     from neuronctl.spec import BuildSpec
     from neuronctl.store.manifest import OpChoice
 
 
-def read(path: Path) -> dict[str, Any]:
-    """An artifact's neuron_config.json."""
-    try:
-        return dict(json.loads((path / NEURON_CONFIG).read_text()))
-    except FileNotFoundError:
-        raise NotFoundError(f"{path} has no {NEURON_CONFIG}", "recompile the artifact") from None
-
-
 def write(
-    staging: Path, spec: BuildSpec, config: dict[str, Any], jobs: list[Any], ops: OpChoice
+    staging: Path, spec: BuildSpec, args: ModelArgs, jobs: list[Any], ops: OpChoice
 ) -> None:
     """The backend-native description: spec, KV layout and graph files (relative paths)."""
-    args = args_from_config(config)
     data = {
         "backend": "torch",
         "neuron_config": spec.model_dump(mode="json"),

@@ -76,6 +76,7 @@ READS: dict[MatmulPath, tuple[WeightLayout, ...]] = {
 SHORT = {torch.float32: "fp32", torch.bfloat16: "bf16", torch.float16: "fp16"}
 COMPUTE_DTYPE_NAMES: dict[torch.dtype, ComputeDtype] = {
     torch.float32: "float32", torch.bfloat16: "bfloat16", torch.float16: "float16"}
+TORCH_DTYPES: dict[str, torch.dtype] = {name: dtype for dtype, name in COMPUTE_DTYPE_NAMES.items()}
 # The GEMV's batch range (rules): measured on a 2-core AVX-512 host, it streams weights at
 # full bandwidth up to 4 rows, aten's GEMM wins beyond (docs/torch-backend.md). Weights
 # stored narrower than they compute (bf16 on a CPU without bf16 units) it widens as it
@@ -165,11 +166,43 @@ def split(name: str) -> tuple[MatmulPath, WeightLayout, torch.dtype]:
     return path, layout, compute  # type: ignore[return-value]
 
 
+def spec_inputs(spec: BuildSpec, args: ModelArgs) -> ChoiceInputs:
+    """The choice's inputs for a build of `spec` on this host: the compute dtype its units
+    allow (host.compute_dtype), the row counts of its graphs."""
+    assert isinstance(spec.context_buckets, list)
+    compute = host.compute_dtype(str(spec.dtype), spec.quantized, host.half_units())
+    numerics = Numerics(TORCH_DTYPES[str(spec.dtype)], TORCH_DTYPES[compute], spec.quantized)
+    rows = graph_rows(spec.context_buckets, spec.batch_size)
+    contexts = context_rows(spec.context_buckets, spec.batch_size)
+    return inputs_for(spec, args, numerics, rows, host.cpu_flags(), contexts)
+
+
+def prompt_counts(batch_size: int) -> list[int]:
+    """How many prompts a context-encoding graph takes at once: 1, and batch_size.
+
+    One extra graph per context bucket: every graph is compile time (tens of seconds with
+    inductor). The runner pads a group to batch_size only when that at most doubles its
+    rows; smaller groups go one prompt per call.
+    """
+    return [1] if batch_size == 1 else [1, batch_size]
+
+
+def graph_rows(context_buckets: list[int], batch_size: int) -> tuple[int, ...]:
+    """Rows per matmul of each graph, ascending: token generation's batch, and each context
+    bucket times the prompts a context-encoding graph takes."""
+    return tuple(sorted({batch_size, *context_rows(context_buckets, batch_size)}))
+
+
+def context_rows(context_buckets: list[int], batch_size: int) -> tuple[int, ...]:
+    """Rows per matmul of the context-encoding graphs, ascending."""
+    return tuple(sorted({b * n for b in context_buckets for n in prompt_counts(batch_size)}))
+
+
 def inputs_for(
     spec: BuildSpec, args: ModelArgs, numerics: Numerics,
     rows: tuple[int, ...], cpu_flags: str | None = None, context_rows: tuple[int, ...] = (),
 ) -> ChoiceInputs:
-    """The choice's inputs for a spec: `rows` the graphs' (graphs.graph_rows)."""
+    """The choice's inputs for a spec: `rows` the graphs' (graph_rows)."""
     compiler = str(spec.compiler)
     flags = host.cpu_flags() if cpu_flags is None else cpu_flags
     return ChoiceInputs(
@@ -369,13 +402,3 @@ def _time_ms(calls: dict[str, Callable[[], Any]]) -> dict[str, float]:
             call()
             best[path] = min(best[path], time.perf_counter() - start)
     return {path: seconds * 1000 for path, seconds in best.items()}
-
-
-# --- what an artifact recorded ---------------------------------------------------------------
-
-
-def legacy_layout(neuron_config: dict[str, Any]) -> WeightLayout:
-    """An artifact from before the manifest recorded its op choice: its neuron_config keys."""
-    if neuron_config.get("blocked_weights"):
-        return BLOCKED
-    return PACKED if neuron_config.get("packed_weights") else PLAIN

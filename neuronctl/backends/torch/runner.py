@@ -9,13 +9,12 @@ from typing import TYPE_CHECKING, Any
 
 import torch
 
-from neuronctl.backends.torch import neuron_config, opchoice
+from neuronctl.backends.torch import internals, opchoice
 from neuronctl.backends.torch.attention import inv_freq
 from neuronctl.backends.torch.config import ModelArgs, args_from_config
 from neuronctl.backends.torch.graphs import (
     CONTEXT,
     TOKEN_GEN,
-    TORCH_DTYPES,
     graph_name,
     prompt_counts,
 )
@@ -49,11 +48,11 @@ class TorchRunner:
         self.context_buckets = list(spec.context_buckets)
         self.token_gen_buckets = list(spec.token_gen_buckets)
         self.vocab_size = self.args.vocab_size
-        self.dtype = TORCH_DTYPES[str(spec.dtype)]
+        self.dtype = opchoice.TORCH_DTYPES[str(spec.dtype)]
         self.compiler = str(spec.compiler)
         # The manifest's op choice says how the graphs read the weights: oneDNN-prepacked
         # (linear.packed_linear), blocked for neuronctl's kernel (kernel.block) or plain.
-        layout, kernel_digest = _matmul_record(path, ops, versions or {})
+        layout, kernel_digest = _matmul_record(ops, versions or {})
         self.packed = layout == opchoice.PACKED
         self.blocked = layout == opchoice.BLOCKED
         if kernel_digest is not None:
@@ -193,18 +192,17 @@ def load_graph(file: Path, compiler: str, name: str = "") -> Graph:
     """A callable taking the graph's flat input list and returning its output tensor.
     `file` is the verified copy (runner._copy_code); `name` what errors call it."""
     if compiler == "inductor":
-        # torch's own package loader, without torch._inductor.aoti_load_package: that
-        # imports all of inductor and dynamo (~2 s of a cold start) to wrap this object.
-        # It extracts the package into a directory of its own (mkdtemp) and loads from there.
-        loader = torch._C._aoti.AOTIModelPackageLoader(str(file), "model", False, 1, -1)
-        return lambda flat: loader.run(flat)[0]
+        # torch's own package loader (internals.aoti_package_loader): it extracts the
+        # package into a directory of its own (mkdtemp) and loads from there.
+        run_package = internals.aoti_package_loader(file)
+        return lambda flat: run_package(flat)[0]
     program = load_export_graph(file, name)  # refuses pickled payloads before torch reads it
     module = program.module()
     spec = program.call_spec.in_spec
     assert spec is not None
 
     def run(flat: list[torch.Tensor]) -> torch.Tensor:
-        args, kwargs = torch.utils._pytree.tree_unflatten(flat, spec)
+        args, kwargs = internals.tree_unflatten(flat, spec)
         return module(*args, **kwargs)
 
     return run
@@ -217,16 +215,13 @@ def _pick(buckets: Sequence[int], need: int, what: str, of: str) -> int:
     return buckets[i]
 
 
-def _matmul_record(
-    path: Path, ops: OpChoice | None, versions: Mapping[str, str]
-) -> tuple[str, str | None]:
+def _matmul_record(ops: OpChoice | None, versions: Mapping[str, str]) -> tuple[str, str | None]:
     """(the weights' layout, the kernel digest its graphs were built with, or None where no
-    graph calls the kernel), from the manifest's record; artifacts from before it say both
-    in neuron_config.json."""
+    graph calls the kernel), from the manifest's record: a torch manifest of this format
+    always has one (validate refuses older formats before any load)."""
     if ops is None:
-        legacy = neuron_config.read(path)
-        digest = legacy.get("blocked_weights")
-        return opchoice.legacy_layout(legacy), str(digest) if digest else None
+        raise CheckpointError("this artifact's manifest records no op choice",
+                              "recompile the artifact with this neuronctl")
     if opchoice.KERNEL not in ops.paths:
         return ops.layout, None
     digest = versions.get("kernel")

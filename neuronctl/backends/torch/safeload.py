@@ -45,6 +45,7 @@ import zipfile
 from pathlib import Path
 from typing import IO, Any
 
+from neuronctl.backends.torch import internals
 from neuronctl.errors import NeuronctlError
 from neuronctl.store.files import open_regular
 
@@ -54,10 +55,10 @@ STRING_OPS = frozenset(
 )  # fmt: skip
 MEMO_PUT_OPS = frozenset({"PUT", "BINPUT", "LONG_BINPUT"})
 MEMO_GET_OPS = frozenset({"GET", "BINGET", "LONG_BINGET"})
-REFUSED_PREFIXES = ("custom_obj_", "opaque_obj_")  # TorchScript objects, plain pickles
+REFUSED_PREFIXES = internals.PT2_OBJECT_PREFIXES  # TorchScript objects, plain pickles
 METADATA_RE = re.compile(rb"[\w.\-]{0,64}\n?")  # archive_format, byteorder, version, ...
 ZIP_MAGIC = b"PK\x03\x04"
-PAYLOAD_DIRS = ("data/weights", "data/constants")
+PAYLOAD_DIRS = internals.PT2_PAYLOAD_DIRS
 
 
 class UnsafeGraphError(NeuronctlError):
@@ -198,18 +199,18 @@ def _raw_payloads(archive: zipfile.ZipFile) -> tuple[set[str], str | None]:
     raw: set[str] = set()
     for name in archive.namelist():
         folder, _, base = name.rpartition("/")
-        if not base.casefold().endswith("_config.json"):
+        if not base.casefold().endswith(internals.PT2_PAYLOAD_CONFIG_SUFFIX):
             continue
         if not folder.casefold().endswith(PAYLOAD_DIRS):
             continue
         try:
-            config = json.loads(archive.read(name)).get("config", {})
+            config = json.loads(archive.read(name)).get(internals.PT2_CONFIG_ENTRIES, {})
         except (ValueError, AttributeError):
             continue  # _member_problem judges the file itself
         entries = config.values() if isinstance(config, dict) else ()
         for meta in entries:
-            path_name = str(meta.get("path_name", "")) if isinstance(meta, dict) else ""
-            if not isinstance(meta, dict) or meta.get("use_pickle") is not False:
+            path_name = str(meta.get(internals.PT2_PATH_NAME, "")) if isinstance(meta, dict) else ""
+            if not isinstance(meta, dict) or meta.get(internals.PT2_USE_PICKLE) is not False:
                 return raw, f"{name} declares a pickled payload {path_name or repr(meta)}"
             if path_name.casefold().startswith(REFUSED_PREFIXES):
                 return raw, f"{name} declares a script or opaque object {path_name}"

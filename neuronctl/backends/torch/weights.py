@@ -43,7 +43,6 @@ from neuronctl.checkpoints.safetensors_format import (
 )
 from neuronctl.errors import CheckpointError
 from neuronctl.progress import NullProgress, Progress
-from neuronctl.sharding import SHARD_NAME
 
 if TYPE_CHECKING:
     from neuronctl.checkpoints import Checkpoint
@@ -180,11 +179,7 @@ def load_graph_weights(
     """
     path = weights_dir / GRAPH_WEIGHTS
     if not path.is_file():
-        older = any(weights_dir.glob(SHARD_NAME.format(rank="*")))
-        raise CheckpointError(
-            f"{weights_dir} has no {GRAPH_WEIGHTS}"
-            + (" (its tp shards are an older neuronctl's torch format)" if older else ""),
-            RECOMPILE)
+        raise CheckpointError(f"{weights_dir} has no {GRAPH_WEIGHTS}", RECOMPILE)
     layout = stored_layout(args, dtype, quantized, blocked)
     offsets, header, size = _checked_offsets(path, layout)
     try:
