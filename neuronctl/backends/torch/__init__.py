@@ -46,7 +46,7 @@ class TorchBackend:
     def check(self, spec: BuildSpec, config: Mapping[str, Any]) -> None:
         from neuronctl.backends.torch.config import args_from_config
 
-        check_spec(spec, args_from_config(config))
+        check_build_spec(spec, args_from_config(config))
 
     def build(self, request: BuildRequest) -> BuildResult:
         """config.json is parsed here, once: everything below takes its ModelArgs. The spec
@@ -101,7 +101,7 @@ class TorchBackend:
         return host.host_checks(manifest, here)
 
 
-def check_spec(spec: BuildSpec, args: ModelArgs) -> None:
+def check_build_spec(spec: BuildSpec, args: ModelArgs) -> None:
     """Refuse a spec this backend cannot build exactly for the model `args` describes."""
     from neuronctl.backends.torch.config import check_args
 
