@@ -194,3 +194,39 @@ def test_qwen2_matches_transformers(qwen_dir: Path) -> None:
 
 def test_llama_matches_transformers(llama_dir: Path) -> None:
     _assert_same(llama_dir)
+
+
+def _variant(src: Path, out: Path, model_type: str, **config: Any) -> Path:
+    """src's tokenizer.json under another tokenizer_class / model_type."""
+    saved = json.loads((src / "tokenizer_config.json").read_text())
+    out.mkdir()
+    (out / "tokenizer.json").write_bytes((src / "tokenizer.json").read_bytes())
+    (out / "tokenizer_config.json").write_text(json.dumps({**saved, **config}))
+    (out / "config.json").write_text(json.dumps({"model_type": model_type}))
+    return out
+
+
+@pytest.mark.parametrize(
+    ("source", "model_type", "tokenizer_class"),
+    [
+        ("qwen", "llama", "LlamaTokenizerFast"),  # byte-level (Llama 3): served as saved
+        ("qwen", "dbrx", "GPT2Tokenizer"),
+        ("qwen", "qwen3", "Qwen2TokenizerFast"),
+        ("llama", "mistral", "LlamaTokenizer"),  # mistral: served as saved
+        ("llama", "llama", "LlamaTokenizerFast"),
+        ("llama", "gemma3_text", "GemmaTokenizer"),
+    ],
+)
+def test_other_classes_and_families_match_transformers(
+    source: str, model_type: str, tokenizer_class: str, qwen_dir: Path, llama_dir: Path,
+    tmp_path: Path,
+) -> None:  # fmt: skip
+    src = qwen_dir if source == "qwen" else llama_dir
+    _assert_same(_variant(src, tmp_path / "tok", model_type, tokenizer_class=tokenizer_class))
+
+
+def test_llama_legacy_and_prefix_space_flags_match_transformers(
+    llama_dir: Path, tmp_path: Path
+) -> None:
+    for i, flags in enumerate(({"legacy": True}, {"add_prefix_space": False})):
+        _assert_same(_variant(llama_dir, tmp_path / str(i), "llama", **flags))
