@@ -45,8 +45,7 @@ class EngineTokenizer:
         from tokenizers import Tokenizer
 
         try:
-            saved = (path / "tokenizer.json").read_text(encoding="utf-8")
-            backend = Tokenizer.from_str(saved)
+            backend = Tokenizer.from_file(str(path / "tokenizer.json"))
         except Exception as exc:  # a corrupt file: say which, not a Rust panic string
             raise NotFoundError(
                 f"{path / 'tokenizer.json'} cannot be read: {exc}",
@@ -55,7 +54,7 @@ class EngineTokenizer:
         tokenizer = cls(backend, config, template)
         if _transformers_major() >= 5:
             model_type = (_read_json(path / "config.json") or {}).get("model_type")
-            rebuild = _REBUILDS.get(_tokenizer_class(config, model_type, saved) or "")
+            rebuild = _REBUILDS.get(_tokenizer_class(config, model_type, path) or "")
             if rebuild is not None:
                 rebuild(backend, config)
         else:
@@ -421,12 +420,21 @@ _REBUILDS: dict[str, Callable[[Any, dict[str, Any]], None]] = {
 _AS_SAVED_MODEL_TYPES = frozenset({"mistral", "mixtral"})
 
 
-def _tokenizer_class(config: dict[str, Any], model_type: Any, saved: str) -> str | None:
+def _tokenizer_class(config: dict[str, Any], model_type: Any, path: Path) -> str | None:
     """The class AutoTokenizer would build, as far as it changes the tokenizer."""
     name = config.get("tokenizer_class")
     if not isinstance(name, str) or model_type in _AS_SAVED_MODEL_TYPES:
         return None
     name = name.removesuffix("Fast")
-    if name == "LlamaTokenizer" and '"ByteLevel"' in saved:  # Llama 3 style: as saved
+    if name == "LlamaTokenizer" and _byte_level(path / "tokenizer.json"):  # Llama 3: as saved
         return None
     return name
+
+
+def _byte_level(tokenizer_json: Path) -> bool:
+    """transformers' own test: the file names ByteLevel anywhere. Read only for Llama's class,
+    so other loads read the file once (from_file; from_str of the text is slower)."""
+    try:
+        return '"ByteLevel"' in tokenizer_json.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return False
