@@ -41,14 +41,36 @@ def test_encode_decode_and_chat_match_transformers(tok_dir: Path) -> None:
     assert ours.eos_token_id == theirs.eos_token_id
 
 
-def test_add_bos_token_in_the_config_is_honoured(tok_dir: Path, tmp_path: Path) -> None:
+def test_add_bos_token_in_the_config_is_handled_as_transformers_does(
+    tok_dir: Path, tmp_path: Path
+) -> None:
+    """transformers 5 drops the flag when there is a tokenizer.json (tests/test_tokenizer_parity.py
+    cites where); before 5 the engine keeps honouring it, as it did."""
+    from transformers import AutoTokenizer
+
     for name in ("tokenizer.json", "chat_template.jinja"):
         (tmp_path / name).write_bytes((tok_dir / name).read_bytes())
     config = json.loads((tok_dir / "tokenizer_config.json").read_text())
     (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, "add_bos_token": True}))
+    ours, theirs = EngineTokenizer.load(tmp_path), AutoTokenizer.from_pretrained(str(tmp_path))
+    for special in (True, False):
+        assert ours.encode("hi", special) == theirs("hi", add_special_tokens=special)["input_ids"]
+
+
+def test_with_transformers_4_add_bos_and_eos_token_still_apply(
+    tok_dir: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """Before 5, transformers let tokenizer_config's flags rebuild the post-processor."""
+    import neuronctl.engine.tokenizer as module
+
+    monkeypatch.setattr(module, "_transformers_major", lambda: 4)
+    (tmp_path / "tokenizer.json").write_bytes((tok_dir / "tokenizer.json").read_bytes())
+    config = json.loads((tok_dir / "tokenizer_config.json").read_text())
+    flags = {"add_bos_token": True, "add_eos_token": True}
+    (tmp_path / "tokenizer_config.json").write_text(json.dumps({**config, **flags}))
     ours = EngineTokenizer.load(tmp_path)
-    bos = ours.token_id("<s>")
-    assert ours.encode("hi")[0] == bos and ours.encode("hi")[1:] == ours.encode("hi", False)
+    bos, eos, plain = ours.token_id("<s>"), ours.token_id("</s>"), ours.encode("hi", False)
+    assert ours.encode("hi") == [bos, *plain, eos]
 
 
 def test_chat_template_errors_and_missing_template_are_one_line(tok_dir: Path, tmp_path: Path):  # type: ignore[no-untyped-def]

@@ -13,7 +13,7 @@ trim_blocks and lstrip_blocks, loop controls, a `tojson` that does not escape HT
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from datetime import datetime
 from functools import cached_property
 from pathlib import Path
@@ -51,7 +51,15 @@ class EngineTokenizer:
                 f"{path / 'tokenizer.json'} cannot be read: {exc}",
                 "the artifact should contain the tokenizer files copied at compile time; recompile",
             ) from None
-        return cls(backend, config, template)
+        tokenizer = cls(backend, config, template)
+        if _transformers_major() >= 5:
+            model_type = (_read_json(path / "config.json") or {}).get("model_type")
+            rebuild = _REBUILDS.get(_tokenizer_class(config, model_type, path) or "")
+            if rebuild is not None:
+                rebuild(backend, config)
+        else:
+            tokenizer._set_post_processor()
+        return tokenizer
 
     @property
     def eos_token_id(self) -> int | None:
@@ -63,8 +71,7 @@ class EngineTokenizer:
         return None if value is None else int(value)
 
     def encode(self, text: str, add_special_tokens: bool = True) -> list[int]:
-        ids = list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
-        return self._with_flags(ids) if add_special_tokens else ids
+        return list(self._tok.encode(text, add_special_tokens=add_special_tokens).ids)
 
     def decode(self, token_ids: Sequence[int]) -> str:
         text = str(self._tok.decode(list(token_ids), skip_special_tokens=True))
@@ -113,23 +120,31 @@ class EngineTokenizer:
     def _template(self) -> Any:
         return _compile_template(self.chat_template or "")
 
-    def _with_flags(self, ids: list[int]) -> list[int]:
-        """tokenizer_config's add_bos_token / add_eos_token, where given, win over the
-        post-processor in tokenizer.json (as in transformers)."""
-        for flag, name, at_start in (("add_bos_token", "bos_token", True),
-                                     ("add_eos_token", "eos_token", False)):  # fmt: skip
-            wanted = self.config.get(flag)
+    def _set_post_processor(self) -> None:
+        """Before transformers 5, tokenizer_config's add_bos_token / add_eos_token, where either
+        is given, replace the post-processor in tokenizer.json with BOS? $A EOS?
+        (update_post_processor); a flag whose token is unknown adds nothing. transformers 5
+        drops both flags when there is a tokenizer.json
+        (tokenization_utils_base.py, from_pretrained)."""
+        from tokenizers import processors
+
+        if "add_bos_token" not in self.config and "add_eos_token" not in self.config:
+            return
+        ends = []
+        for flag, name in (("add_bos_token", "bos_token"), ("add_eos_token", "eos_token")):
             token = self.specials.get(name)
             tid = None if token is None else self.token_id(token)
-            if wanted is None or tid is None:
-                continue
-            edge = 0 if at_start else -1
-            has = bool(ids) and ids[edge] == tid
-            if wanted and not has:
-                ids = [tid, *ids] if at_start else [*ids, tid]
-            elif not wanted and has:
-                ids = ids[1:] if at_start else ids[:-1]
-        return ids
+            ends.append((token, tid) if self.config.get(flag) and tid is not None else None)
+        bos, eos = ends
+        single = " ".join(
+            [*([f"{bos[0]}:0"] if bos else []), "$A:0", *([f"{eos[0]}:0"] if eos else [])]
+        )
+        pair = " ".join(
+            [single, *([f"{bos[0]}:1"] if bos else []), "$B:1", *([f"{eos[0]}:1"] if eos else [])]
+        )
+        self._tok.post_processor = processors.TemplateProcessing(
+            single=single, pair=pair, special_tokens=[e for e in ends if e is not None]
+        )
 
 
 class TokenizedText:
@@ -301,3 +316,125 @@ def _clean_up(text: str) -> str:
                           (" 're", "'re")):  # fmt: skip
         text = text.replace(before, after)
     return text
+
+
+def _transformers_major() -> int:
+    """The installed transformers' major version, read without importing it (seconds)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return int(version("transformers").split(".")[0])
+    except (PackageNotFoundError, ValueError):
+        return 5
+
+
+# transformers 5 does not serve tokenizer.json as saved. AutoTokenizer picks a class by
+# tokenizer_config's "tokenizer_class" (models/auto/tokenization_auto.py); a class with its own
+# __init__ takes only the vocabulary, merges and post-processor from tokenizer.json and builds
+# its own normalizer, pre-tokenizer, decoder and BPE options around them
+# (tokenization_utils_tokenizers.py, TokenizersBackend.convert_to_native_format). The functions
+# below do what each such class's __init__ does, on the loaded tokenizer; classes not named here
+# (PreTrainedTokenizerFast, TokenizersBackend) use tokenizer.json as saved.
+
+# Qwen2Tokenizer's pre-tokenizer split (models/qwen2/tokenization_qwen2.py, PRETOKENIZE_REGEX):
+# one digit per piece, unlike GPT-2's byte-level regex.
+_QWEN2_SPLIT = (
+    r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*"
+    r"|\s*[\r\n]+|\s+(?!\S)|\s+"
+)
+
+
+def _bpe_options(tok: Any, **options: Any) -> None:
+    """The BPE options the class passes; the rest are BPE's defaults (as a fresh BPE has)."""
+    defaults = {"dropout": None, "unk_token": None, "continuing_subword_prefix": None,
+                "end_of_word_suffix": None, "fuse_unk": False, "byte_fallback": False,
+                "ignore_merges": False}  # fmt: skip
+    for name, value in {**defaults, **options}.items():
+        if hasattr(tok.model, name):  # a tokenizer.json whose model is not BPE: left as saved
+            setattr(tok.model, name, value)
+
+
+def _qwen2(tok: Any, config: dict[str, Any]) -> None:
+    from tokenizers import Regex, decoders, normalizers, pre_tokenizers
+
+    _bpe_options(tok, continuing_subword_prefix="", end_of_word_suffix="")
+    tok.normalizer = normalizers.NFC()
+    tok.pre_tokenizer = pre_tokenizers.Sequence([
+        pre_tokenizers.Split(Regex(_QWEN2_SPLIT), behavior="isolated", invert=False),
+        pre_tokenizers.ByteLevel(
+            add_prefix_space=bool(config.get("add_prefix_space") or False), use_regex=False
+        ),
+    ])  # fmt: skip
+    tok.decoder = decoders.ByteLevel()
+
+
+def _llama(tok: Any, config: dict[str, Any]) -> None:
+    """LlamaTokenizer: sentencepiece-style Metaspace; with add_prefix_space (the default) the
+    space goes before the first piece only unless the config says legacy."""
+    from tokenizers import decoders, pre_tokenizers
+
+    prefix = config.get("add_prefix_space")
+    prefix = True if prefix is None else bool(prefix)
+    scheme = ("always" if config.get("legacy", False) else "first") if prefix else "never"
+    _bpe_options(tok, fuse_unk=True, byte_fallback=True)
+    tok.normalizer = None
+    tok.pre_tokenizer = pre_tokenizers.Metaspace(
+        replacement="▁", prepend_scheme=scheme, split=False
+    )
+    steps = [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    tok.decoder = decoders.Sequence(steps + ([decoders.Strip(" ", 1, 0)] if prefix else []))
+
+
+def _gpt2(tok: Any, config: dict[str, Any]) -> None:
+    from tokenizers import decoders, pre_tokenizers
+
+    _bpe_options(tok, continuing_subword_prefix="", end_of_word_suffix="")
+    tok.normalizer = None
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(
+        add_prefix_space=bool(config.get("add_prefix_space", False))
+    )
+    tok.decoder = decoders.ByteLevel()
+
+
+def _gemma(tok: Any, config: dict[str, Any]) -> None:
+    from tokenizers import decoders, normalizers, pre_tokenizers
+
+    unk = _token_text(config.get("unk_token")) or "<unk>"
+    _bpe_options(tok, fuse_unk=True, unk_token=unk, byte_fallback=True)
+    tok.normalizer = normalizers.Replace(" ", "▁")
+    tok.pre_tokenizer = pre_tokenizers.Split(" ", behavior="merged_with_previous", invert=False)
+    tok.decoder = decoders.Sequence(
+        [decoders.Replace("▁", " "), decoders.ByteFallback(), decoders.Fuse()]
+    )
+
+
+_REBUILDS: dict[str, Callable[[Any, dict[str, Any]], None]] = {
+    "Qwen2Tokenizer": _qwen2,
+    "LlamaTokenizer": _llama,
+    "GPT2Tokenizer": _gpt2,
+    "GemmaTokenizer": _gemma,
+}
+
+# Model types AutoTokenizer serves with tokenizer.json as saved whatever tokenizer_class says
+# (registered as TokenizersBackend when mistral-common is absent).
+_AS_SAVED_MODEL_TYPES = frozenset({"mistral", "mixtral"})
+
+
+def _tokenizer_class(config: dict[str, Any], model_type: Any, path: Path) -> str | None:
+    """The class AutoTokenizer would build, as far as it changes the tokenizer."""
+    name = config.get("tokenizer_class")
+    if not isinstance(name, str) or model_type in _AS_SAVED_MODEL_TYPES:
+        return None
+    name = name.removesuffix("Fast")
+    if name == "LlamaTokenizer" and _byte_level(path / "tokenizer.json"):  # Llama 3: as saved
+        return None
+    return name
+
+
+def _byte_level(tokenizer_json: Path) -> bool:
+    """transformers' own test: the file names ByteLevel anywhere. Read only for Llama's class,
+    so other loads read the file once (from_file; from_str of the text is slower)."""
+    try:
+        return '"ByteLevel"' in tokenizer_json.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError):
+        return False
