@@ -135,7 +135,10 @@ async def connection(port: int, request: bytes, stop: Any, counts: Any) -> None:
                 with counts.get_lock():
                     counts[0 if status == 200 else 1 if status < 429 else 2] += 1
         except (OSError, asyncio.IncompleteReadError, ValueError):
-            pass
+            # A server that closes with the body unread resets the connection, and the
+            # kernel may drop its answer with it: the request was refused all the same.
+            with counts.get_lock():
+                counts[3] += 1
         finally:
             writer.close()
 
@@ -171,7 +174,7 @@ def phase(port: int, requests: int) -> dict[str, Any]:
 def under_load(port: int, kind: str, requests: int, connections: int) -> dict[str, Any]:
     print(f"bystander under {kind} ...", file=sys.stderr, flush=True)
     ctx = multiprocessing.get_context("spawn")
-    stop, counts = ctx.Event(), ctx.Array("i", 3)
+    stop, counts = ctx.Event(), ctx.Array("i", 4)
     sender = ctx.Process(target=attacker, args=(port, kind, connections, stop, counts))
     sender.start()
     time.sleep(2.0)  # the attacker is built and sending
@@ -184,7 +187,7 @@ def under_load(port: int, kind: str, requests: int, connections: int) -> dict[st
             sender.kill()
     time.sleep(1.0)  # what the attacker left in flight ends before the next baseline
     return {**row, "hostile_ok": counts[0], "hostile_refused": counts[1],
-            "hostile_429": counts[2]}  # fmt: skip
+            "hostile_429": counts[2], "hostile_reset": counts[3]}  # fmt: skip
 
 
 def compare(kind: str, alone: dict[str, Any], loaded: dict[str, Any]) -> dict[str, Any]:
@@ -197,7 +200,7 @@ def compare(kind: str, alone: dict[str, Any], loaded: dict[str, Any]) -> dict[st
 
 def report(rows: list[dict[str, Any]]) -> None:
     print(f"{'load':17} {'solo p50/p99 ms':>16} {'load p50/p99 ms':>16} {'p50 x':>6} "
-          f"{'p99 x':>6} {'loadavg':>8}  hostile ok/400/429")  # fmt: skip
+          f"{'p99 x':>6} {'loadavg':>8}  hostile ok/400/429/reset")  # fmt: skip
     for row in rows:
         solo, hit = row["baseline"], row["under_load"]
         print(f"{row['load']:17} {solo['latency_ms_p50']:7.0f}/{solo['latency_ms_p99']:<8.0f} "
