@@ -169,6 +169,111 @@ def test_one_client_holds_at_most_its_share_of_the_queue() -> None:
         scheduler.add(queued("10.0.0.2", object()))
 
 
+def test_a_client_of_many_requests_waits_behind_another_clients_first() -> None:
+    """Slots went to the API request holding the fewest, so a client that sent many requests
+    had one of them (holding none yet) ahead of a later client's first at every free slot:
+    an attacker's connections shared the batch among themselves and a bystander waited for
+    each. Now the client holding the fewest slots is served first."""
+    scheduler = Scheduler(batch_size=4, max_queue=256)
+    attacker = [object() for _ in range(20)]
+    for group in attacker:  # 20 requests of 5 prompts each
+        for _ in range(5):
+            scheduler.add(queued("10.0.0.3", group))
+    first = scheduler.schedule().prefill
+    assert len(first) == 4 and all(r.client == "10.0.0.3" for r in first)
+    bystander = queued("10.0.0.2", object())
+    scheduler.add(bystander)
+    scheduler.release(first[0])  # the next free slot
+    assert scheduler.schedule().prefill == [bystander]
+
+
+def requests_at_once(app: Any, sends: list[tuple[str, dict[str, Any]]]) -> list[httpx.Response]:
+    """Send each (client address, completion body) at once; the answers in order."""
+
+    async def go() -> list[httpx.Response]:
+        async def one(host: str, body: dict[str, Any], delay: float) -> httpx.Response:
+            await asyncio.sleep(delay)  # in order: the earlier ones are in flight first
+            transport = httpx.ASGITransport(app=app, client=(host, 5000))
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+                return await client.post("/v1/completions", json=body)
+
+        return list(await asyncio.gather(*(
+            one(host, body, 0.05 * i) for i, (host, body) in enumerate(sends)
+        )))  # fmt: skip
+
+    return asyncio.run(go())
+
+
+def test_one_client_has_at_most_its_requests_in_flight(text_model: FakeTextModel) -> None:
+    """One attacker on many connections had as many requests parsed, tokenized and queued
+    at once: a bystander's answers took 4-20x as long. Past its limit a client gets a 429
+    that names the limit, with Retry-After, before its body is read (and the connection
+    closes, so the rest of the body is never read); another client is still served."""
+    runner = FakeRunner(batch_size=2, seq_len=64, step_delay=0.02)
+    engine = Engine(runner, byte_decoder, eos_ids=[EOS_ID], max_queue=8).start()
+    app = create_app(engine, text_model, "fake", limits=Limits(max_client_requests=2))
+    slow = {"prompt": "hi", "max_tokens": 20, "ignore_eos": True}
+    quick = {"prompt": "hi", "max_tokens": 1}
+    try:
+        answers = requests_at_once(
+            app, [("10.0.0.3", slow), ("10.0.0.3", slow), ("10.0.0.3", quick), ("10.0.0.2", quick)]
+        )
+    finally:
+        engine.stop(drain=False)
+    assert [a.status_code for a in answers] == [200, 200, 429, 200], [a.text for a in answers]
+    refusal = answers[2]
+    assert refusal.headers["retry-after"] == "1" and refusal.headers["connection"] == "close"
+    error = refusal.json()["error"]
+    assert error["type"] == "rate_limit_error" and error["code"] == "too_many_requests"
+    assert "2 requests in flight" in error["message"]
+
+
+class CountingModel(FakeTextModel):
+    """Counts how many chat templates render at once, per client."""
+
+    def __init__(self, tokenizer_dir: str) -> None:
+        super().__init__(tokenizer_dir)
+        self.lock = threading.Lock()
+        self.now = self.most = 0
+
+    def encode_chat(self, messages: list[dict[str, Any]], **options: Any) -> list[int]:
+        with self.lock:
+            self.now += 1
+            self.most = max(self.most, self.now)
+        time.sleep(0.05)  # a long template
+        with self.lock:
+            self.now -= 1
+        return super().encode_chat(messages, **options)
+
+
+def test_one_clients_templates_render_one_at_a_time(tmp_path: Path) -> None:
+    """Templating and tokenizing hold the GIL; one client's many chat requests rendered as
+    many templates at once in the worker threads and took the CPU from the engine and
+    everyone else. A client's render one at a time; other clients' beside them."""
+    make_tokenizer(tmp_path)
+    model = CountingModel(str(tmp_path))
+    engine = Engine(FakeRunner(batch_size=4, seq_len=64), byte_decoder, eos_ids=[EOS_ID],
+                    max_queue=16).start()  # fmt: skip
+    app = create_app(engine, model, "fake")
+    body = {"messages": [{"role": "user", "content": "hi"}], "max_tokens": 1}
+
+    async def go(hosts: list[str]) -> list[int]:
+        async def one(host: str) -> int:
+            transport = httpx.ASGITransport(app=app, client=(host, 5000))
+            async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+                return (await client.post("/v1/chat/completions", json=body)).status_code
+
+        return list(await asyncio.gather(*(one(h) for h in hosts)))
+
+    try:
+        assert asyncio.run(go(["10.0.0.3"] * 4)) == [200] * 4
+        assert model.most == 1
+        assert asyncio.run(go(["10.0.0.3", "10.0.0.2"])) == [200] * 2
+        assert model.most == 2
+    finally:
+        engine.stop(drain=False)
+
+
 # -- chat messages ------------------------------------------------------------------------------
 
 

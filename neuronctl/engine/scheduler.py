@@ -35,11 +35,13 @@ CLIENT_QUEUE_SHARE = 0.5
 
 
 class Scheduler:
-    """Admits waiting requests fairly: a free slot goes to the waiting request whose API
-    request (`Request.group`) holds the fewest slots, earliest first among equals, and one
-    API request never takes the last free slot while it holds another. A request of many
-    prompts therefore runs beside later requests instead of ahead of them (259 prompts in
-    one request held a neighbour's 0.35 s answer back for 40 s when admission was FIFO)."""
+    """Admits waiting requests fairly: a free slot goes to the waiting request whose client
+    (`Request.client`, the peer's address) holds the fewest slots, then whose API request
+    (`Request.group`) holds the fewest, earliest first among equals; one API request never
+    takes the last free slot while it holds another. A request of many prompts therefore
+    runs beside later requests instead of ahead of them (259 prompts in one request held a
+    neighbour's 0.35 s answer back for 40 s when admission was FIFO), and so does a client
+    of many requests: its hundredth waits behind another client's first."""
 
     def __init__(self, batch_size: int, max_queue: int | None = None) -> None:
         self.slots: list[Request | None] = [None] * batch_size
@@ -81,7 +83,7 @@ class Scheduler:
             )
 
     def schedule(self) -> SchedulerOutput:
-        """Drop cancelled requests, decode every running one, admit waiting ones (FIFO)."""
+        """Drop cancelled requests, decode every running one, admit waiting ones (fairly)."""
         aborted = self._take_cancelled()
         decode = self.running()
         return SchedulerOutput(prefill=self._admit(), decode=decode, aborted=aborted)
@@ -118,19 +120,28 @@ class Scheduler:
         return admitted
 
     def _next_fair(self) -> Request | None:
-        """The earliest waiting request of the API request that holds the fewest slots; None
-        when only a request holding a slot waits and this is the last free one."""
-        held: dict[int, int] = {}
+        """The earliest waiting request of the client that holds the fewest slots, and of
+        its API requests the one that holds the fewest; None when only a request holding a
+        slot waits and this is the last free one."""
+        by_client: dict[str | None, int] = {}
+        by_group: dict[int, int] = {}
         for r in self.running():
-            held[id(r.group)] = held.get(id(r.group), 0) + 1
-        free = sum(r is None for r in self.slots)
+            by_client[r.client] = by_client.get(r.client, 0) + 1
+            by_group[id(r.group)] = by_group.get(id(r.group), 0) + 1
+
+        def held(request: Request) -> tuple[int, int]:
+            # Requests of no known client (a library caller) compete as one client each.
+            mine = by_client.get(request.client, 0) if request.client is not None else 0
+            return mine, by_group.get(id(request.group), 0)
+
         best: Request | None = None
         for request in self.waiting:  # earliest first: only a strictly lower count wins
-            if best is None or held.get(id(request.group), 0) < held.get(id(best.group), 0):
+            if best is None or held(request) < held(best):
                 best = request
         if best is None or best.group is None:
             return best
-        if held.get(id(best.group), 0) and free == 1 and self.batch_size > 1:
+        free = sum(r is None for r in self.slots)
+        if by_group.get(id(best.group), 0) and free == 1 and self.batch_size > 1:
             return None  # the last slot stays free for another request's arrival
         return best
 

@@ -16,7 +16,7 @@ from fastapi import FastAPI
 from neuronctl import __version__
 from neuronctl.engine.engine import Engine
 from neuronctl.server.errors import install_error_handlers
-from neuronctl.server.guard import Guard
+from neuronctl.server.guard import MAX_CLIENT_REQUESTS, Guard
 from neuronctl.server.metrics import Metrics
 from neuronctl.server.routes import TextModel, add_routes
 
@@ -30,6 +30,7 @@ CHARS_PER_TOKEN, MIN_PROMPT_CHARS = 32, 65536
 class Limits:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_prompt_chars: int | None = None  # None: from the engine's longest prompt
+    max_client_requests: int = MAX_CLIENT_REQUESTS  # one client's requests in flight
 
     def prompt_chars(self, max_prompt_tokens: int) -> int:
         if self.max_prompt_chars is not None:
@@ -58,5 +59,6 @@ def create_app(
         metrics=metrics,
         api_key=api_key,
         max_body_bytes=limits.max_body_bytes,
+        max_client_requests=limits.max_client_requests,
     )
     return app

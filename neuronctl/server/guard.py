@@ -1,6 +1,12 @@
 """The guard in front of the model: before any body is read, refuse work while draining
-(503), check the API key (401) and cap the body's size (413), so an unauthenticated or huge
-body costs nothing. It also counts every request for /metrics."""
+(503), check the API key (401), cap one client's requests in flight (429) and the body's size
+(413), so an unauthenticated, surplus or huge body costs nothing. It also counts every request
+for /metrics.
+
+A client is the peer's address (`client_of`). uvicorn puts the address X-Forwarded-For names
+there only when the peer is a trusted proxy (its `forwarded_allow_ips`, `$FORWARDED_ALLOW_IPS`,
+127.0.0.1 and ::1 by default): anyone else's X-Forwarded-For is ignored, since a client
+could name a new address in every request and so never reach its own limit."""
 
 from __future__ import annotations
 
@@ -42,6 +48,19 @@ MAX_JSON_KEYS = 16384
 _KEY_END = re.compile(rb'"\s*:')
 
 
+# /v1, /tokenize and /detokenize requests one client may have in flight; beyond it 429,
+# before the body is read: a client with a thousand connections holds as many parsed
+# bodies, prompts and waiting places as it has connections. Well above what one honest
+# client reads at once (an evaluation harness or a load test runs 32-64 streams).
+MAX_CLIENT_REQUESTS = 64
+
+
+def client_of(scope: Scope) -> str | None:
+    """Whose a request is, for its share: the peer's host (see the module's docstring)."""
+    peer = scope.get("client")
+    return str(peer[0]) if peer else None
+
+
 def guarded(path: str) -> bool:
     """The paths that run the model or its tokenizer, or describe the API: the API key and
     size limits apply (vLLM leaves /tokenize open; here it costs tokenizer time, so it takes
@@ -61,10 +80,13 @@ class Guard:
         metrics: Metrics,
         api_key: str | None,
         max_body_bytes: int,
+        max_client_requests: int = MAX_CLIENT_REQUESTS,
     ) -> None:
         self.app, self.app_ref, self.metrics = app, app_ref, metrics
         self.expected = None if api_key is None else f"Bearer {api_key}".encode()
         self.max_body = max_body_bytes
+        self.max_client = max_client_requests
+        self.per_client: dict[str | None, int] = {}  # guarded requests in flight, by client
         app_ref.state.in_flight = 0
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
@@ -73,11 +95,26 @@ class Guard:
             return
         path = scope["path"]
         endpoint = path if path in ENDPOINTS else "other"
-        refusal = self._refusal(scope) if guarded(path) else None
+        if not guarded(path):
+            await self._run(scope, receive, send, endpoint)
+            return
+        refusal = self._refusal(scope)
+        client = client_of(scope)
+        if refusal is None and self.per_client.get(client, 0) >= self.max_client:
+            refusal = self._too_many_requests()
         if refusal is not None:
             self.metrics.count_request(endpoint, refusal.status_code)
             await refusal(scope, receive, send)
             return
+        self.per_client[client] = self.per_client.get(client, 0) + 1
+        try:
+            await self._run(scope, receive, send, endpoint)
+        finally:
+            self.per_client[client] -= 1
+            if not self.per_client[client]:
+                del self.per_client[client]
+
+    async def _run(self, scope: Scope, receive: Receive, send: Send, endpoint: str) -> None:
         status, started, too_large = 500, False, False
 
         async def send_and_note(message: Message) -> None:
@@ -129,12 +166,22 @@ class Guard:
             return self._too_large()
         return None
 
+    def _too_many_requests(self) -> JSONResponse:
+        return error_response(
+            429,
+            f"this client has {self.max_client} requests in flight, the most one client may "
+            "have; wait for an answer before sending more",
+            code="too_many_requests",
+            close=True,
+        )
+
     def _too_many_keys(self) -> JSONResponse:
         return error_response(
             400,
             f"the request body has over {MAX_JSON_KEYS} JSON object keys; no request needs "
             "that many (logit_bias takes 1024 entries, messages 1024)",
             code="too_many_keys",
+            close=True,
         )
 
     def _too_large(self) -> JSONResponse:
@@ -142,4 +189,5 @@ class Guard:
             413,
             f"the request body is over this server's limit of {self.max_body} bytes",
             code="body_too_large",
+            close=True,
         )

@@ -4,6 +4,7 @@ tokenizes in a worker thread and submits to the engine; streams.py shapes what c
 
 from __future__ import annotations
 
+import asyncio
 import time
 from collections.abc import Callable, Sequence
 from dataclasses import replace
@@ -19,6 +20,7 @@ from neuronctl.engine.engine import Engine
 from neuronctl.engine.errors import RequestError
 from neuronctl.engine.sampling import SamplingParams
 from neuronctl.server.errors import ApiError
+from neuronctl.server.guard import client_of as scope_client
 from neuronctl.server.metrics import CONTENT_TYPE, Metrics
 from neuronctl.server.protocol import (
     ChatRequest,
@@ -49,6 +51,30 @@ class TextModel(Protocol):
     def token_str(self, token_id: int) -> str: ...
 
 
+class ClientWork:
+    """Tokenizing and chat templating, in a worker thread, one at a time per client.
+
+    Both are Python holding the GIL (a 1,024-message template is tens of milliseconds): a
+    client with many requests in flight ran as many at once, and took the GIL from the
+    engine's step and every other client's parse. One at a time, a client costs at most one
+    worker's share of the CPU, whatever it sends."""
+
+    def __init__(self) -> None:
+        self._locks: dict[str | None, asyncio.Lock] = {}
+        self._users: dict[str | None, int] = {}
+
+    async def run(self, client: str | None, fn: Callable[..., Any], *args: Any) -> Any:
+        lock = self._locks.setdefault(client, asyncio.Lock())
+        self._users[client] = self._users.get(client, 0) + 1
+        try:
+            async with lock:
+                return await run_in_threadpool(fn, *args)
+        finally:
+            self._users[client] -= 1
+            if not self._users[client]:  # nobody waits on it: forget the client
+                del self._users[client], self._locks[client]
+
+
 def add_routes(
     app: FastAPI,
     engine: Engine,
@@ -60,6 +86,7 @@ def add_routes(
 ) -> None:
     """Every endpoint; `max_chars` caps a prompt's characters before it is tokenized."""
     card = ModelCard(id=served_model_name, created=int(time.time()), max_model_len=max_model_len)
+    work = ClientWork()
 
     def check_model(name: str | None) -> None:
         if name is not None and name != served_model_name:
@@ -120,7 +147,8 @@ def add_routes(
         check_sequences(len(texts) * per_prompt)
         check_chars(body.prompt_chars(), "prompt")
         special = body.add_special_tokens is not False
-        encode = partial(model.encode, add_special_tokens=special)
+        tokenize = partial(model.encode, add_special_tokens=special)
+        encode = partial(work.run, client_of(request), tokenize)
         prompts = [await _encode(encode, p) if isinstance(p, str) else p for p in texts]
         prompts = [body.truncate(p, longest()) for p in prompts]
         if per_prompt > body.choices_per_prompt and params.logprobs is None:
@@ -142,7 +170,8 @@ def add_routes(
         check_chars(body.prompt_chars(), "messages")
         messages = [m.as_template_message() for m in body.messages]
         options = body.template_options()
-        prompt = await run_in_threadpool(partial(model.encode_chat, messages, **options))
+        template = partial(model.encode_chat, messages, **options)
+        prompt = await work.run(client_of(request), template)
         prompt = body.truncate(prompt, longest())
         run = Run(engine, jobs([prompt], params, per_prompt), metrics, [prompt],
                   stream=body.streaming, client=client_of(request))  # fmt: skip
@@ -154,7 +183,7 @@ def add_routes(
     app.include_router(v1)
     add_vllm_routes(
         app, model, check_model, check_chars, max_model_len or engine.runner.seq_len,
-        engine.runner.vocab_size,
+        engine.runner.vocab_size, work,
     )  # fmt: skip
 
     @app.get("/health")
@@ -182,6 +211,7 @@ def add_vllm_routes(
     check_chars: Callable[[int, str], None],
     max_model_len: int,
     vocab_size: int,
+    work: ClientWork,
 ) -> None:
     """vLLM's /version, /tokenize and /detokenize, with its request and response shapes."""
 
@@ -190,7 +220,7 @@ def add_vllm_routes(
         return JSONResponse({"version": __version__})
 
     @app.post("/tokenize")
-    async def tokenize(body: TokenizeRequest) -> Response:
+    async def tokenize(body: TokenizeRequest, request: Request) -> Response:
         check_model(body.model)
         if (body.prompt is None) == (body.messages is None):
             raise RequestError("send either prompt or messages", param="prompt")
@@ -199,18 +229,19 @@ def add_vllm_routes(
             messages = [m.as_template_message() for m in body.messages]
             check_chars(template_chars(messages), "messages")
             options = body.template_options()
-            ids = await run_in_threadpool(partial(model.encode_chat, messages, **options))
+            template = partial(model.encode_chat, messages, **options)
+            ids = await work.run(client_of(request), template)
         else:
             check_chars(len(body.prompt or ""), "prompt")
             special = body.add_special_tokens is not False
-            ids = await run_in_threadpool(model.tokenize, body.prompt or "", special)
+            ids = await work.run(client_of(request), model.tokenize, body.prompt or "", special)
         strs = [model.token_str(t) for t in ids] if body.return_token_strs else None
         return typed(TokenizeResponse(
             count=len(ids), max_model_len=max_model_len, tokens=ids, token_strs=strs
         ))  # fmt: skip
 
     @app.post("/detokenize")
-    async def detokenize(body: DetokenizeRequest) -> Response:
+    async def detokenize(body: DetokenizeRequest, request: Request) -> Response:
         check_model(body.model)
         bad = next((i for i, t in enumerate(body.tokens) if not 0 <= t < vocab_size), None)
         if bad is not None:  # the tokenizer's Rust side fails on them: a 500, not an answer
@@ -219,12 +250,14 @@ def add_vllm_routes(
                 f"(0..{vocab_size - 1})",
                 param="tokens",
             )
-        return typed(DetokenizeResponse(prompt=await run_in_threadpool(model.decode, body.tokens)))
+        text = await work.run(client_of(request), model.decode, body.tokens)
+        return typed(DetokenizeResponse(prompt=text))
 
 
 def client_of(request: Request) -> str | None:
-    """Who a request is from, for its share of the queue: the peer's address."""
-    return request.client.host if request.client is not None else None
+    """Who a request is from, for its share of the queue, the slots and the workers: the
+    peer's address (guard.client_of)."""
+    return scope_client(request.scope)
 
 
 def chat_echo(body: ChatRequest, messages: list[dict[str, Any]]) -> list[str] | None:
@@ -252,7 +285,7 @@ def jobs(
 
 async def _encode(encode: Any, text: str) -> list[int]:
     """Tokenize in a worker thread: a long prompt never stalls the event loop."""
-    ids: list[int] = await run_in_threadpool(encode, text)
+    ids: list[int] = await encode(text)
     if not ids:
         raise RequestError("the prompt is empty", param="prompt")
     return ids
