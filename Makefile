@@ -1,7 +1,7 @@
 PYTHON ?= python3
 PYTEST = $(PYTHON) -m pytest
 
-.PHONY: install test test-floor test-slow test-all lint bench docs
+.PHONY: install test test-eval test-floor test-slow test-all lint bench docs
 
 # torch is pinned to the local CPU build: an unpinned torch pulls several GB of CUDA packages.
 install:
@@ -16,7 +16,12 @@ install:
 # The fast suite: what CI runs. Slow tests (AOTInductor, big checkpoints) are in test-slow.
 # --durations: the slowest tests in every run's output, so a slow newcomer is seen in CI.
 test:
-	$(PYTEST) -m "not slow and not neuron and not hub" -n 2 --dist loadfile --durations=25
+	$(PYTEST) -m "not slow and not neuron and not hub and not eval" -n 2 --dist loadfile --durations=25
+
+# docs/runtime.md's lm-eval recipe against `neuronctl serve` equals lm-eval's hf model (one
+# small compile and two lm-eval runs, a few minutes on 2 cores: kept out of the parallel suite).
+test-eval:
+	$(PYTEST) -m "eval and not slow" -p no:xdist -q --durations=5
 
 # The Hub error mapping at the lowest huggingface_hub pyproject allows (the suite runs on the
 # newest): that version alone, in a scratch folder ahead of the installed one.

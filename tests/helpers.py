@@ -19,9 +19,11 @@ CHAT_TEMPLATE = (
 )
 
 
-def make_tokenizer(out: Path, vocab_size: int = VOCAB_SIZE) -> None:
-    """A byte-level BPE tokenizer with no merges: every text round-trips, ids < vocab_size."""
-    from tokenizers import Tokenizer, decoders, models, pre_tokenizers
+def make_tokenizer(out: Path, vocab_size: int = VOCAB_SIZE, adds_bos: bool = False) -> None:
+    """A byte-level BPE tokenizer with no merges: every text round-trips, ids < vocab_size.
+    `adds_bos`: its post-processor puts <s> first, and tokenizer_config says add_bos_token (as a
+    Llama checkpoint's files do)."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors
     from transformers import PreTrainedTokenizerFast
 
     byte_tokens = list(pre_tokenizers.ByteLevel.alphabet())
@@ -32,11 +34,21 @@ def make_tokenizer(out: Path, vocab_size: int = VOCAB_SIZE) -> None:
     specials = [BOS, EOS, PAD]
     specials += [f"<extra_{i}>" for i in range(vocab_size - len(vocab) - len(specials))]
     tok.add_special_tokens(specials)
+    if adds_bos:
+        bos = [(BOS, tok.token_to_id(BOS))]
+        tok.post_processor = processors.TemplateProcessing(
+            single=f"{BOS} $A", pair=f"{BOS} $A {BOS} $B", special_tokens=bos
+        )
     fast = PreTrainedTokenizerFast(
         tokenizer_object=tok, bos_token=BOS, eos_token=EOS, pad_token=PAD
     )
     fast.chat_template = CHAT_TEMPLATE
     fast.save_pretrained(out)
+    if adds_bos:
+        config_file = out / "tokenizer_config.json"
+        config = json.loads(config_file.read_text())
+        config.update(add_bos_token=True, tokenizer_class="PreTrainedTokenizerFast")
+        config_file.write_text(json.dumps(config, indent=2))
 
 
 def make_checkpoint(

@@ -98,6 +98,7 @@ def test_lm_eval_through_the_server_equals_lm_eval_on_the_checkpoint(
         "model": "tiny",
         "tokenizer_backend": "huggingface",
         "tokenizer": str(compiled_artifact),
+        "add_bos_token": True,  # docs/runtime.md: as the hf model, whatever the tokenizer
         "max_retries": 1,
     }
 
