@@ -56,18 +56,13 @@ _lock = threading.Lock()
 
 def map_early(artifact: Path) -> None:
     """Map and fault in a torch artifact's weights file ahead of the load, on a thread.
-    Nothing for another artifact, off Linux, or where the file takes more than half the
-    memory available (the load then maps it as it goes)."""
+    Nothing where there is no such file (another backend's artifact), off Linux, or where
+    the file takes more than half the memory available (the load then maps it as it goes).
+    The manifest is not read here: the reuse checks read it, once, and the load judges
+    the mapping against it (take: the same file, else mapped afresh)."""
     global _early
-    from neuronctl.errors import NeuronctlError
-    from neuronctl.store.manifest import read_manifest
-
-    try:
-        manifest = read_manifest(artifact)
-    except NeuronctlError:
-        return  # loading says what is wrong with it
     path = artifact / "weights" / GRAPH_WEIGHTS
-    if manifest.backend != "torch" or sys.platform != "linux":
+    if sys.platform != "linux" or not path.is_file():
         return
     from neuronctl.store.owned import others_can_write
 
