@@ -39,9 +39,9 @@ def get_backend(name: str) -> Backend:
 def prepare_load(artifact: Path) -> None:
     """Start what loading `artifact` can do before torch is imported, on another thread:
     the torch backend maps its weights file and faults it in (torch/arena.py) while the
-    caller's `import torch` keeps one core busy for seconds. Reads nothing but the manifest
-    and the weights, runs no code of the artifact: the load rule still applies to the load
-    itself."""
+    caller's `import torch` keeps one core busy for seconds. Reads nothing but the weights
+    (not even the manifest: the reuse checks read it once), runs no code of the artifact: the
+    load rule still applies to the load itself."""
     from neuronctl.backends.torch.arena import map_early
 
     map_early(artifact)
