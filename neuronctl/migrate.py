@@ -124,7 +124,7 @@ EXTRA_ROWS: list[tuple[str, str | None, str]] = [
 ]
 ROWS = {tnx: (nxdi, note) for tnx, nxdi, note in TABLE + EXTRA_ROWS}
 # TNx sub-configs whose fields are rows of their own.
-NESTED_KEYS = {key.split(".")[0] for key in ROWS if "." in key}
+SUB_CONFIGS = {key.split(".")[0] for key in ROWS if "." in key}
 
 # TNx spells dtypes as amp names; NxD Inference as torch dtype names.
 AMP_TO_DTYPE = {"bf16": "bfloat16", "f16": "float16", "fp16": "float16", "f32": "float32",
@@ -244,7 +244,7 @@ def flatten(config: Mapping[str, Any]) -> list[tuple[str, Any]]:
     given as such pass through."""
     items: list[tuple[str, Any]] = []
     for key, value in config.items():
-        if key in NESTED_KEYS and isinstance(value, Mapping):
+        if key in SUB_CONFIGS and isinstance(value, Mapping):
             items.append((key, dict(value)))
             items.extend((f"{key}.{sub}", v) for sub, v in value.items())
         else:

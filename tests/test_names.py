@@ -79,3 +79,33 @@ def test_every_allowed_name_is_still_defined_twice() -> None:
     found = definitions(PACKAGE)
     stale = [name for name in ALLOWED if len(found.get(name, [])) < 2]
     assert stale == []
+
+
+# The names that scripts outside the package import (the real-source check of the vLLM and
+# Neuron SDK launches drives neuronctl through them): a rename here breaks them silently.
+PUBLIC_NAMES = {
+    "neuronctl.backends.nxdi": ["GRAPH", "NEURON_CONFIG", "NxdiBackend", "expected_files",
+                                "fused_spec_config", "sdk", "shard_name"],
+    "neuronctl.backends.nxdi.config": ["neuron_config_kwargs"],
+    "neuronctl.backends.tnx": ["make_neuron_config"],
+    "neuronctl.backends.tnx.config": ["MODEL_TYPES", "from_pretrained_kwargs"],
+    "neuronctl.checkpoints.registry": ["ARCHITECTURES"],
+    "neuronctl.vllm": ["NXDI", "PLUGIN_ENTRY", "TNX", "Target", "generate_launch",
+                       "plan_launch", "serve_launch", "vllm_dirname_exact"],
+    "neuronctl.vllm.dirname": ["no_vllm_dirname"],
+    "neuronctl.migrate": ["ROWS", "SUB_CONFIGS", "TABLE", "migrate_tnx"],
+    "neuronctl.spec": ["BuildSpec", "OnDeviceSampling", "auto_buckets", "build_spec"],
+    "neuronctl.vllm_generations": ["Generation", "version_tuple"],
+}
+
+
+def test_the_names_scripts_outside_import_are_there() -> None:
+    import importlib
+
+    missing = [f"{module}.{name}" for module, names in PUBLIC_NAMES.items()
+               for name in names if not hasattr(importlib.import_module(module), name)]
+    assert missing == []
+    from neuronctl.checkpoints.registry import ARCHITECTURES
+    from neuronctl.families import architectures
+
+    assert ARCHITECTURES["nxdi"] == architectures("nxdi")

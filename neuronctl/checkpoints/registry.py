@@ -4,8 +4,12 @@
 from __future__ import annotations
 
 from neuronctl.errors import CheckpointError
-from neuronctl.families import BY_ARCHITECTURE, FAMILIES
+from neuronctl.families import BY_ARCHITECTURE, FAMILIES, architectures
 from neuronctl.spec import BACKENDS
+
+# Per backend, the architectures it builds, derived from the families table: scripts outside
+# the package (the real-source check among them) read it by this name.
+ARCHITECTURES: dict[str, dict[str, str]] = {name: architectures(name) for name in BACKENDS}
 
 
 def supported_backends(architecture: str) -> list[str]:

@@ -20,7 +20,7 @@ from neuronctl.engine.engine import Engine
 from neuronctl.engine.errors import RequestError
 from neuronctl.engine.sampling import SamplingParams
 from neuronctl.server.errors import ApiError
-from neuronctl.server.guard import client_of as scope_client
+from neuronctl.server.guard import client_of
 from neuronctl.server.metrics import CONTENT_TYPE, Metrics
 from neuronctl.server.protocol import (
     ChatRequest,
@@ -148,13 +148,13 @@ def add_routes(
         check_chars(body.prompt_chars(), "prompt")
         special = body.add_special_tokens is not False
         tokenize = partial(model.encode, add_special_tokens=special)
-        encode = partial(work.run, client_of(request), tokenize)
+        encode = partial(work.run, client_of(request.scope), tokenize)
         prompts = [await _encode(encode, p) if isinstance(p, str) else p for p in texts]
         prompts = [body.truncate(p, longest()) for p in prompts]
         if per_prompt > body.choices_per_prompt and params.logprobs is None:
             params = replace(params, logprobs=0)  # best_of ranks by cumulative logprob
         run = Run(engine, jobs(prompts, params, per_prompt), metrics, prompts,
-                  stream=body.streaming, client=client_of(request))  # fmt: skip
+                  stream=body.streaming, client=client_of(request.scope))  # fmt: skip
         echo = [p if isinstance(p, str) else model.decode(p) for p in texts] if body.echo else None
         stream = CompletionStream(run, served_model_name, body, model, echo)
         if body.streaming:
@@ -171,10 +171,10 @@ def add_routes(
         messages = [m.as_template_message() for m in body.messages]
         options = body.template_options()
         template = partial(model.encode_chat, messages, **options)
-        prompt = await work.run(client_of(request), template)
+        prompt = await work.run(client_of(request.scope), template)
         prompt = body.truncate(prompt, longest())
         run = Run(engine, jobs([prompt], params, per_prompt), metrics, [prompt],
-                  stream=body.streaming, client=client_of(request))  # fmt: skip
+                  stream=body.streaming, client=client_of(request.scope))  # fmt: skip
         stream = CompletionStream(run, served_model_name, body, model, chat_echo(body, messages))
         if body.streaming:
             return sse(stream.chunks())
@@ -230,11 +230,12 @@ def add_vllm_routes(
             check_chars(template_chars(messages), "messages")
             options = body.template_options()
             template = partial(model.encode_chat, messages, **options)
-            ids = await work.run(client_of(request), template)
+            ids = await work.run(client_of(request.scope), template)
         else:
             check_chars(len(body.prompt or ""), "prompt")
             special = body.add_special_tokens is not False
-            ids = await work.run(client_of(request), model.tokenize, body.prompt or "", special)
+            client = client_of(request.scope)
+            ids = await work.run(client, model.tokenize, body.prompt or "", special)
         strs = [model.token_str(t) for t in ids] if body.return_token_strs else None
         return typed(TokenizeResponse(
             count=len(ids), max_model_len=max_model_len, tokens=ids, token_strs=strs
@@ -250,14 +251,8 @@ def add_vllm_routes(
                 f"(0..{vocab_size - 1})",
                 param="tokens",
             )
-        text = await work.run(client_of(request), model.decode, body.tokens)
+        text = await work.run(client_of(request.scope), model.decode, body.tokens)
         return typed(DetokenizeResponse(prompt=text))
-
-
-def client_of(request: Request) -> str | None:
-    """Who a request is from, for its share of the queue, the slots and the workers: the
-    peer's address (guard.client_of)."""
-    return scope_client(request.scope)
 
 
 def chat_echo(body: ChatRequest, messages: list[dict[str, Any]]) -> list[str] | None:

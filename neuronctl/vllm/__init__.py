@@ -25,7 +25,8 @@ One module per job, each importing only those above it in this list:
 Every value comes from the artifact's manifest; the rules per generation, with the source
 lines they come from, are pinned in tests/test_vllm.py and tabulated in docs/neuron.md.
 neuronctl's own code imports from the modules; the names below are for scripts that drive a
-launch from outside the package.
+launch from outside the package (`Target` is VllmTarget's short name there: in neuronctl a
+target is a vLLM target, nothing else).
 """
 
 from neuronctl.vllm.artifact import NXDI, TNX
@@ -34,11 +35,14 @@ from neuronctl.vllm.dirname import vllm_dirname_exact
 from neuronctl.vllm.launch import generate_launch, serve_launch
 from neuronctl.vllm.rules import PLUGIN_ENTRY, LaunchPlan, plan_launch
 
+Target = VllmTarget
+
 __all__ = [
     "NXDI",
     "PLUGIN_ENTRY",
     "TNX",
     "LaunchPlan",
+    "Target",
     "VllmTarget",
     "generate_launch",
     "plan_launch",

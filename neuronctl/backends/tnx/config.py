@@ -30,7 +30,8 @@ QUANT_DTYPE = {"int8": "s8", "f8e4m3": "f8e4m3fn"}  # spec (NxDI) name -> TNx qu
 QUANTIZE_METHOD = "vector_dynamic"
 # vLLM's neuron_model_runner._MAX_NEURON_SAMPLING_TOP_K: the compiled global top-k.
 MAX_TOP_K = 256
-SUB_CONFIGS = ("continuous_batching", "quant", "on_device_generation")
+# Sub-config dicts an override merges into, key by key, instead of replacing.
+MERGED_CONFIGS = ("continuous_batching", "quant", "on_device_generation")
 # ContinuousBatchingConfig asserts on any other key; block_size / num_blocks are set later by
 # vLLM through init_cache_engine, never passed to the constructor.
 CB_KEYS = ("max_num_seqs", "batch_size_for_shared_caches", "max_model_len",
@@ -165,7 +166,7 @@ def neuron_config_kwargs(spec: BuildSpec) -> dict[str, Any]:
     if spec.on_device_sampling:
         kwargs["on_device_generation"] = vllm_generation_config(spec)
     for key, value in spec.override_neuron_config.items():
-        if key in SUB_CONFIGS and isinstance(value, dict):
+        if key in MERGED_CONFIGS and isinstance(value, dict):
             kwargs[key] = {**kwargs.get(key, {}), **value}
         else:
             kwargs[key] = value
@@ -193,8 +194,8 @@ def vllm_override(spec: BuildSpec) -> dict[str, Any]:
     in the override replaces its object."""
     kwargs = neuron_config_kwargs(spec)
     defaults = vllm_defaults(spec)
-    overridden = {k for k in spec.override_neuron_config if k in SUB_CONFIGS}
+    overridden = {k for k in spec.override_neuron_config if k in MERGED_CONFIGS}
     return {
         k: v for k, v in kwargs.items()
-        if (k not in SUB_CONFIGS or k in overridden) and not (k in defaults and defaults[k] == v)
+        if (k not in MERGED_CONFIGS or k in overridden) and not (k in defaults and defaults[k] == v)
     }
