@@ -64,7 +64,7 @@ class Split:
         return tensor.chunk(tp, dim=self.dim)[rank]
 
 
-def shard_name(rank: int) -> str:
+def shard_file(rank: int) -> str:
     return SHARD_NAME.format(rank=rank)
 
 
@@ -134,7 +134,7 @@ def shard_checkpoint(
     tp = tp_degree
     items = plan(checkpoint, tp, dtype)
     weights_dir.mkdir(parents=True, exist_ok=True)
-    paths = [weights_dir / shard_name(rank) for rank in range(tp)]
+    paths = [weights_dir / shard_file(rank) for rank in range(tp)]
     splits = {name: [s.kind, s.dim, s.kv_heads] for name, s, _ in items}
     total = sum(info.nbytes for *_, info in items)
     logger.info("sharding %s for tp %d into %s", checkpoint.ref, tp, weights_dir)
@@ -189,7 +189,7 @@ def load_full_tensors(weights_dir: Path) -> dict[str, torch.Tensor]:
     """Reassemble the unsharded tensors from the shards in `weights_dir`."""
     from safetensors import safe_open
 
-    first = weights_dir / shard_name(0)
+    first = weights_dir / shard_file(0)
     if not first.is_file():
         raise CheckpointError(f"{weights_dir} has no {first.name}")
     with safe_open(str(first), framework="pt") as f:
@@ -199,7 +199,7 @@ def load_full_tensors(weights_dir: Path) -> dict[str, torch.Tensor]:
     tp = int(meta["neuronctl.tp_degree"])
     splits = json.loads(meta[META_SPLITS])
     logger.debug("reassembling %d tensors from %d shards in %s", len(splits), tp, weights_dir)
-    paths = [weights_dir / shard_name(rank) for rank in range(tp)]
+    paths = [weights_dir / shard_file(rank) for rank in range(tp)]
     for path in paths:
         if not path.is_file():
             raise CheckpointError(f"{weights_dir} is missing {path.name} (tp degree {tp})")

@@ -109,3 +109,7 @@ def test_the_names_scripts_outside_import_are_there() -> None:
     from neuronctl.families import architectures
 
     assert ARCHITECTURES["nxdi"] == architectures("nxdi")
+    from neuronctl.backends.nxdi import shard_name
+
+    # NxD Inference's save_sharded_checkpoint layout, which the check compares against.
+    assert shard_name(1) == "weights/tp1_sharded_checkpoint.safetensors"

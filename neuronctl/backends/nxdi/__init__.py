@@ -20,7 +20,7 @@ from neuronctl.backends.nxdi import sdk
 from neuronctl.backends.nxdi.config import check_override, neuron_config_kwargs
 from neuronctl.checks import Check
 from neuronctl.errors import BuildError, NeuronctlError, SpecError
-from neuronctl.sharding import shard_name
+from neuronctl.sharding import shard_file
 
 if TYPE_CHECKING:
     from neuronctl.backends.base import Runner
@@ -30,9 +30,9 @@ if TYPE_CHECKING:
 GRAPH = "model.pt"
 
 
-def weights_file(rank: int) -> str:
+def shard_name(rank: int) -> str:
     """Where NxD Inference's save_sharded_checkpoint writes a rank's weights."""
-    return f"weights/{shard_name(rank)}"
+    return f"weights/{shard_file(rank)}"
 
 
 def remove_path(path: Path) -> None:
@@ -44,7 +44,7 @@ def remove_path(path: Path) -> None:
 
 
 def expected_files(tp_degree: int) -> list[str]:
-    return [NEURON_CONFIG, GRAPH, *(weights_file(r) for r in range(tp_degree))]
+    return [NEURON_CONFIG, GRAPH, *(shard_name(r) for r in range(tp_degree))]
 
 
 class NxdiBackend:
