@@ -78,7 +78,7 @@ def free_port() -> int:
 def start_server(artifact: Path, port: int) -> subprocess.Popen[str]:
     code = "from neuronctl.cli.main import main; main()"
     argv = [sys.executable, "-c", code, "serve", "--artifacts", str(artifact), "--port",
-            str(port), "--served-model-name", "bench", "--log-level", "warning"]  # fmt: skip
+            str(port), "--served-model-name", "bench", "--uvicorn-log-level", "warning"]  # fmt: skip
     proc = subprocess.Popen(argv, text=True)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:

@@ -153,3 +153,45 @@ def test_every_other_program_flag_is_still_named() -> None:
     walk(typer.main.get_command(app))
     named = {flag for text in texts for flag in FLAG.findall(text)}
     assert set(OTHER_PROGRAMS) - named == set()
+
+
+BENCH = PACKAGE.parent / "bench"
+GROUPS = ("artifacts", "config")
+
+
+def bench_command_lines(root: Path) -> Iterator[tuple[str, int, str, list[str]]]:
+    """(file, line, command, flags) of each list literal in `root`'s scripts that runs a
+    neuronctl command: its first string element naming a command (a group's: the next one
+    too), and the flags after it (the root's go before the command, so they are not its)."""
+    names = set(command_flags()) - {""}
+    for path in sorted(root.rglob("*.py")):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if not isinstance(node, ast.List):
+                continue
+            strings = [e.value for e in node.elts
+                       if isinstance(e, ast.Constant) and isinstance(e.value, str)]
+            at = next((i for i, s in enumerate(strings) if s in names), None)
+            if at is None:
+                continue
+            if strings[at] in GROUPS and at + 1 < len(strings) and strings[at + 1] in names:
+                at += 1
+            flags = [s.split("=")[0] for s in strings[at + 1:] if FLAG.fullmatch(s.split("=")[0])]
+            yield path.name, node.lineno, strings[at], flags
+
+
+def test_every_flag_a_bench_passes_to_neuronctl_exists() -> None:
+    """The benches run neuronctl as users do and are not in the test run: a renamed flag
+    (`serve --log-level`, now the root's) broke every served bench unseen until a bench ran."""
+    flags = command_flags()
+    found = [f"bench/{name}:{line}: {command} {flag}"
+             for name, line, command, given in bench_command_lines(BENCH)
+             for flag in given if flag not in flags[command] | {"--help"}]
+    assert found == []
+
+
+def test_a_bench_flag_that_does_not_exist_is_found(tmp_path: Path) -> None:
+    (tmp_path / "b.py").write_text(
+        "argv = [exe, 'serve', '--port', str(p), '--log-level', 'warning']\n"
+        "other = ['curl', '--data', 'x']\n"
+    )
+    assert list(bench_command_lines(tmp_path)) == [("b.py", 1, "serve", ["--port", "--log-level"])]
