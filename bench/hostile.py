@@ -1,12 +1,14 @@
 """A bystander's latency while hostile requests run: no client takes more than its share.
 
-Compiles a tiny random llama (export graphs, batch 4), starts the real `neuronctl serve` on
-127.0.0.1 and sends one steady stream of small completions (the bystander: 8 prompt tokens,
-16 new tokens, one at a time, from 127.0.0.2). For each hostile load, in one run: the
-bystander alone (its baseline, measured just before, so the host's other work weighs on both
-alike), then the bystander while one attacker (one address, 127.0.0.3) keeps several
-connections busy with the hostile request, each sent again as soon as it is answered:
+Compiles a tiny random llama (batch 4, the compiler users get by default: inductor),
+starts the real `neuronctl serve` on 127.0.0.1 and sends one steady stream of small
+completions (the bystander: 8 prompt tokens, 16 new tokens, one at a time, from 127.0.0.2).
+For each hostile load, in one run: the bystander alone (its baseline, measured just before,
+so the host's other work weighs on both alike), then the bystander while one attacker (one
+address, 127.0.0.3) keeps several connections busy with the hostile request, each sent again
+as soon as it is answered:
 
+  cpu_burn           no request: a process spinning on the load tools' cores (the control)
   logit_bias_flood   450,000 logit_bias entries, 6.6 MB (refused, 400)
   logit_bias_cap     1024 logit_bias entries, the cap, 64 new tokens (served)
   prompts_flood      259 prompts in one completion (refused, 400)
@@ -18,9 +20,17 @@ The attacker writes prebuilt request bytes on raw sockets (asyncio, one process)
 tool would: its own CPU per request is a send and a read, not an HTTP client's Python. Every
 phase notes the host's load average (the host may be shared).
 
+The server runs on the first half of the cores this process may use and the bystander and
+attacker on the other half, as clients on other machines would: on a 2-core host an attacker
+process sharing the server's cores took a core from it whatever the server did (a process
+that only spins, sending nothing, made the bystander 2.1x slower at p50 and 4x at p99). The
+cpu_burn row shows the split holds: it should be near 1.0x. With one core there is no split
+(a warning says so).
+
 Target: the bystander's median and p99 latency within 2x of its baseline under each load.
 
-  python bench/hostile.py [--requests 40] [--connections 4] [--artifact DIR] [--json]
+  python bench/hostile.py [--requests 40] [--connections 4] [--compiler inductor|export]
+                          [--artifact DIR] [--json]
 """
 
 from __future__ import annotations
@@ -49,16 +59,16 @@ from tests.helpers import make_checkpoint  # noqa: E402
 TARGET = 2.0
 BATCH = 4
 BYSTANDER_ADDRESS, ATTACKER_ADDRESS = "127.0.0.2", "127.0.0.3"  # Linux routes all of 127/8
-KINDS = ["logit_bias_flood", "logit_bias_cap", "prompts_flood", "prompts_cap",
+KINDS = ["cpu_burn", "logit_bias_flood", "logit_bias_cap", "prompts_flood", "prompts_cap",
          "messages_flood", "messages_cap"]  # fmt: skip
 
 
-def compile_tiny(work: Path) -> Path:
+def compile_tiny(work: Path, compiler: str) -> Path:
     ckpt = make_checkpoint(work / "tiny-llama", "llama", hidden_size=128, num_layers=4,
                            num_heads=4, num_kv_heads=2, intermediate_size=256)  # fmt: skip
     code = "from neuronctl.cli.main import main; main()"
     result = subprocess.run(
-        [sys.executable, "-c", code, "compile", str(ckpt), "--compiler", "export",
+        [sys.executable, "-c", code, "compile", str(ckpt), "--compiler", compiler,
          "--dtype", "float32", "--batch-size", str(BATCH), "--seq-len", "256",
          "--max-context-length", "128", "--context-buckets", "128",
          "--token-gen-buckets", "256", "--store", str(work / "store"), "--json"],
@@ -113,10 +123,16 @@ async def read_response(reader: asyncio.StreamReader) -> tuple[int, bool]:
     return status, headers.get("connection") != "close"
 
 
-async def connection(port: int, request: bytes, stop: Any, counts: Any) -> None:
+def orphaned(parent: int) -> bool:
+    """Whether the bench that started this process is gone (a killed bench left its
+    attacker spinning, and every later measurement on the host paid for it)."""
+    return os.getppid() != parent
+
+
+async def connection(port: int, request: bytes, stop: Any, counts: Any, parent: int) -> None:
     """One hostile connection: the request again as soon as it is answered, reconnecting
     whenever the server closes."""
-    while not stop.is_set():
+    while not stop.is_set() and not orphaned(parent):
         try:
             reader, writer = await asyncio.open_connection(
                 "127.0.0.1", port, local_addr=(ATTACKER_ADDRESS, 0), limit=1 << 20
@@ -126,10 +142,11 @@ async def connection(port: int, request: bytes, stop: Any, counts: Any) -> None:
             continue
         try:
             keep = True
-            while keep and not stop.is_set():
+            while keep and not stop.is_set() and not orphaned(parent):
                 writer.write(request)
                 # The server may answer (and close) before it has read the whole body.
                 drained = asyncio.ensure_future(writer.drain())
+                drained.add_done_callback(lambda f: f.cancelled() or f.exception())
                 status, keep = await read_response(reader)
                 drained.cancel()
                 with counts.get_lock():
@@ -143,11 +160,19 @@ async def connection(port: int, request: bytes, stop: Any, counts: Any) -> None:
             writer.close()
 
 
-def attacker(port: int, kind: str, connections: int, stop: Any, counts: Any) -> None:
+def attacker(
+    port: int, kind: str, connections: int, stop: Any, counts: Any, parent: int
+) -> None:
+    if kind == "cpu_burn":
+        while not stop.is_set() and not orphaned(parent):
+            sum(range(100_000))
+        return
     request = raw_request(port, kind)
 
     async def run() -> None:
-        await asyncio.gather(*(connection(port, request, stop, counts) for _ in range(connections)))
+        await asyncio.gather(
+            *(connection(port, request, stop, counts, parent) for _ in range(connections))
+        )
 
     asyncio.run(run())
 
@@ -175,7 +200,7 @@ def under_load(port: int, kind: str, requests: int, connections: int) -> dict[st
     print(f"bystander under {kind} ...", file=sys.stderr, flush=True)
     ctx = multiprocessing.get_context("spawn")
     stop, counts = ctx.Event(), ctx.Array("i", 4)
-    sender = ctx.Process(target=attacker, args=(port, kind, connections, stop, counts))
+    sender = ctx.Process(target=attacker, args=(port, kind, connections, stop, counts, os.getpid()))
     sender.start()
     time.sleep(2.0)  # the attacker is built and sending
     try:
@@ -213,18 +238,32 @@ def report(rows: list[dict[str, Any]]) -> None:
     print(f"target (p50 and p99 within {TARGET}x of the solo baseline): {verdict}")
 
 
+def split_cores() -> tuple[set[int] | None, set[int] | None]:
+    """(the server's cores, the load tools'): the first half and the rest."""
+    cores = sorted(os.sched_getaffinity(0))
+    if len(cores) < 2:
+        print("warning: one core: the server and the load share it", file=sys.stderr)
+        return None, None
+    half = len(cores) // 2
+    return set(cores[:half]), set(cores[half:])
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--requests", type=int, default=40, help="bystander requests per phase")
     parser.add_argument("--connections", type=int, default=4, help="attacker connections")
     parser.add_argument("--kinds", nargs="+", default=KINDS, choices=KINDS)
+    parser.add_argument("--compiler", default="inductor", choices=["inductor", "export"])
     parser.add_argument("--artifact", type=Path, help="reuse a compiled batch-4 artifact")
     parser.add_argument("--json", action="store_true")
     args = parser.parse_args()
     with tempfile.TemporaryDirectory(prefix="neuronctl-bench-hostile-") as tmp:
-        artifact = args.artifact or compile_tiny(Path(tmp))
+        artifact = args.artifact or compile_tiny(Path(tmp), args.compiler)
         port = free_port()
-        server = start_server(artifact, port)
+        server_cores, load_cores = split_cores()
+        server = start_server(artifact, port, server_cores)
+        if load_cores:
+            os.sched_setaffinity(0, load_cores)  # the bystander and attacker processes inherit it
         try:
             bystander(port, 3)  # warm-up: first graph loads
             rows = []
@@ -236,7 +275,8 @@ def main() -> None:
             server.terminate()
             server.wait(60)
     if args.json:
-        print(json.dumps({"target_x": TARGET, "connections": args.connections, "rows": rows},
+        print(json.dumps({"target_x": TARGET, "connections": args.connections,
+                          "server_cores": sorted(server_cores or []), "rows": rows},
                          indent=2))  # fmt: skip
         return
     report(rows)

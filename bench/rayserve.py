@@ -80,7 +80,8 @@ def main() -> None:
         remote = open_remote((work / "remote").as_uri())
         pushed = remote.push(artifact)
         argv = [*NEURONCTL, "serve", "/mnt/models", "--host", "127.0.0.1", "--port", "0",
-                "--served-model-name", "bench", "--allow-unsigned", "--uvicorn-log-level", "warning"]
+                "--served-model-name", "bench", "--allow-unsigned",
+                "--uvicorn-log-level", "warning"]
         proxy_port = free_port()
         ray.init(address="local", num_cpus=2, include_dashboard=False,
                  _node_ip_address="127.0.0.1")  # fmt: skip

@@ -75,11 +75,17 @@ def free_port() -> int:
         return int(s.getsockname()[1])
 
 
-def start_server(artifact: Path, port: int) -> subprocess.Popen[str]:
+def start_server(
+    artifact: Path, port: int, cpus: set[int] | None = None
+) -> subprocess.Popen[str]:
+    """A `neuronctl serve` of `artifact` on 127.0.0.1:`port`, once healthy; on `cpus` only
+    where given (its threads inherit the affinity)."""
     code = "from neuronctl.cli.main import main; main()"
     argv = [sys.executable, "-c", code, "serve", "--artifacts", str(artifact), "--port",
-            str(port), "--served-model-name", "bench", "--uvicorn-log-level", "warning"]  # fmt: skip
-    proc = subprocess.Popen(argv, text=True)
+            str(port), "--served-model-name", "bench",
+            "--uvicorn-log-level", "warning"]  # fmt: skip
+    pin = None if cpus is None else (lambda: os.sched_setaffinity(0, cpus))
+    proc = subprocess.Popen(argv, text=True, preexec_fn=pin)
     deadline = time.monotonic() + 300
     while time.monotonic() < deadline:
         if proc.poll() is not None:

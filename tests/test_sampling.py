@@ -316,6 +316,20 @@ def test_min_tokens_masks_eos_until_reached_and_logit_bias_adds() -> None:
     assert apply_options(row, p, [0], [2, 2], eos_ids={1})[1] == 9.0
 
 
+def test_logit_bias_is_built_once_per_request_and_the_last_entry_wins() -> None:
+    """A 1,024-entry bias rebuilt from the tuple at every step took a fifth of a shared
+    engine step (py-spy on bench/hostile.py's capped-bias load): its tensors are built once
+    per request, and a token named twice (the Python API does not merge) gets its last value,
+    once, as before."""
+    p = SamplingParams(logit_bias=((2, 0.5), (0, 1.0), (2, 3.0)))
+    assert p.bias_tensors is p.bias_tensors
+    out = apply_options(torch.zeros(3), p, [], [])
+    assert out.tolist() == [1.0, 0.0, 3.0]
+    allowed = SamplingParams(allowed_token_ids=(1,))
+    assert allowed.allowed_tensor is allowed.allowed_tensor
+    assert apply_options(torch.ones(3), allowed, [], []).tolist() == [-math.inf, 1.0, -math.inf]
+
+
 def test_min_p_drops_tokens_below_its_share_of_the_top() -> None:
     logits = torch.log(torch.tensor([0.5, 0.3, 0.15, 0.05]))
     p = resolve_params(SamplingParams(temperature=1.0, min_p=0.4, seed=0))

@@ -83,6 +83,20 @@ class SamplingParams:
         return self.greedy and not self.processed
 
     @cached_property
+    def bias_tensors(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """logit_bias as (token ids, values), built once per request: rebuilt from the tuple
+        at every step, a 1,024-entry bias took a fifth of a shared engine step (every row of
+        the batch waits for it)."""
+        merged = dict(self.logit_bias)  # one entry per token id, the last one given wins
+        ids = torch.tensor(list(merged), dtype=torch.long)
+        return ids, torch.tensor(list(merged.values()), dtype=torch.float32)
+
+    @cached_property
+    def allowed_tensor(self) -> torch.Tensor:
+        """allowed_token_ids as a tensor, built once per request (see bias_tensors)."""
+        return torch.tensor(list(self.allowed_token_ids or ()), dtype=torch.long)
+
+    @cached_property
     def plain(self) -> bool:
         """Greedy with nothing else asked: one batched argmax is all the row costs."""
         return self.argmax_picks and self.logprobs is None
@@ -354,12 +368,12 @@ def apply_options(
     row = row.float().clone()
     if params.allowed_token_ids is not None:
         keep = torch.full_like(row, -math.inf)
-        allowed = list(params.allowed_token_ids)
+        allowed = params.allowed_tensor
         keep[allowed] = row[allowed]
         row = keep
     if params.logit_bias:
-        ids, bias = zip(*params.logit_bias, strict=True)
-        row[list(ids)] += torch.tensor(bias)
+        ids, bias = params.bias_tensors
+        row.index_add_(0, ids, bias)
     stops = {*eos_ids, *params.stop_token_ids}
     if len(output_ids) < params.min_tokens and stops:
         row[sorted(stops)] = -math.inf

@@ -16,7 +16,13 @@ from fastapi import FastAPI
 from neuronctl import __version__
 from neuronctl.engine.engine import Engine
 from neuronctl.server.errors import install_error_handlers
-from neuronctl.server.guard import MAX_CLIENT_REQUESTS, Guard
+from neuronctl.server.guard import (
+    MAX_CLIENT_REQUESTS,
+    REFUSAL_BURST,
+    REFUSAL_SHARE,
+    Guard,
+    RefusalPacer,
+)
 from neuronctl.server.metrics import Metrics
 from neuronctl.server.routes import TextModel, add_routes
 
@@ -31,6 +37,8 @@ class Limits:
     max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
     max_prompt_chars: int | None = None  # None: from the engine's longest prompt
     max_client_requests: int = MAX_CLIENT_REQUESTS  # one client's requests in flight
+    refusal_share: float = REFUSAL_SHARE  # of the time one client's refused requests may take
+    refusal_burst: float = REFUSAL_BURST  # seconds of them before its requests wait
 
     def prompt_chars(self, max_prompt_tokens: int) -> int:
         if self.max_prompt_chars is not None:
@@ -53,6 +61,7 @@ def create_app(
     max_chars = limits.prompt_chars(engine.max_prompt)
     add_routes(app, engine, model, served_model_name, max_model_len, max_chars, metrics)
     install_error_handlers(app)
+    app.state.pacer = RefusalPacer(limits.refusal_share, limits.refusal_burst)
     app.add_middleware(
         Guard,  # type: ignore[arg-type]
         app_ref=app,
@@ -60,5 +69,6 @@ def create_app(
         api_key=api_key,
         max_body_bytes=limits.max_body_bytes,
         max_client_requests=limits.max_client_requests,
+        pacer=app.state.pacer,
     )
     return app

@@ -20,6 +20,7 @@ from typing import Any
 
 import uvicorn
 
+from neuronctl import process
 from neuronctl.engine.engine import EXIT_JOIN_SECONDS, Engine
 from neuronctl.errors import NeuronctlError
 from neuronctl.server.app import Limits, create_app
@@ -110,6 +111,7 @@ def run_server(
     # that re-raise is a no-op, so a graceful SIGTERM exits 0 instead of dying from the signal.
     previous = signal.signal(signal.SIGTERM, lambda *_: None)
     engine.start()
+    process.freeze_startup_heap()
     if on_ready is not None:
         on_ready()
     try:
