@@ -64,16 +64,15 @@ MAX_CLIENT_REQUESTS = 64
 # burst of REFUSAL_BURST seconds of them; past it, its next requests wait, unread, one at a
 # time, until its share is back. A flood of requests the server refuses costs the server
 # each time (the body read, parsed, checked): one client repeating 259-prompt completions on
-# 4 connections drew 2,000 refusals a second from the event loop, and a bystander sharing
-# the core waited 2.6x as long (export graphs, which run their ops under the GIL, 2.6-4.2x);
-# its 4 connections let through together after each wait still made the bystander's p99
-# 3-4x. An honest client's rare refusal never waits; nothing is refused for pacing.
+# 4 connections drew 2,000 refusals a second from the event loop, which shares the core with
+# the engine; and its 4 connections, let through together after each wait, came as a burst.
+# An honest client's rare refusal never waits; nothing is refused for pacing.
 REFUSAL_SHARE = 0.02
 REFUSAL_BURST = 0.25
 # What each refusal is charged at least: the HTTP work around the guard (the request parsed,
 # the answer written, a new connection after a close) is about this much and the guard does
-# not see it; 2,000 tiny refusals a second charged only their own 0.2 ms took a quarter of
-# the server's core at a 0.1 share.
+# not see it; 430 tiny refusals a second charged only their own time still took 28 % of the
+# server's core at a 0.1 share.
 MIN_REFUSAL_CHARGE = 0.001
 # Past this many clients remembered, those whose debt has leaked away are forgotten, then the
 # longest unrefused, so an attacker with many addresses cannot grow the table.
