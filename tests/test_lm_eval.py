@@ -19,7 +19,7 @@ from typing import Any
 
 import pytest
 
-from tests.test_server import Server, free_port, serve_argv
+from tests.test_server import Server, serving
 
 lm_eval = pytest.importorskip("lm_eval", reason="lm-eval is not installed (pip install .[eval])")
 
@@ -67,10 +67,8 @@ def write_tasks(folder: Path) -> None:
 
 @pytest.fixture(scope="module")
 def server(compiled_artifact: Path) -> Iterator[Server]:
-    port = free_port()
-    srv = Server(serve_argv(compiled_artifact, port, "--served-model-name", "tiny"), port)
-    yield srv
-    srv.stop()
+    with serving(compiled_artifact, "--served-model-name", "tiny") as srv:
+        yield srv
 
 
 def evaluate(tasks_dir: Path, task: str, model: str, args: dict[str, Any], chat: bool) -> Any:

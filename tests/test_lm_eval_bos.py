@@ -24,7 +24,7 @@ import pytest
 
 from tests.conftest import SMALLEST_SPEC
 from tests.helpers import make_tokenizer
-from tests.test_server import Server, free_port, serve_argv
+from tests.test_server import Server, serving
 
 # Nothing reaches the network: the task's data is a local file, the models local folders.
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
@@ -98,10 +98,8 @@ def bos_artifact(bos_checkpoint: Path, tmp_path_factory: pytest.TempPathFactory)
 
 @pytest.fixture(scope="module")
 def server(bos_artifact: Path) -> Iterator[Server]:
-    port = free_port()
-    srv = Server(serve_argv(bos_artifact, port, "--served-model-name", "m"), port)
-    yield srv
-    srv.stop()
+    with serving(bos_artifact, "--served-model-name", "m") as srv:
+        yield srv
 
 
 def loglikelihoods(

@@ -18,6 +18,7 @@ import tempfile
 import threading
 import time
 from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
@@ -93,6 +94,17 @@ def serve_argv(artifact: Path, port: int, *extra: str) -> list[str]:
             "--uvicorn-log-level", "warning", *extra]  # fmt: skip
 
 
+@contextmanager
+def serving(artifact: Path, *extra: str) -> Iterator[Server]:
+    """A real `neuronctl serve` of `artifact` on a free port, stopped afterwards."""
+    port = free_port()
+    srv = Server(serve_argv(artifact, port, *extra), port)
+    try:
+        yield srv
+    finally:
+        srv.stop()
+
+
 def fake_argv(tokenizer_dir: Path, port: int, *extra: str) -> list[str]:
     return [sys.executable, "-m", "tests.fake_runner", "--tokenizer", str(tokenizer_dir),
             "--port", str(port), *extra]  # fmt: skip
@@ -100,13 +112,8 @@ def fake_argv(tokenizer_dir: Path, port: int, *extra: str) -> list[str]:
 
 @pytest.fixture(scope="module")
 def server(compiled_artifact: Path) -> Iterator[Server]:
-    port = free_port()
-    srv = Server(
-        serve_argv(compiled_artifact, port, "--api-key", API_KEY, "--served-model-name", MODEL),
-        port,
-    )
-    yield srv
-    srv.stop()
+    with serving(compiled_artifact, "--api-key", API_KEY, "--served-model-name", MODEL) as srv:
+        yield srv
 
 
 @pytest.fixture
