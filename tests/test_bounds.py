@@ -301,15 +301,17 @@ def test_a_client_whose_requests_are_refused_waits_and_no_one_else_does(
         pacer = app.state.pacer
         # at least the floor each refusal is charged, less what leaked since
         assert pacer.debt("10.0.0.3") > MIN_REFUSAL_CHARGE / 2 and pacer.debt("10.0.0.2") == 0
-        pacer.charge("10.0.0.3", 0.015 - pacer.debt("10.0.0.3"))  # 0.5 s past the burst
+        # 2 s past the burst: a bystander answered within 1 s did not wait on it, with room
+        # for the stalls a loaded CI host gives any request (0.86 s was seen at 0.5 s past)
+        pacer.charge("10.0.0.3", 0.03 - pacer.debt("10.0.0.3"))
         started = time.monotonic()
         timed = requests_at_once(app, [("10.0.0.3", good), ("10.0.0.2", good)])
         took = time.monotonic() - started
     finally:
         engine.stop(drain=False)
     assert [a.status_code for a in timed] == [200, 200]
-    assert 0.45 < took, f"the refused client was not paced ({took:.3f} s)"
-    assert timed[1].elapsed.total_seconds() < 0.3, "the bystander waited on the other client"
+    assert 1.9 < took, f"the refused client was not paced ({took:.3f} s)"
+    assert timed[1].elapsed.total_seconds() < 1.0, "the bystander waited on the other client"
 
 
 class CountingModel(FakeTextModel):
