@@ -6,7 +6,8 @@ completions (the bystander: 8 prompt tokens, 16 new tokens, one at a time, from 
 For each hostile load, in one run: the bystander alone (its baseline, measured just before,
 so the host's other work weighs on both alike), then the bystander while one attacker (one
 address, 127.0.0.3) keeps several connections busy with the hostile request, each sent again
-as soon as it is answered:
+as soon as it is answered; the phase starts with the attacker's first answer, so a
+client's burst of refusals before it is paced falls in it:
 
   cpu_burn           no request: a process spinning on the load tools' cores (the control)
   logit_bias_flood   450,000 logit_bias entries, 6.6 MB (refused, 400)
@@ -196,14 +197,28 @@ def phase(port: int, requests: int) -> dict[str, Any]:
     return {**latency_stats(latencies), "load_average_1m": round(os.getloadavg()[0], 2)}
 
 
+def wait_for_attack(sender: Any, counts: Any, kind: str) -> None:
+    """Until the attacker has its first answer: the phase then starts with the requests a
+    client may have refused before it is paced (a fixed 2 s wait, shorter than the attacker's
+    start on a busy host, put that burst at a random point of the phase, or outside it)."""
+    if kind == "cpu_burn":  # sends nothing: started and spinning is all there is
+        time.sleep(2.0)
+        return
+    deadline = time.monotonic() + 120
+    while not sum(counts[:]):
+        if not sender.is_alive() or time.monotonic() > deadline:
+            raise SystemExit(f"the {kind} attacker never got an answer")
+        time.sleep(0.01)
+
+
 def under_load(port: int, kind: str, requests: int, connections: int) -> dict[str, Any]:
     print(f"bystander under {kind} ...", file=sys.stderr, flush=True)
     ctx = multiprocessing.get_context("spawn")
     stop, counts = ctx.Event(), ctx.Array("i", 4)
     sender = ctx.Process(target=attacker, args=(port, kind, connections, stop, counts, os.getpid()))
     sender.start()
-    time.sleep(2.0)  # the attacker is built and sending
     try:
+        wait_for_attack(sender, counts, kind)
         row = phase(port, requests)
     finally:
         stop.set()
