@@ -230,20 +230,28 @@ def test_one_client_has_at_most_its_requests_in_flight(text_model: FakeTextModel
 
 
 def test_refusal_debt_leaks_at_the_share_and_is_per_client() -> None:
-    """The pacer's arithmetic on a stepped clock: within the burst nothing waits; past it a
-    client waits until its debt has leaked back to the burst; another client never waits on
-    it; the table, once full, forgets clients whose debt is gone, then the longest
-    unrefused."""
+    """The pacer's arithmetic on a stepped clock: within the burst a client's next request
+    waits three times as long as its last refusals took, so they are at most a quarter of
+    the time (answered back to back, a burst took the server's core from the engine: decode
+    steps of 0.6 ms took 5-6 ms); past the burst it waits until its debt has leaked back to
+    the burst; another client never waits on it; the table, once full, forgets clients whose
+    debt is gone, then the longest unrefused."""
     now = [0.0]
-    pacer = RefusalPacer(share=0.1, burst=1.0, clock=lambda: now[0])
-    pacer.charge("a", 0.9)
+    pacer = RefusalPacer(share=0.1, burst=1.0, clock=lambda: now[0], peak=0.25)
+    pacer.charge("a", 0.3)
+    pacer.charge("a", 0.2)  # two at once: the pauses add up
+    assert pacer.wait("a") == pytest.approx(1.5)
+    now[0] = 1.5
     assert pacer.wait("a") == 0
-    pacer.charge("a", 0.6)
-    assert pacer.wait("a") == pytest.approx(5.0) and pacer.wait("b") == 0
+    pacer.charge("a", 0.4)  # 0.35 left of the 0.5, leaking 0.1 a second
+    now[0] = 2.7
+    assert pacer.wait("a") == 0
+    pacer.charge("a", 0.6)  # 1.23 owed: past the burst
+    assert pacer.wait("a") == pytest.approx(2.3) and pacer.wait("b") == 0
     now[0] = 3.0
     assert pacer.wait("a") == pytest.approx(2.0)
     now[0] = 5.0
-    assert pacer.wait("a") == 0
+    assert pacer.wait("a") == pytest.approx(0.0, abs=1e-9)
     now[0] = 100.0
     for i in range(MAX_PACED_CLIENTS):
         pacer.charge(f"10.1.{i // 256}.{i % 256}", 0.0)

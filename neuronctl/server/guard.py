@@ -74,14 +74,16 @@ MAX_CLIENT_REQUESTS = 64
 # each time (the body read, parsed, checked): one client repeating 259-prompt completions on
 # 4 connections drew 2,000 refusals a second from the event loop, which shares the core with
 # the engine; and its 4 connections, let through together after each wait, came as a burst.
-# An honest client's rare refusal never waits; nothing is refused for pacing.
+# An honest client's rare refusal never waits long; nothing is refused for pacing.
 REFUSAL_SHARE = 0.02
-# The burst is short because while it lasts the event loop answers the client back to back and
-# the engine thread waits for the interpreter lock between its torch calls: decode steps of
-# 0.6 ms took 5-6 ms through a 0.25 s burst of 250 refusals, and the bystander's p99 was 1.5-
-# 1.7x its solo p99 where the burst fell in; at 0.05 s it was within 1.1x. An attacker that
-# pauses for its burst to refill (2.5 s) gets 2 % of the time either way.
-REFUSAL_BURST = 0.05
+REFUSAL_BURST = 0.25
+# Within the burst too, a client's refusals may take this share of the server's time at any
+# moment: after a refusal, its next request waits three times as long as that one took. The
+# server's event loop and its engine thread share the cores given to it: answered back to
+# back, a burst of 250 refusals took the core from the engine (decode steps of 0.6 ms took
+# 5-6 ms; a shorter GIL switch interval changed nothing), and the bystander's p99 was 1.5-1.7x
+# its solo p99 where the burst fell in; at half the time, 1.8-2.3x for large bodies.
+REFUSAL_PEAK_SHARE = 0.25
 # What each refusal is charged at least: the HTTP work around the guard (the request parsed,
 # the answer written, a new connection after a close) is about this much and the guard does
 # not see it; 430 tiny refusals a second charged only their own time still took 28 % of the
@@ -101,38 +103,46 @@ class _Gate:
 
 
 class RefusalPacer:
-    """Per client, the seconds its refused requests took, leaking at `share` per second."""
+    """Per client, the seconds its refused requests took, leaking at `share` per second, and
+    when its last refusals let its next request run (at `peak` share of the time)."""
 
     def __init__(
         self,
         share: float = REFUSAL_SHARE,
         burst: float = REFUSAL_BURST,
         clock: Callable[[], float] = time.monotonic,
+        peak: float = REFUSAL_PEAK_SHARE,
     ) -> None:
-        self.share, self.burst, self.clock = share, burst, clock
-        self.debts: dict[str | None, tuple[float, float]] = {}  # client -> (debt, as of)
+        self.share, self.burst, self.clock, self.peak = share, burst, clock, peak
+        # client -> (debt, as of, when its next request may run)
+        self.debts: dict[str | None, tuple[float, float, float]] = {}
         self.gates: dict[str | None, _Gate] = {}  # clients with paced requests waiting
 
     def debt(self, client: str | None) -> float:
-        debt, at = self.debts.get(client, (0.0, 0.0))
+        debt, at, _ = self.debts.get(client, (0.0, 0.0, 0.0))
         return max(0.0, debt - self.share * (self.clock() - at))
 
     def charge(self, client: str | None, seconds: float) -> None:
+        now = self.clock()
         debt = self.debt(client) + seconds
+        pause = seconds * (1 / self.peak - 1)  # so the refusal is `peak` of its time and pause
+        ready = max(now, self.debts.get(client, (0.0, 0.0, 0.0))[2]) + pause
         self.debts.pop(client, None)  # the table stays in the order of the last refusal
         if len(self.debts) >= MAX_PACED_CLIENTS:
-            owing = [(c, v) for c, v in self.debts.items() if self.debt(c) > 0]
+            owing = [(c, v) for c, v in self.debts.items() if self.wait(c) or self.debt(c)]
             self.debts = dict(owing[-MAX_PACED_CLIENTS // 2 :])
-        self.debts[client] = (debt, self.clock())
+        self.debts[client] = (debt, now, ready)
 
     def wait(self, client: str | None) -> float:
-        """Seconds `client`'s next request waits before it is read: 0 within its share."""
-        return max(0.0, self.debt(client) - self.burst) / self.share
+        """Seconds `client`'s next request waits before it is read: after its last refusals
+        until they are `peak` of the time, and past its burst until its share is back."""
+        ready = self.debts.get(client, (0.0, 0.0, 0.0))[2] - self.clock()
+        return max(0.0, ready, (self.debt(client) - self.burst) / self.share)
 
     @asynccontextmanager
     async def turn(self, client: str | None) -> AsyncIterator[None]:
-        """`client`'s request may run: at once within its share; past it, one at a time
-        (the turn lasts until the request ends), each once the debt is back to the burst."""
+        """`client`'s request may run: at once when it need not wait; else one at a time
+        (the turn lasts until the request ends), each once its wait is over."""
         if self.wait(client) == 0 and client not in self.gates:
             yield
             return
