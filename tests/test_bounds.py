@@ -19,6 +19,7 @@ import threading
 import time
 import zipfile
 import zlib
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import Any
 
@@ -231,8 +232,8 @@ def test_one_client_has_at_most_its_requests_in_flight(text_model: FakeTextModel
 
 def test_refusal_debt_leaks_at_the_share_and_is_per_client() -> None:
     """The pacer's arithmetic on a stepped clock: within the burst a client's next request
-    waits three times as long as its last refusals took, so they are at most a quarter of
-    the time (answered back to back, a burst took the server's core from the engine: decode
+    waits until its last refusals are `peak` of the time (here a quarter: three times as long
+    as they took; answered back to back, a burst took the server's core from the engine: decode
     steps of 0.6 ms took 5-6 ms); past the burst it waits until its debt has leaked back to
     the burst; another client never waits on it; the table, once full, forgets clients whose
     debt is gone, then the longest unrefused."""
@@ -320,6 +321,37 @@ def test_a_client_whose_requests_are_refused_waits_and_no_one_else_does(
     assert [a.status_code for a in timed] == [200, 200]
     assert 1.9 < took, f"the refused client was not paced ({took:.3f} s)"
     assert timed[1].elapsed.total_seconds() < 1.0, "the bystander waited on the other client"
+
+
+def test_a_refusal_is_charged_the_servers_time_not_the_clients_upload(
+    text_model: FakeTextModel,
+) -> None:
+    """A refusal was charged its time from the guard to the answer, the wait for a slowly
+    sent body included: a client on a slow link whose 2 s upload was refused then waited
+    (2 - 0.25) / 0.02 = 90 s for its next request. The time spent waiting for the body is
+    not charged; a body that takes 0.9 s to arrive, in three pieces, and is refused owes a
+    few milliseconds."""
+    runner = FakeRunner(batch_size=2, seq_len=64, step_delay=0.0)
+    engine = Engine(runner, byte_decoder, eos_ids=[EOS_ID], max_queue=8).start()
+    app = create_app(engine, text_model, "fake")
+
+    async def slowly() -> AsyncIterator[bytes]:
+        for piece in (b'{"prompt": "hi", ', b'"max_tokens": ', b"-1}"):
+            yield piece
+            await asyncio.sleep(0.3)
+
+    async def send() -> httpx.Response:
+        transport = httpx.ASGITransport(app=app, client=("10.0.0.5", 5000))
+        async with httpx.AsyncClient(transport=transport, base_url="http://t") as client:
+            return await client.post("/v1/completions", content=slowly(),
+                                     headers={"content-type": "application/json"})  # fmt: skip
+
+    try:
+        answer = asyncio.run(send())
+    finally:
+        engine.stop(drain=False)
+    assert answer.status_code == 400, answer.text
+    assert app.state.pacer.debt("10.0.0.5") < 0.1, "the upload's wait was charged"
 
 
 class CountingModel(FakeTextModel):

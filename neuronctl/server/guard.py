@@ -78,17 +78,24 @@ MAX_CLIENT_REQUESTS = 64
 REFUSAL_SHARE = 0.02
 REFUSAL_BURST = 0.25
 # Within the burst too, a client's refusals may take this share of the server's time at any
-# moment: after a refusal, its next request waits three times as long as that one took. The
+# moment: after a refusal, its next request waits nine times as long as that one took. The
 # server's event loop and its engine thread share the cores given to it: answered back to
 # back, a burst of 250 refusals took the core from the engine (decode steps of 0.6 ms took
 # 5-6 ms; a shorter GIL switch interval changed nothing), and the bystander's p99 was 1.5-1.7x
-# its solo p99 where the burst fell in; at half the time, 1.8-2.3x for large bodies.
-REFUSAL_PEAK_SHARE = 0.25
+# its solo p99 where the burst fell in; at half the time 1.8-2.3x for large bodies, at a
+# quarter up to 2.3x, at a tenth 0.8-1.6x.
+REFUSAL_PEAK_SHARE = 0.1
 # What each refusal is charged at least: the HTTP work around the guard (the request parsed,
 # the answer written, a new connection after a close) is about this much and the guard does
 # not see it; 430 tiny refusals a second charged only their own time still took 28 % of the
 # server's core at a 0.1 share.
 MIN_REFUSAL_CHARGE = 0.001
+# A wait for a piece of the body longer than this is the client's link, not the server's work,
+# and is not charged: a slow link's refused upload of 2 s was charged 2 s, and its client then
+# waited 90 s. Shorter waits are charged: reading a piece the kernel already holds is the
+# server's own work (uvicorn's parser), and charging none of the wait let a flood's refusals
+# run a third more often (p99 2.5-2.8x where it was 1.5-1.6x).
+LINK_WAIT = 0.005
 # Past this many clients remembered, those whose debt has leaked away are forgotten, then the
 # longest unrefused, so an attacker with many addresses cannot grow the table.
 MAX_PACED_CLIENTS = 4096
@@ -206,10 +213,19 @@ class Guard:
             return
         client = client_of(scope)
         async with self.pacer.turn(client):
-            started = time.monotonic()
-            status = await self._guarded(scope, receive, send, endpoint, client)
+            started, waited = time.monotonic(), [0.0]
+
+            async def timed_receive() -> Message:
+                before = time.monotonic()
+                try:
+                    return await receive()
+                finally:
+                    waited[0] += max(0.0, time.monotonic() - before - LINK_WAIT)
+
+            status = await self._guarded(scope, timed_receive, send, endpoint, client)
             if 400 <= status < 500:
-                self.pacer.charge(client, max(MIN_REFUSAL_CHARGE, time.monotonic() - started))
+                took = time.monotonic() - started - waited[0]
+                self.pacer.charge(client, max(MIN_REFUSAL_CHARGE, took))
 
     async def _guarded(
         self, scope: Scope, receive: Receive, send: Send, endpoint: str, client: str | None
