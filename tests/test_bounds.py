@@ -298,11 +298,7 @@ def test_a_client_whose_requests_are_refused_waits_and_no_one_else_does(
     refusals are charged their time, at least MIN_REFUSAL_CHARGE each: past its burst its
     next request waits, unread, until its share is back, while another client's is answered
     at once; a 200 charges nothing."""
-    runner = FakeRunner(batch_size=2, seq_len=64, step_delay=0.0)
-    engine = Engine(runner, byte_decoder, eos_ids=[EOS_ID], max_queue=8).start()
-    app = create_app(
-        engine, text_model, "fake", limits=Limits(refusal_share=0.01, refusal_burst=0.01)
-    )
+    engine, app = app_over(text_model, limits=Limits(refusal_share=0.01, refusal_burst=0.01))
     bad, good = {"prompt": "hi", "max_tokens": -1}, {"prompt": "hi", "max_tokens": 1}
     try:
         first = requests_at_once(app, [("10.0.0.3", bad), ("10.0.0.2", good)])
@@ -331,9 +327,7 @@ def test_a_refusal_is_charged_the_servers_time_not_the_clients_upload(
     (2 - 0.25) / 0.02 = 90 s for its next request. The time spent waiting for the body is
     not charged; a body that takes 0.9 s to arrive, in three pieces, and is refused owes a
     few milliseconds."""
-    runner = FakeRunner(batch_size=2, seq_len=64, step_delay=0.0)
-    engine = Engine(runner, byte_decoder, eos_ids=[EOS_ID], max_queue=8).start()
-    app = create_app(engine, text_model, "fake")
+    engine, app = app_over(text_model)
 
     async def slowly() -> AsyncIterator[bytes]:
         for piece in (b'{"prompt": "hi", ', b'"max_tokens": ', b"-1}"):

@@ -101,6 +101,9 @@ LINK_WAIT = 0.005
 MAX_PACED_CLIENTS = 4096
 
 
+_UNREFUSED = (0.0, 0.0, 0.0)  # a client's (debt, as of, when it may run) before any refusal
+
+
 @dataclass
 class _Gate:
     """One paced client's requests, let through one at a time."""
@@ -126,14 +129,14 @@ class RefusalPacer:
         self.gates: dict[str | None, _Gate] = {}  # clients with paced requests waiting
 
     def debt(self, client: str | None) -> float:
-        debt, at, _ = self.debts.get(client, (0.0, 0.0, 0.0))
+        debt, at, _ = self.debts.get(client, _UNREFUSED)
         return max(0.0, debt - self.share * (self.clock() - at))
 
     def charge(self, client: str | None, seconds: float) -> None:
         now = self.clock()
         debt = self.debt(client) + seconds
         pause = seconds * (1 / self.peak - 1)  # so the refusal is `peak` of its time and pause
-        ready = max(now, self.debts.get(client, (0.0, 0.0, 0.0))[2]) + pause
+        ready = max(now, self.debts.get(client, _UNREFUSED)[2]) + pause
         self.debts.pop(client, None)  # the table stays in the order of the last refusal
         if len(self.debts) >= MAX_PACED_CLIENTS:
             owing = [(c, v) for c, v in self.debts.items() if self.wait(c) or self.debt(c)]
@@ -143,7 +146,7 @@ class RefusalPacer:
     def wait(self, client: str | None) -> float:
         """Seconds `client`'s next request waits before it is read: after its last refusals
         until they are `peak` of the time, and past its burst until its share is back."""
-        ready = self.debts.get(client, (0.0, 0.0, 0.0))[2] - self.clock()
+        ready = self.debts.get(client, _UNREFUSED)[2] - self.clock()
         return max(0.0, ready, (self.debt(client) - self.burst) / self.share)
 
     @asynccontextmanager
